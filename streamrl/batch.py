@@ -1,0 +1,650 @@
+"""Lazy views of rows held by a queue.
+
+A :class:`RemoteBatch` is metadata only -- row ids, the storage unit of each row, the
+fields known to be written, the lease it belongs to -- so it is cheap to create, index,
+split and send to another process (it pickles to a few KiB whatever the data size; the
+cache of fetched columns is not pickled). Data moves only when you ``await
+materialize(fields)``, and only the fields not fetched before: views made by indexing,
+``select``, ``split`` ... share one cache with the batch they came from.
+
+Two flavours share the :class:`RemoteBatch` base:
+
+* :class:`RowRemoteBatch` -- keyed by row ids: index it like a TensorDict's batch
+  dimension (``int``, ``slice``, list, ``LongTensor``, bool mask) and materialize it to a
+  ``TensorDict``;
+* :class:`ColumnRemoteBatch` -- keyed by a column (field) id: ``mb["reward"]`` is the lazy
+  column, whose ``materialize()`` returns the tensor (or list) itself, as ``td["reward"]``
+  would.
+
+:class:`BatchProxy` overlays a local TensorDict on a remote batch: reads look at the
+local fields first, then fetch from the queue; ``commit`` writes local fields back.
+"""
+
+from __future__ import annotations
+
+import abc
+import warnings
+from collections.abc import Iterable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+from tensordict import TensorDict, TensorDictBase
+
+from .columns import Column, assemble, take_rows, to_columns, to_tensordict
+from .errors import InvalidArgument, LeaseExpired, RowsDropped, SchemaError, UnknownField, rows_preview
+
+if TYPE_CHECKING:
+    from .queue import StreamQueue
+
+__all__ = ["RemoteBatch", "RowRemoteBatch", "ColumnRemoteBatch", "BatchProxy"]
+
+
+class _Chunk:
+    """Fetched (or written) values of one field for a list of rows."""
+
+    __slots__ = ("rows", "col", "_pos")
+
+    def __init__(self, rows: np.ndarray, col: Column):
+        self.rows = rows
+        self.col = col
+        self._pos: dict[int, int] | None = None
+
+    def pos(self) -> dict[int, int]:
+        if self._pos is None:
+            self._pos = {int(r): i for i, r in enumerate(self.rows.tolist())}
+        return self._pos
+
+    def lookup(self, rows: np.ndarray) -> Column | None:
+        """The values of ``rows`` if this chunk holds them all (a view when possible)."""
+        if len(rows) == len(self.rows) and np.array_equal(rows, self.rows):
+            return self.col
+        pos = self.pos()
+        try:
+            idx = [pos[r] for r in rows.tolist()]
+        except KeyError:
+            return None
+        if idx and idx == list(range(idx[0], idx[0] + len(idx))):
+            return take_rows(self.col, slice(idx[0], idx[0] + len(idx)))
+        return take_rows(self.col, idx)
+
+
+class _Cache:
+    """Per-field chunks shared by the views of one batch."""
+
+    __slots__ = ("fields",)
+
+    def __init__(self, fields: dict[str, list[_Chunk]] | None = None):
+        self.fields: dict[str, list[_Chunk]] = fields or {}
+
+    def lookup(self, field: str, rows: np.ndarray) -> Column | None:
+        for chunk in self.fields.get(field, ()):
+            col = chunk.lookup(rows)
+            if col is not None:
+                return col
+        return None
+
+    def add(self, field: str, rows: np.ndarray, col: Column) -> None:
+        self.fields.setdefault(field, []).insert(0, _Chunk(rows, col))
+
+    def merged(self, other: "_Cache") -> "_Cache":
+        out = {k: list(v) for k, v in self.fields.items()}
+        for k, v in other.fields.items():
+            out.setdefault(k, []).extend(v)
+        return _Cache(out)
+
+
+class _Lease:
+    """Acknowledgement state shared by the views of one delivered batch."""
+
+    __slots__ = ("ids", "open", "dropped")
+
+    def __init__(self, ids: tuple[int, ...]):
+        self.ids = ids
+        self.open = bool(ids)
+        self.dropped: set[int] = set()
+
+
+class RemoteBatch(abc.ABC):
+    """Common base of lazy batch views (see the module docstring)."""
+
+    __slots__ = ()
+
+    @property
+    @abc.abstractmethod
+    def rows(self) -> list[int]:
+        """Row ids, in batch order."""
+
+    @abc.abstractmethod
+    def __len__(self) -> int: ...
+
+    @abc.abstractmethod
+    async def materialize(self, *args, **kwargs) -> Any:
+        """Fetch the data of this view."""
+
+    def __bool__(self) -> bool:
+        return True
+
+
+class RowRemoteBatch(RemoteBatch):
+    """A lazy view of rows of a queue, keyed by row ids.
+
+    Returned by ``put`` (the rows it created or wrote), ``get`` and ``stream`` (leased
+    batches). Indexing, ``select``, ``split`` and friends make views that share the cache
+    and, for delivered batches, the lease: ``ack()`` on any view acknowledges the whole
+    delivered batch.
+
+    Examples:
+        >>> import asyncio, torch, streamrl
+        >>> async def main():
+        ...     async with streamrl.StreamQueue(capacity=16) as q:
+        ...         rows = await q.put({"x": torch.arange(4), "y": torch.ones(4, 2)})
+        ...         mb = await q.get("t", fields=["x", "y"], batch_size=4)
+        ...         td = await mb[1:3].materialize(["x"])
+        ...         await mb.ack()
+        ...         return td["x"].tolist()
+        >>> asyncio.run(main())
+        [1, 2]
+    """
+
+    __slots__ = ("_q", "_rows", "_shards", "_versions", "_fields", "_known", "_cache", "_lease",
+                 "_task", "_partition", "_scalar", "__weakref__")
+
+    def __init__(self, queue: "StreamQueue", rows: Sequence[int] | np.ndarray,
+                 shards: Sequence[int] | np.ndarray, fields: Iterable[str], *,
+                 versions: Sequence[int] | np.ndarray | None = None,
+                 leases: tuple[int, ...] = (), task: str | None = None,
+                 partition: str | None = None, cache: _Cache | None = None,
+                 lease: _Lease | None = None, scalar: bool = False,
+                 known: Iterable[str] = ()):
+        self._q = queue
+        self._rows = np.asarray(rows, dtype=np.int64)
+        self._shards = np.asarray(shards, dtype=np.int32)
+        self._versions = None if versions is None else np.asarray(versions, dtype=np.int64)
+        self._fields = tuple(fields)
+        self._known = frozenset(known) | frozenset(self._fields)
+        self._cache = cache if cache is not None else _Cache()
+        self._lease = lease if lease is not None else _Lease(tuple(leases))
+        self._task = task
+        self._partition = partition
+        self._scalar = scalar
+
+    # ------------------------------------------------------------------ metadata
+
+    @property
+    def rows(self) -> list[int]:
+        return self._rows.tolist()
+
+    @property
+    def shards(self) -> list[int]:
+        """The storage unit of each row."""
+        return self._shards.tolist()
+
+    @property
+    def versions(self) -> list[int] | None:
+        """The policy version each row was put with (delivered batches only)."""
+        return None if self._versions is None else self._versions.tolist()
+
+    @property
+    def fields(self) -> tuple[str, ...]:
+        """Fields this view materializes by default: those asked for (stream/get), put,
+        written through it, or selected."""
+        return self._fields
+
+    @property
+    def known_fields(self) -> frozenset[str]:
+        """Every field known to be written on all these rows (a superset of
+        :attr:`fields`); ``select`` accepts these."""
+        return self._known
+
+    @property
+    def task(self) -> str | None:
+        return self._task
+
+    @property
+    def partition(self) -> str | None:
+        return self._partition
+
+    @property
+    def leased(self) -> bool:
+        """True while the delivered batch is leased (not acked, dropped or released)."""
+        return self._lease.open
+
+    @property
+    def lease_ids(self) -> tuple[int, ...]:
+        return self._lease.ids
+
+    @property
+    def queue(self) -> "StreamQueue":
+        return self._q
+
+    def __len__(self) -> int:
+        return len(self._rows)
+
+    @property
+    def batch_size(self) -> torch.Size:
+        return torch.Size([]) if self._scalar else torch.Size([len(self._rows)])
+
+    def __repr__(self) -> str:
+        lease = f", task={self._task!r}, leased={self.leased}" if self._task else ""
+        return (f"{type(self).__name__}(rows={len(self._rows)}, fields={list(self._fields)}"
+                f"{lease})")
+
+    # ------------------------------------------------------------------ views
+
+    def _view(self, idx: Any, *, fields: Iterable[str] | None = None, scalar: bool = False
+              ) -> "RowRemoteBatch":
+        return RowRemoteBatch(
+            self._q, self._rows[idx], self._shards[idx], self._fields if fields is None else fields,
+            versions=None if self._versions is None else self._versions[idx], task=self._task,
+            partition=self._partition, cache=self._cache, lease=self._lease, scalar=scalar,
+            known=self._known)
+
+    def __getitem__(self, idx: Any) -> "RemoteBatch":
+        """Index rows like a TensorDict's batch dimension: ``int`` (a 1-row view whose
+        ``materialize`` gives a 0-d TensorDict), ``slice``, list of ints, ``LongTensor``
+        or bool mask. A ``str`` gives the lazy column (:class:`ColumnRemoteBatch`) and a
+        list of ``str`` a :meth:`select`."""
+        if self._scalar:
+            raise IndexError("cannot index a 0-d view (from an int index) further")
+        if isinstance(idx, str):
+            return ColumnRemoteBatch(self.select(idx), idx)
+        if isinstance(idx, (list, tuple)) and idx and all(isinstance(i, str) for i in idx):
+            return self.select(*idx)
+        n = len(self._rows)
+        if isinstance(idx, (int, np.integer)) and not isinstance(idx, bool):
+            i = int(idx)
+            if not -n <= i < n:
+                raise IndexError(f"index {i} is out of range for a batch of {n} rows")
+            i %= n
+            return self._view(slice(i, i + 1), scalar=True)
+        if isinstance(idx, slice):
+            return self._view(idx)
+        arr = idx.cpu().numpy() if isinstance(idx, torch.Tensor) else np.asarray(idx)
+        if arr.dtype == bool:
+            if arr.shape != (n,):
+                raise IndexError(f"a bool mask must have {n} entries (one per row), got shape "
+                                 f"{tuple(arr.shape)}")
+            return self._view(arr)
+        if arr.size == 0:
+            return self._view(np.zeros(0, dtype=np.int64))
+        if not np.issubdtype(arr.dtype, np.integer) or arr.ndim != 1:
+            raise IndexError(f"cannot index a batch with {type(idx).__name__} of dtype "
+                             f"{arr.dtype} and shape {arr.shape}; use ints, a slice or a bool mask")
+        if arr.max() >= n or arr.min() < -n:
+            raise IndexError(f"index out of range for a batch of {n} rows")
+        return self._view(arr % n)
+
+    def select(self, *fields: str) -> "RowRemoteBatch":
+        """A view that materializes only ``fields``.
+
+        Raises:
+            UnknownField: a field is not among :attr:`fields`.
+        """
+        fields = _flat_fields(fields)
+        unknown = [f for f in fields if f not in self._known]
+        if unknown:
+            raise UnknownField(
+                f"this batch's rows are not known to have {unknown}; they have "
+                f"{sorted(self._known)}. Fields written later by others can still be read with "
+                "materialize([...])")
+        return self._view(slice(None), fields=fields, scalar=self._scalar)
+
+    def exclude(self, *fields: str) -> "RowRemoteBatch":
+        """A view without ``fields``."""
+        fields = set(_flat_fields(fields))
+        return self._view(slice(None), fields=[f for f in self._fields if f not in fields],
+                          scalar=self._scalar)
+
+    @staticmethod
+    def concat(batches: Sequence["RowRemoteBatch"]) -> "RowRemoteBatch":
+        """Rows of several batches of one queue, in order. Fields are those common to all;
+        caches are shared; acknowledging the result acknowledges every source lease."""
+        batches = list(batches)
+        if not batches:
+            raise InvalidArgument("concat needs at least one batch")
+        q = batches[0]._q
+        if any(b._q is not q for b in batches):
+            raise InvalidArgument("concat needs batches of one queue")
+        if any(b._scalar for b in batches):
+            raise InvalidArgument("cannot concat 0-d views (from an int index); use slices")
+        common = [f for f in batches[0]._fields if all(f in b._fields for b in batches[1:])]
+        known = frozenset.intersection(*[b._known for b in batches])
+        cache = batches[0]._cache
+        for b in batches[1:]:
+            if b._cache is not cache:
+                cache = cache.merged(b._cache)
+        leases = tuple(dict.fromkeys(i for b in batches for i in b._lease.ids))
+        lease = batches[0]._lease if all(b._lease is batches[0]._lease for b in batches) else _Lease(leases)
+        lease.open = any(b._lease.open for b in batches) if lease.ids else False
+        versions = (None if any(b._versions is None for b in batches)
+                    else np.concatenate([b._versions for b in batches]))
+        tasks = {b._task for b in batches}
+        return RowRemoteBatch(
+            q, np.concatenate([b._rows for b in batches]),
+            np.concatenate([b._shards for b in batches]), common, versions=versions,
+            task=tasks.pop() if len(tasks) == 1 else None,
+            partition=batches[0]._partition, cache=cache, lease=lease, known=known)
+
+    def repeat(self, repeats: int) -> "RowRemoteBatch":
+        """The rows tiled ``repeats`` times (like ``TensorDict.repeat``)."""
+        return self._view(np.tile(np.arange(len(self._rows)), _count(repeats)))
+
+    def repeat_interleave(self, repeats: int) -> "RowRemoteBatch":
+        """Each row repeated ``repeats`` times in place (GRPO's n samples per prompt)."""
+        return self._view(np.repeat(np.arange(len(self._rows)), _count(repeats)))
+
+    def split(self, split_size: int | Sequence[int]) -> list["RowRemoteBatch"]:
+        """Views of ``split_size`` rows each (the last may be shorter), or of the given
+        sizes, like ``TensorDict.split``."""
+        n = len(self._rows)
+        if isinstance(split_size, int):
+            if split_size <= 0:
+                raise InvalidArgument(f"split_size must be positive, got {split_size}")
+            return [self._view(slice(i, i + split_size)) for i in range(0, n, split_size)] or [self]
+        sizes = list(split_size)
+        if sum(sizes) != n or any(s < 0 for s in sizes):
+            raise InvalidArgument(f"split sizes {sizes} must be >= 0 and sum to {n} rows")
+        out, i = [], 0
+        for s in sizes:
+            out.append(self._view(slice(i, i + s)))
+            i += s
+        return out
+
+    def chunk(self, chunks: int) -> list["RowRemoteBatch"]:
+        """``chunks`` views of near-equal size, like ``TensorDict.chunk``."""
+        if chunks <= 0:
+            raise InvalidArgument(f"chunks must be positive, got {chunks}")
+        n = len(self._rows)
+        size = -(-n // chunks) if n else 1
+        return self.split(size)
+
+    # ------------------------------------------------------------------ data
+
+    def _check_alive(self, what: str) -> None:
+        if self._lease.dropped:
+            gone = [r for r in self._rows.tolist() if r in self._lease.dropped]
+            if gone:
+                raise RowsDropped(
+                    f"cannot {what}: rows {rows_preview(gone)} were dropped through this batch "
+                    "(drop()); take a new batch", gone)
+
+    async def materialize(self, fields: Sequence[str] | str | None = None, *,
+                          copy: bool = False) -> TensorDict:
+        """Fetch ``fields`` (default: :attr:`fields`) of these rows as a TensorDict.
+
+        Only fields not already cached by this batch or its views are fetched, one call
+        per storage unit. Tensor fields whose rows were put together come back as views of
+        the stored tensor (no copy on the embedded transport): treat them as read-only, or
+        pass ``copy=True``. Rows of different shapes in one field give a jagged nested
+        tensor; Python-object fields a non-tensor stack (``td[name]`` reads it as a list).
+
+        Raises:
+            UnknownField: a field is not written for these rows.
+            RowsDropped: a row was dropped.
+        """
+        fields = list(self._fields) if fields is None else _flat_fields(
+            [fields] if isinstance(fields, str) else fields)
+        self._check_alive("materialize")
+        cols = await self._columns(fields)
+        if copy:
+            cols = {f: c.clone() if isinstance(c, torch.Tensor) else list(c) for f, c in cols.items()}
+        td = to_tensordict(cols, len(self._rows))
+        return td[0] if self._scalar else td
+
+    async def _columns(self, fields: Sequence[str]) -> dict[str, Column]:
+        rows = self._rows
+        out: dict[str, Column] = {}
+        missing = []
+        for f in fields:
+            col = self._cache.lookup(f, rows)
+            if col is None:
+                missing.append(f)
+            else:
+                out[f] = col
+        if missing:
+            uniq, inverse = np.unique(rows, return_inverse=True)
+            if len(uniq) == len(rows):
+                fetch_rows, fetch_shards, inverse = rows, self._shards, None
+            else:
+                first = np.unique(rows, return_index=True)[1]
+                fetch_rows, fetch_shards = uniq, self._shards[first]
+            got = await self._q._fetch(fetch_rows, fetch_shards, missing)
+            for f in missing:
+                self._cache.add(f, fetch_rows, got[f])
+                out[f] = got[f] if inverse is None else take_rows(got[f], inverse.tolist())
+        return {f: out[f] for f in fields}
+
+    async def write(self, data: Mapping[str, Any] | TensorDictBase, *,
+                    overwrite: bool = False) -> "RowRemoteBatch":
+        """Write new fields to these rows (``len(data) == len(self)``). The written values
+        are cached, so materializing them from this batch costs nothing.
+
+        Raises:
+            SchemaError: wrong length, or the batch repeats rows.
+            DuplicateField: a field is already written and ``overwrite`` is false.
+            RowsDropped: a row was dropped.
+        """
+        self._check_alive("write")
+        if self._scalar:
+            raise SchemaError("write through a batch of rows (use a slice, not an int index)")
+        if len(np.unique(self._rows)) != len(self._rows):
+            raise SchemaError("this batch repeats rows (repeat/concat of overlapping views); "
+                              "write through a batch where each row appears once")
+        await self._q.put(data, rows=self, overwrite=overwrite)
+        return self
+
+    def _learn(self, cols: Mapping[str, Column]) -> None:
+        """Remember fields just written through this batch (and cache their values)."""
+        for f, col in cols.items():
+            self._cache.add(f, self._rows, col)
+        self._fields = tuple(dict.fromkeys(self._fields + tuple(cols)))
+        self._known = self._known | frozenset(cols)
+
+    async def ack(self) -> None:
+        """Acknowledge the delivered batch (all its rows, whichever view you call it on):
+        the task is done with them. Idempotent; a no-op for batches that were not
+        delivered (from ``put``).
+
+        Raises:
+            LeaseExpired: the lease had expired and the rows went to another consumer.
+        """
+        if not self._lease.open:
+            return
+        self._lease.open = False
+        await self._q._control.ack(list(self._lease.ids))
+
+    async def release(self) -> None:
+        """Give the delivered batch back unacknowledged: its rows are delivered again to
+        the task. Idempotent."""
+        if not self._lease.open:
+            return
+        self._lease.open = False
+        await self._q._control.release(list(self._lease.ids))
+
+    async def drop(self) -> None:
+        """Delete these rows from the queue for good (idempotent) and free their bytes.
+        Dropping a whole delivered batch also ends its lease. Any later ``materialize``
+        or ``write`` through this batch raises :class:`~streamrl.errors.RowsDropped`."""
+        rows = [r for r in self._rows.tolist() if r not in self._lease.dropped]
+        if rows:
+            self._lease.dropped.update(rows)
+            await self._q._control.drop(rows)
+        if self._lease.open and self._lease.ids:
+            remaining = await self._q._lease_rows(self._lease.ids)
+            if not remaining:
+                self._lease.open = False
+
+    # ------------------------------------------------------------------ pickling
+
+    def __getstate__(self):
+        return {"q": self._q, "rows": self._rows, "shards": self._shards,
+                "versions": self._versions, "fields": self._fields, "known": self._known, "leases": self._lease.ids,
+                "open": self._lease.open, "task": self._task, "partition": self._partition,
+                "scalar": self._scalar}
+
+    def __setstate__(self, st):
+        self._q = st["q"]
+        self._rows, self._shards, self._versions = st["rows"], st["shards"], st["versions"]
+        self._fields = st["fields"]
+        self._known = st["known"]
+        self._cache = _Cache()
+        self._lease = _Lease(st["leases"])
+        self._lease.open = st["open"]
+        self._task, self._partition, self._scalar = st["task"], st["partition"], st["scalar"]
+
+
+class ColumnRemoteBatch(RemoteBatch):
+    """A lazy column: one field of some rows, keyed by the field (column) id.
+
+    ``await col.materialize()`` returns the column itself: a tensor (or a jagged nested
+    tensor, or a list for Python objects), as ``td[field]`` would. Index it by rows like
+    the batch it came from.
+
+    Examples:
+        >>> # rewards = await mb["reward"].materialize()     # a [n] tensor
+    """
+
+    __slots__ = ("_batch", "_field")
+
+    def __init__(self, batch: RowRemoteBatch, field: str):
+        self._batch = batch
+        self._field = field
+
+    @property
+    def field(self) -> str:
+        return self._field
+
+    @property
+    def rows(self) -> list[int]:
+        return self._batch.rows
+
+    @property
+    def batch(self) -> RowRemoteBatch:
+        """The row view this column belongs to."""
+        return self._batch
+
+    def __len__(self) -> int:
+        return len(self._batch)
+
+    def __getitem__(self, idx: Any) -> "ColumnRemoteBatch":
+        if isinstance(idx, str):
+            raise IndexError("a column is already one field; index rows with ints/slices/masks")
+        return ColumnRemoteBatch(self._batch[idx], self._field)
+
+    def __repr__(self) -> str:
+        return f"ColumnRemoteBatch(field={self._field!r}, rows={len(self)})"
+
+    async def materialize(self, *, copy: bool = False) -> Column:
+        """Fetch the column (cached like any view)."""
+        self._batch._check_alive("materialize")
+        col = (await self._batch._columns([self._field]))[self._field]
+        if copy:
+            col = col.clone() if isinstance(col, torch.Tensor) else list(col)
+        return col[0] if self._batch._scalar else col
+
+
+class BatchProxy:
+    """A local TensorDict overlaid on a remote batch.
+
+    Reads look at local fields first and fetch the rest (once) from the queue; ``set``
+    only touches the local overlay until ``commit`` writes it back to the rows.
+
+    Args:
+        remote: the rows.
+        local: initial local fields (same number of rows), optional.
+
+    Examples:
+        >>> # proxy = BatchProxy(mb)
+        >>> # proxy["advantage"] = adv                  # local only
+        >>> # td = await proxy.materialize(["response_ids", "advantage"])
+        >>> # await proxy.commit()                      # writes "advantage" to the rows
+    """
+
+    def __init__(self, remote: RowRemoteBatch, local: TensorDictBase | Mapping[str, Any] | None = None):
+        self.remote = remote
+        self.local = TensorDict({}, batch_size=[len(remote)])
+        self._dirty: set[str] = set()
+        if local is not None:
+            cols, n = to_columns(local)
+            if n != len(remote):
+                raise SchemaError(f"local data has {n} rows, the remote batch {len(remote)}")
+            for k, v in to_tensordict(cols, n).items():
+                self.local.set(k, v)
+                self._dirty.add(k)
+
+    def __len__(self) -> int:
+        return len(self.remote)
+
+    def keys(self) -> list[str]:
+        """Local fields, then remote fields not shadowed."""
+        local = list(self.local.keys())
+        return local + [f for f in self.remote.fields if f not in local]
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.local.keys() or name in self.remote.fields
+
+    def __setitem__(self, name: str, value: Any) -> None:
+        self.set(name, value)
+
+    def set(self, name: str, value: Any) -> None:
+        """Set a local field (not written to the queue until :meth:`commit`)."""
+        cols, n = to_columns({name: value})
+        if n != len(self.remote):
+            raise SchemaError(f"field {name!r} has {n} rows, the batch {len(self.remote)}")
+        self.local.update(to_tensordict(cols, n))
+        self._dirty.add(name)
+
+    def __getitem__(self, name: str) -> Any:
+        """A local field (synchronous). Remote fields need ``await proxy.get(name)``."""
+        if name in self.local.keys():
+            return self.local[name]
+        raise KeyError(f"{name!r} is not local; use `await proxy.get({name!r})` to fetch it")
+
+    async def get(self, name: str) -> Any:
+        """A field: local if set, else fetched from the queue (and kept locally)."""
+        if name not in self.local.keys():
+            td = await self.remote.materialize([name])
+            self.local.set(name, td.get(name))
+        return self.local[name]
+
+    async def materialize(self, fields: Sequence[str] | None = None) -> TensorDict:
+        """Local and remote fields merged (local wins) as one TensorDict."""
+        fields = self.keys() if fields is None else list(fields)
+        remote = [f for f in fields if f not in self.local.keys()]
+        out = TensorDict({}, batch_size=[len(self.remote)])
+        if remote:
+            out.update(await self.remote.materialize(remote))
+        for f in fields:
+            if f in self.local.keys():
+                out.set(f, self.local.get(f))
+        return out
+
+    async def commit(self, fields: Sequence[str] | None = None, *, overwrite: bool = False) -> None:
+        """Write local fields set on this proxy (default: all of them) to the rows."""
+        fields = sorted(self._dirty) if fields is None else list(fields)
+        if fields:
+            await self.remote.write({f: self.local.get(f) for f in fields}, overwrite=overwrite)
+            self._dirty.difference_update(fields)
+
+
+def _flat_fields(fields: Iterable[Any]) -> list[str]:
+    out: list[str] = []
+    for f in fields:
+        if isinstance(f, str):
+            out.append(f)
+        elif isinstance(f, Iterable):
+            out.extend(_flat_fields(f))
+        else:
+            raise InvalidArgument(f"field names must be str, got {f!r}")
+    return out
+
+
+def _count(repeats: int) -> int:
+    if not isinstance(repeats, int) or repeats < 0:
+        raise InvalidArgument(f"repeats must be an int >= 0, got {repeats!r}")
+    return repeats
+
+
+def warn_expired(e: LeaseExpired) -> None:
+    warnings.warn(f"streamrl: {e}", RuntimeWarning, stacklevel=3)

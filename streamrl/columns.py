@@ -1,0 +1,251 @@
+"""Column batches: turning user data into columns and stored pieces back into batches.
+
+A *column* is the data of one field for ``n`` rows, either
+
+* a ``torch.Tensor`` whose first dimension is ``n`` (rows of one shape), or
+* a ``list`` of ``n`` values: Python objects (a chat history, a string), or tensors of
+  different shapes per row (ragged responses).
+
+Stored columns come back from storage units as *pieces* (tensors of consecutive rows, or
+lists); :func:`assemble` joins them into one column without copying when the pieces are
+adjacent slices of one original tensor (the common case: a micro-batch that is a
+contiguous run of one put).
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Hashable, Mapping, Sequence
+from typing import Any, Union
+
+import numpy as np
+import torch
+from tensordict import NonTensorData, NonTensorStack, TensorDict, TensorDictBase
+
+from .errors import InvalidArgument, SchemaError
+
+Column = Union[torch.Tensor, list]
+
+__all__ = ["Column", "to_columns", "row_nbytes", "tag_values", "assemble", "take_rows",
+           "to_tensordict", "approx_size"]
+
+
+def to_columns(data: Any) -> tuple[dict[str, Column], int]:
+    """Normalise ``data`` (a TensorDict, or a mapping of field -> tensor / ndarray / list)
+    into ``({field: column}, n_rows)``. Tensors are kept as given (no copy); numpy arrays
+    become tensors sharing their memory.
+
+    Raises:
+        SchemaError: fields of different lengths, a value that is not per-row.
+        InvalidArgument: empty data or a bad field name.
+    """
+    if isinstance(data, TensorDictBase):
+        if not data.batch_size:
+            raise SchemaError(
+                "a TensorDict put needs a batch dimension (its first dim counts rows); got "
+                "batch_size=[]: use td.unsqueeze(0) for a single row")
+        items = _td_items(data)
+    elif isinstance(data, Mapping):
+        items = list(data.items())
+    else:
+        raise InvalidArgument(
+            f"put takes a TensorDict or a dict of field -> per-row values, got {type(data).__name__}")
+    if not items:
+        raise InvalidArgument("put needs at least one field")
+    cols: dict[str, Column] = {}
+    lens: dict[str, int] = {}
+    for name, v in items:
+        if not isinstance(name, str) or not name:
+            raise InvalidArgument(f"field names must be non-empty str, got {name!r}")
+        col = _column(name, v)
+        cols[name] = col
+        lens[name] = col.shape[0] if isinstance(col, torch.Tensor) else len(col)
+    ns = set(lens.values())
+    if len(ns) != 1:
+        desc = ", ".join(f"{k}: {v}" for k, v in lens.items())
+        raise SchemaError(
+            f"all fields of one put need the same number of rows (first dimension); got {desc}")
+    n = ns.pop()
+    if n == 0:
+        raise InvalidArgument("put needs at least one row; got fields with 0 rows")
+    return cols, n
+
+
+def _td_items(td: TensorDictBase) -> list[tuple[str, Any]]:
+    out = []
+    for key in td.keys(include_nested=True, leaves_only=True):
+        name = key if isinstance(key, str) else ".".join(key)
+        v = td.get(key)
+        if isinstance(v, (NonTensorStack, NonTensorData)):
+            v = v.tolist()
+            if not isinstance(v, list):
+                v = [v] * td.batch_size[0]
+        out.append((name, v))
+    return out
+
+
+def _column(name: str, v: Any) -> Column:
+    if isinstance(v, torch.Tensor):
+        if v.dim() == 0:
+            raise SchemaError(
+                f"field {name!r} is a 0-d tensor; a field needs one value per row: give a "
+                "tensor whose first dimension counts rows")
+        if v.requires_grad:
+            v = v.detach()
+        return v
+    if isinstance(v, np.ndarray):
+        if v.ndim == 0:
+            raise SchemaError(f"field {name!r} is a 0-d array; give one value per row")
+        if v.dtype == object:
+            return list(v)
+        return torch.from_numpy(np.ascontiguousarray(v) if not v.flags.writeable else v)
+    if isinstance(v, (NonTensorStack, NonTensorData)):
+        return list(v.tolist())
+    if isinstance(v, (list, tuple)):
+        return [x.detach() if isinstance(x, torch.Tensor) and x.requires_grad else x for x in v]
+    raise SchemaError(
+        f"field {name!r} has a {type(v).__name__}, which is not per-row data; give a tensor "
+        "(first dim = rows) or a list with one value per row")
+
+
+def row_nbytes(col: Column, n: int) -> list[int]:
+    """Bytes of each row of a column (exact for tensors, estimated for objects)."""
+    if isinstance(col, torch.Tensor):
+        return [col.element_size() * col[0].numel() if n else 0] * n
+    return [approx_size(x) for x in col]
+
+
+def approx_size(obj: Any, _depth: int = 0) -> int:
+    """A cheap estimate of the memory an object holds (exact for tensors and bytes)."""
+    if isinstance(obj, torch.Tensor):
+        return obj.element_size() * obj.numel()
+    if isinstance(obj, np.ndarray):
+        return int(obj.nbytes)
+    if isinstance(obj, (bytes, bytearray, memoryview)):
+        return len(obj)
+    if isinstance(obj, str):
+        return len(obj)
+    if _depth < 4:
+        if isinstance(obj, (list, tuple, set, frozenset)):
+            return 8 * len(obj) + sum(approx_size(x, _depth + 1) for x in obj)
+        if isinstance(obj, dict):
+            return 8 * len(obj) + sum(approx_size(k, _depth + 1) + approx_size(v, _depth + 1)
+                                      for k, v in obj.items())
+    return sys.getsizeof(obj)
+
+
+def tag_values(name: str, col: Column) -> list[Hashable]:
+    """The scalar value per row of a column used as a tag (group key, length).
+
+    Raises:
+        SchemaError: the column does not hold one hashable scalar per row.
+    """
+    if isinstance(col, torch.Tensor):
+        n = col.shape[0]
+        if col.numel() != n:
+            raise SchemaError(
+                f"field {name!r} is used as a group/balance key, so it needs one scalar per "
+                f"row; it has shape {tuple(col.shape)}. Put a [n] tensor or a list of str/int")
+        return col.reshape(n).tolist()
+    out = []
+    for x in col:
+        if isinstance(x, torch.Tensor):
+            if x.numel() != 1:
+                raise SchemaError(f"field {name!r}: a key needs one scalar per row, got a tensor "
+                                  f"of shape {tuple(x.shape)}")
+            x = x.item()
+        elif isinstance(x, np.generic):
+            x = x.item()
+        try:
+            hash(x)
+        except TypeError:
+            raise SchemaError(
+                f"field {name!r} is used as a group key but holds an unhashable "
+                f"{type(x).__name__}; use str, int or a tuple") from None
+        out.append(x)
+    return out
+
+
+def take_rows(col: Column, index: Sequence[int] | slice) -> Column:
+    """Rows ``index`` of a column (a view when ``index`` is a slice)."""
+    if isinstance(index, slice):
+        return col[index]
+    if isinstance(col, torch.Tensor):
+        return col[torch.as_tensor(index, dtype=torch.long)]
+    return [col[i] for i in index]
+
+
+def _adjacent(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return (a.is_contiguous() and b.is_contiguous() and a.dtype == b.dtype
+            and a.shape[1:] == b.shape[1:] and a.device == b.device
+            and a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
+            and a.data_ptr() + a.nbytes == b.data_ptr())
+
+
+def _join_tensors(pieces: list[torch.Tensor]) -> torch.Tensor:
+    """Concatenate row pieces; a view (no copy) when they are adjacent in one storage."""
+    if len(pieces) == 1:
+        return pieces[0]
+    if all(_adjacent(pieces[i], pieces[i + 1]) for i in range(len(pieces) - 1)):
+        first = pieces[0]
+        n = sum(p.shape[0] for p in pieces)
+        out = first.new_empty(0)
+        out.set_(first.untyped_storage(), first.storage_offset(), (n,) + tuple(first.shape[1:]),
+                 first.stride())
+        return out
+    shapes = {p.shape[1:] for p in pieces}
+    dtypes = {p.dtype for p in pieces}
+    if len(dtypes) > 1:
+        raise SchemaError(f"rows of one field have different dtypes {sorted(map(str, dtypes))}; "
+                          "write the field with one dtype")
+    if len(shapes) > 1:
+        rows = [r for p in pieces for r in p.unbind(0)]
+        return _ragged(rows)
+    return torch.cat(pieces, 0)
+
+
+def _ragged(rows: list[torch.Tensor]) -> torch.Tensor:
+    """Rows of different shapes: a jagged nested tensor (ragged first row dimension)."""
+    try:
+        return torch.nested.nested_tensor(rows, layout=torch.jagged)
+    except (RuntimeError, ValueError) as e:
+        shapes = sorted({tuple(r.shape) for r in rows})[:4]
+        raise SchemaError(
+            f"rows of one field have shapes {shapes} that cannot be stacked or made a jagged "
+            f"nested tensor (only the first per-row dim may vary): {e}") from None
+
+
+def assemble(pieces: list[Column]) -> Column:
+    """Join pieces of consecutive rows into one column.
+
+    Tensor pieces become one tensor: a zero-copy view when the pieces are adjacent slices
+    of one storage, otherwise one ``torch.cat`` copy (or a jagged nested tensor when rows
+    have different shapes). Lists are concatenated. Per-row tensors kept as a list (a ragged
+    put) are stacked when their shapes agree.
+    """
+    if not pieces:
+        return []
+    if all(isinstance(p, torch.Tensor) for p in pieces):
+        return _join_tensors(pieces)
+    flat: list = []
+    for p in pieces:
+        flat.extend(p.unbind(0) if isinstance(p, torch.Tensor) else p)
+    if flat and all(isinstance(x, torch.Tensor) for x in flat):
+        shapes = {x.shape for x in flat}
+        if len(shapes) == 1:
+            return torch.stack(flat)
+        return _ragged(flat)
+    return flat
+
+
+def to_tensordict(columns: Mapping[str, Column], n: int) -> TensorDict:
+    """A TensorDict of batch size ``[n]``; list columns become non-tensor stacks (read
+    back as lists with ``td[name]``)."""
+    td = TensorDict({}, batch_size=[n])
+    for name, col in columns.items():
+        if isinstance(col, torch.Tensor):
+            td.set(name, col)
+        else:
+            td.set(name, NonTensorStack(*[NonTensorData(x, batch_size=[]) for x in col],
+                                        stack_dim=0) if col else NonTensorStack(batch_size=[0]))
+    return td

@@ -1,0 +1,1363 @@
+"""The controller: a pure state machine over row metadata.
+
+It holds no data and does no I/O and no waiting. It knows, for every row: its partition,
+its storage unit (shard), its policy version, which fields are written (and their sizes),
+the scalar *tags* of registered fields (group keys, lengths), which tasks hold it leased or
+have acknowledged it, and which filters still have to judge it. From that it answers the
+two questions everything else is built on:
+
+* can ``n`` more rows be admitted now (capacity in rows and bytes, version pacing)?
+* which rows make the next micro-batch for a request (task, fields, partition, groups)?
+
+Every method runs to completion synchronously. Side effects that need I/O or waking are
+left in outboxes that the caller (:mod:`streamrl.service`) drains after each call:
+
+* :attr:`Controller.deletes` -- rows to delete from each storage unit;
+* :attr:`Controller.filter_jobs` -- row sets a filter function must judge;
+* :attr:`Controller.woken` -- subscriptions that gained deliverable rows;
+* :attr:`Controller.changed` -- partitions (``None``: all) whose end-of-stream condition
+  may have changed, and :attr:`Controller.space_freed` -- capacity was released.
+
+Readiness is indexed, not scanned: each distinct request shape (a *subscription*: task,
+fields, partition, grouping) keeps an ordered set of its deliverable rows, updated when a
+write, lease, ack, filter verdict or drop touches a row. Taking a batch is O(batch).
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import math
+import time
+from collections import OrderedDict, deque
+from collections.abc import Callable, Hashable, Iterable, Sequence
+from dataclasses import dataclass, field
+
+from .errors import (
+    DispatchError,
+    DuplicateField,
+    InvalidArgument,
+    LeaseExpired,
+    QueueClosed,
+    QueueFull,
+    RowsDropped,
+    rows_preview,
+)
+
+__all__ = ["Controller", "validate_request", "Request", "Delivery", "END", "FilterSpec", "FilterJob", "DropReason"]
+
+
+class DropReason:
+    """Why rows left the queue (the keys of ``stats().dropped_by``)."""
+
+    DROPPED = "dropped"  # drop() by a user
+    CLEARED = "cleared"  # clear(partition)
+    FILTERED = "filtered"  # rejected by a filter
+    FILTER_ERROR = "filter_error"  # the filter raised or returned garbage
+    STALE = "stale"  # older than the staleness bound
+    CONSUMED = "consumed"  # every declared consumer acknowledged it
+    DP_REMAINDER = "dp_remainder"  # left over by DP dispatch with dp_remainder="drop"
+    LOST = "lost"  # its storage unit died
+
+
+class _End:
+    def __repr__(self) -> str:
+        return "END"
+
+
+#: Returned by :meth:`Controller.take` when the request can never be satisfied again.
+END = _End()
+
+
+class Row:
+    """Metadata of one row. Internal."""
+
+    __slots__ = (
+        "id", "part", "shard", "version", "fields", "nbytes", "tags", "leased", "acked",
+        "pending", "judging", "writing", "delivered",
+    )
+
+    def __init__(self, rid: int, part: "Partition", shard: int, version: int):
+        self.id = rid
+        self.part = part
+        self.shard = shard
+        self.version = version
+        self.fields: dict[str, int] = {}  # ready field -> bytes
+        self.nbytes = 0  # committed bytes
+        self.tags: dict[str, Hashable] = {}
+        self.leased: dict[str, int] = {}  # task -> lease id
+        self.acked: set[str] = set()
+        self.pending: set[str] = set()  # filters that have not judged the row yet
+        self.judging: set[str] = set()  # filters judging it right now
+        self.writing: set[str] = set()  # fields with a write in flight
+        self.delivered: set[str] = set()  # tasks it was ever handed to
+
+
+class Partition:
+    """A named set of rows with one lifetime. Internal."""
+
+    __slots__ = ("name", "rows", "sealed", "consumers", "acked", "groups", "tasks")
+
+    def __init__(self, name: str, consumers: frozenset[str] | None):
+        self.name = name
+        self.rows: dict[int, Row] = {}
+        self.sealed = False
+        self.consumers = consumers
+        self.acked: dict[str, int] = {}  # task -> live rows of this partition it acked
+        self.groups: dict[str, dict[Hashable, dict[int, None]]] = {}  # tag -> key -> rows
+        self.tasks: set[str] = set()  # tasks that took rows from here
+
+    def remaining(self, task: str) -> int:
+        return len(self.rows) - self.acked.get(task, 0)
+
+
+@dataclass(frozen=True)
+class Request:
+    """What a consumer asks for. Validated by :meth:`Controller.validate_request`."""
+
+    task: str
+    fields: tuple[str, ...]
+    batch_size: int
+    partition: str | None = None
+    group_by: str | None = None
+    group_size: int | None = None
+    drop_last: bool = False
+    max_staleness: int | None = None
+    dp_rank: int = 0
+    dp_size: int = 1
+    balance_by: str | None = None
+    dp_remainder: str = "error"
+    lease_timeout: float | None = None
+
+    def sub_key(self) -> tuple:
+        return (self.task, frozenset(self.fields), self.partition, self.group_by, self.group_size)
+
+
+@dataclass
+class Delivery:
+    """A leased batch handed to a consumer: metadata only."""
+
+    lease: int
+    task: str
+    rows: list[int]
+    shards: list[int]
+    versions: list[int]
+    fields: tuple[str, ...]  # the fields asked for
+    partition: str | None
+    dp_rank: int = 0
+    dispatch: int | None = None
+    known: tuple[str, ...] = ()  # every field written on all rows of the batch
+
+
+@dataclass(frozen=True)
+class FilterSpec:
+    """A filter as the controller sees it (the function lives in the service)."""
+
+    name: str
+    fields: frozenset[str]
+    group_by: str | None = None
+    group_size: int | None = None
+
+
+@dataclass
+class FilterJob:
+    """A set of rows a filter must judge now."""
+
+    id: int
+    filter: str
+    rows: list[int]
+    shards: list[int]
+    fields: tuple[str, ...]
+
+
+@dataclass
+class WriteToken:
+    """An admitted write: rows whose ``fields`` are being written to storage."""
+
+    id: int
+    rows: list[int]
+    shards: list[int]
+    fields: tuple[str, ...]
+    reserved_bytes: int = 0
+    new_rows: bool = False
+
+
+@dataclass
+class CommitResult:
+    """What :meth:`Controller.commit` tells the writer."""
+
+    dead: dict[int, list[int]]  # shard -> rows dropped while the write was in flight
+    tag_fields: frozenset[str]  # tags the controller wants with writes of those fields
+    missing_tags: dict[str, list[int]]  # tag field -> rows written without that tag
+
+
+class _Sub:
+    """One request shape and its index of deliverable rows."""
+
+    __slots__ = ("key", "task", "fields", "partition", "group_by", "group_size", "avail",
+                 "buckets", "complete", "gating", "last_used")
+
+    def __init__(self, key: tuple, gating: set[str]):
+        self.key = key
+        self.task, fields, self.partition, self.group_by, self.group_size = key
+        self.fields: frozenset[str] = fields
+        self.avail: dict[int, None] = {}
+        self.buckets: dict[tuple[str, Hashable], dict[int, None]] = {}
+        self.complete: dict[tuple[str, Hashable], None] = {}
+        self.gating = gating
+        self.last_used = 0.0
+
+
+class _Lease:
+    __slots__ = ("id", "task", "rows", "deadline", "timeout", "claimed", "dispatch", "rank")
+
+    def __init__(self, lid: int, task: str, rows: list[int], deadline: float, timeout: float):
+        self.id = lid
+        self.task = task
+        self.rows = rows
+        self.deadline = deadline
+        self.timeout = timeout
+        self.claimed = True
+        self.dispatch: tuple | None = None
+        self.rank = 0
+
+
+class _Dispatcher:
+    """DP dispatch state of one (subscription, dp_size): shares waiting for their rank."""
+
+    __slots__ = ("next", "shares")
+
+    def __init__(self, dp_size: int):
+        self.next = [0] * dp_size  # next dispatch index per rank
+        self.shares: dict[tuple[int, int], tuple[int, list[int], list[int]]] = {}
+
+
+_LEASE_MEMORY = 65536  # outcomes of finished leases kept for idempotent ack / clear errors
+
+
+class Controller:
+    """Metadata state machine of one queue.
+
+    Args:
+        capacity: most rows held at once (admitted and not yet dropped).
+
+    Keyword Args:
+        capacity_bytes: most bytes held at once, or ``None`` for no byte bound. Bytes are
+            reserved when new rows are admitted; fields written later to admitted rows are
+            always accepted (blocking them could deadlock a pipeline) and counted.
+        num_shards: number of storage units rows are spread over.
+        lease_timeout: seconds a delivered batch stays leased without ``ack``.
+        max_staleness: rows whose version is older than ``version - max_staleness`` are
+            dropped as stale (``None``: no bound).
+        max_lead: admission pacer: new rows stamped with version ``v`` are admitted only
+            while ``v <= version + max_lead`` (``None``: no pacing).
+        consumers: tasks that must acknowledge a row before it is dropped automatically
+            (default for partitions that do not declare their own).
+        clock: monotonic clock, injectable for tests.
+
+    Examples:
+        >>> c = Controller(capacity=8)
+        >>> tok = c.allocate("p", 4, ("x",), nbytes=64)
+        >>> _ = c.commit(tok, {"x": [16] * 4})
+        >>> d = c.take(Request("t", ("x",), batch_size=4, partition="p"))
+        >>> d.rows
+        [0, 1, 2, 3]
+    """
+
+    def __init__(
+        self,
+        capacity: int,
+        *,
+        capacity_bytes: int | None = None,
+        num_shards: int = 1,
+        lease_timeout: float = 600.0,
+        max_staleness: int | None = None,
+        max_lead: int | None = None,
+        consumers: Sequence[str] | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ):
+        if not isinstance(capacity, int) or capacity <= 0:
+            raise InvalidArgument(f"capacity must be a positive int of rows, got {capacity!r}")
+        if capacity_bytes is not None and (not isinstance(capacity_bytes, int) or capacity_bytes <= 0):
+            raise InvalidArgument(
+                f"capacity_bytes must be a positive int or None, got {capacity_bytes!r}")
+        if not isinstance(num_shards, int) or num_shards <= 0:
+            raise InvalidArgument(f"num_shards must be a positive int, got {num_shards!r}")
+        if not lease_timeout or lease_timeout <= 0:
+            raise InvalidArgument(f"lease_timeout must be > 0 seconds, got {lease_timeout!r}")
+        _check_staleness("max_staleness", max_staleness)
+        _check_staleness("max_lead", max_lead)
+        self.capacity = capacity
+        self.capacity_bytes = capacity_bytes
+        self.num_shards = num_shards
+        self.lease_timeout = float(lease_timeout)
+        self.max_staleness = max_staleness
+        self.max_lead = max_lead
+        self.default_consumers = _consumers(consumers)
+        self.clock = clock
+
+        self.version = 0
+        self.closed = False
+        self.rows: dict[int, Row] = {}
+        self.parts: dict[str, Partition] = {}
+        self.bytes_held = 0
+        self.reserved_bytes = 0
+        self._ids = itertools.count()
+        self._lease_ids = itertools.count(1)
+        self._token_ids = itertools.count(1)
+        self._job_ids = itertools.count(1)
+        self._next_shard = 0
+
+        self.subs: dict[tuple, _Sub] = {}
+        self._subs_by_part: dict[str | None, list[_Sub]] = {}
+        self._subs_by_task: dict[str, list[_Sub]] = {}
+        self.leases: dict[int, _Lease] = {}
+        self._lease_heap: list[tuple[float, int]] = []
+        self._lease_outcome: OrderedDict[int, str] = OrderedDict()
+        self._tokens: dict[int, WriteToken] = {}
+        self._dispatchers: dict[tuple, _Dispatcher] = {}
+
+        self.tag_fields: set[str] = set()
+        self.filters: dict[str, FilterSpec] = {}
+        # filter name -> (partition, key) -> rows that have the filter's fields, unjudged
+        self._filter_ready: dict[str, dict[tuple, dict[int, None]]] = {}
+        self._jobs: dict[int, FilterJob] = {}
+
+        # outboxes
+        self.deletes: dict[int, list[int]] = {}
+        self.filter_jobs: list[FilterJob] = []
+        self.woken: set[tuple] = set()
+        self.changed: set[str | None] = set()
+        self.space_freed = False
+
+        # counters
+        self.c_put = 0
+        self.c_bytes_put = 0
+        self.c_bytes_freed = 0
+        self.c_dropped: dict[str, int] = {}
+        self.c_filtered_by: dict[str, int] = {}
+        self.c_filter_errors: dict[str, int] = {}
+        self.c_delivered: dict[str, int] = {}
+        self.c_acked: dict[str, int] = {}
+        self.c_redelivered: dict[str, int] = {}
+        self.c_expired: dict[str, int] = {}
+
+    # ------------------------------------------------------------------ partitions
+
+    def _part(self, name: str, create: bool = True) -> Partition | None:
+        p = self.parts.get(name)
+        if p is None and create:
+            if not isinstance(name, str) or not name:
+                raise InvalidArgument(f"partition must be a non-empty str, got {name!r}")
+            p = self.parts[name] = Partition(name, self.default_consumers)
+        return p
+
+    def declare(self, partition: str, consumers: Sequence[str] | None) -> None:
+        """Set the tasks that must acknowledge each row of ``partition`` before it is
+        dropped automatically (``None`` turns automatic cleanup off for it). Rows already
+        acknowledged by all of them are dropped now."""
+        p = self._part(partition)
+        p.consumers = _consumers(consumers)
+        if p.consumers:
+            done = [r for r in p.rows.values() if p.consumers <= r.acked and not r.leased]
+            self._drop_rows(done, DropReason.CONSUMED)
+
+    def seal(self, partition: str) -> None:
+        """No new rows will be added to ``partition``; streams over it end once drained."""
+        p = self._part(partition)
+        if not p.sealed:
+            p.sealed = True
+            self.changed.add(p.name)
+            self._wake_part(p.name)
+            # groups without a group_size become complete at seal time
+            for spec in self.filters.values():
+                if spec.group_by and spec.group_size is None:
+                    for (pname, key) in list(self._filter_ready.get(spec.name, {})):
+                        if pname == p.name:
+                            self._maybe_filter_job(spec, p, key)
+
+    def close(self) -> None:
+        """Refuse new rows; every stream drains what is deliverable now and ends."""
+        if not self.closed:
+            self.closed = True
+            self.changed.add(None)
+            self.woken.update(self.subs)
+            self.space_freed = True
+
+    # ------------------------------------------------------------------ admission
+
+    def check_fits(self, n: int, nbytes: int) -> None:
+        """Raise :class:`QueueFull` if ``n`` rows of ``nbytes`` could never be admitted."""
+        if n > self.capacity:
+            raise QueueFull(
+                f"a single put of {n} rows can never fit a queue whose capacity is "
+                f"{self.capacity} rows; split the put or raise capacity")
+        if self.capacity_bytes is not None and nbytes > self.capacity_bytes:
+            raise QueueFull(
+                f"a single put of {nbytes} bytes can never fit a queue whose capacity_bytes "
+                f"is {self.capacity_bytes}; split the put or raise capacity_bytes")
+
+    def admission(self, n: int, nbytes: int, version: int | None) -> str | None:
+        """Why ``n`` new rows cannot be admitted now: ``"full"``, ``"ahead"`` (version
+        pacing) or ``None`` when they can. Raises if they never could."""
+        if self.closed:
+            raise QueueClosed("the queue is closed; no rows can be put any more")
+        self.check_fits(n, nbytes)
+        if version is not None and self.max_lead is not None and version > self.version + self.max_lead:
+            return "ahead"
+        if self.rows and len(self.rows) + n > self.capacity:
+            return "full"
+        if (self.capacity_bytes is not None and self.rows
+                and self.bytes_held + self.reserved_bytes + nbytes > self.capacity_bytes):
+            return "full"
+        return None
+
+    def allocate(self, partition: str, n: int, fields: Sequence[str], *, nbytes: int = 0,
+                 version: int | None = None) -> WriteToken:
+        """Admit ``n`` new rows in ``partition`` whose ``fields`` are about to be written.
+
+        Raises :class:`QueueFull` when they do not fit now (callers wait and retry),
+        :class:`QueueClosed` after close and :class:`InvalidArgument` for a sealed partition.
+        """
+        if not isinstance(n, int) or n <= 0:
+            raise InvalidArgument(f"a put needs at least one row, got {n!r}")
+        why = self.admission(n, nbytes, version)
+        if why == "full":
+            raise QueueFull(
+                f"no room for {n} rows ({nbytes} bytes): {len(self.rows)}/{self.capacity} rows"
+                + (f", {self.bytes_held + self.reserved_bytes}/{self.capacity_bytes} bytes"
+                   if self.capacity_bytes is not None else "")
+                + " held; wait (use put) or consume/drop rows")
+        if why == "ahead":
+            raise QueueFull(
+                f"rows of version {version} are more than max_lead={self.max_lead} versions "
+                f"ahead of the trainer (version {self.version}); wait (use put) or set_version")
+        p = self._part(partition)
+        if p.sealed:
+            raise InvalidArgument(
+                f"partition {partition!r} is sealed; put new rows into another partition "
+                "(a sealed partition only takes new fields of its existing rows)")
+        if version is None:
+            version = self.version
+        elif not isinstance(version, int):
+            raise InvalidArgument(f"version must be an int, got {version!r}")
+        ids = [next(self._ids) for _ in range(n)]
+        shards = self._place(n)
+        pending = set(self.filters)
+        fset = set(fields)
+        for rid, s in zip(ids, shards):
+            row = Row(rid, p, s, version)
+            if pending:
+                row.pending = set(pending)
+            row.writing = set(fset)
+            self.rows[rid] = row
+            p.rows[rid] = row
+        self.reserved_bytes += nbytes
+        self.c_put += n
+        tok = WriteToken(next(self._token_ids), ids, shards, tuple(fields), nbytes, True)
+        self._tokens[tok.id] = tok
+        if self.max_staleness is not None and version < self.version - self.max_staleness:
+            # admitted and immediately stale: it will never be delivered
+            self._drop_rows([self.rows[r] for r in ids], DropReason.STALE, group=True)
+        return tok
+
+    def _place(self, n: int) -> list[int]:
+        """Spread ``n`` rows over shards in contiguous chunks, rotating the first shard."""
+        k = min(self.num_shards, n)
+        start = self._next_shard
+        self._next_shard = (start + k) % self.num_shards
+        out: list[int] = []
+        base, extra = divmod(n, k)
+        for i in range(k):
+            out.extend([(start + i) % self.num_shards] * (base + (1 if i < extra else 0)))
+        return out
+
+    # ------------------------------------------------------------------ writes
+
+    def begin_write(self, rows: Sequence[int], fields: Sequence[str], *,
+                    overwrite: bool = False) -> WriteToken:
+        """Admit a write of ``fields`` to existing ``rows``.
+
+        Raises :class:`RowsDropped` if any row is gone and :class:`DuplicateField` if a
+        field is already written (or being written) and ``overwrite`` is false. Nothing
+        changes when it raises.
+        """
+        dead = [r for r in rows if r not in self.rows]
+        if dead:
+            raise RowsDropped(
+                f"cannot write {list(fields)} to rows {rows_preview(dead)}: they were dropped "
+                "(by drop, clear, a filter, staleness or consumer-set cleanup); skip them",
+                dead)
+        objs = [self.rows[r] for r in rows]
+        if not overwrite:
+            for f in fields:
+                dup = [r.id for r in objs if f in r.fields or f in r.writing]
+                if dup:
+                    raise DuplicateField(
+                        f"field {f!r} is already written to rows {rows_preview(dup)}; pass "
+                        "overwrite=True to replace it, or write it under another name")
+        for r in objs:
+            r.writing.update(fields)
+        tok = WriteToken(next(self._token_ids), list(rows), [r.shard for r in objs], tuple(fields))
+        self._tokens[tok.id] = tok
+        return tok
+
+    def abort(self, token: int | WriteToken) -> dict[int, list[int]]:
+        """Forget a write that failed; new rows it admitted are dropped. Returns the rows
+        (per shard) whose storage may hold partial data of that write."""
+        tok = self._tokens.pop(token.id if isinstance(token, WriteToken) else token, None)
+        if tok is None:
+            return {}
+        self.reserved_bytes -= tok.reserved_bytes
+        live = [self.rows[r] for r in tok.rows if r in self.rows]
+        for r in live:
+            r.writing.difference_update(tok.fields)
+        if tok.new_rows:
+            self._drop_rows(live, DropReason.DROPPED)
+            self.c_put -= len(tok.rows)
+        out: dict[int, list[int]] = {}
+        for r, s in zip(tok.rows, tok.shards):
+            out.setdefault(s, []).append(r)
+        return out
+
+    def commit(self, token: int | WriteToken, nbytes: dict[str, Sequence[int]],
+               tags: dict[str, Sequence[Hashable]] | None = None) -> CommitResult:
+        """The write's bytes are in storage: mark its fields ready on its rows.
+
+        Args:
+            token: from :meth:`allocate` or :meth:`begin_write`.
+            nbytes: per field, the bytes of each row (in the token's row order).
+            tags: per registered tag field written here, the scalar value of each row.
+        """
+        tok = self._tokens.pop(token.id if isinstance(token, WriteToken) else token, None)
+        if tok is None:
+            raise InvalidArgument("unknown or already finished write token")
+        self.reserved_bytes -= tok.reserved_bytes
+        tags = tags or {}
+        dead: dict[int, list[int]] = {}
+        touched: list[Row] = []
+        added = 0
+        for i, (rid, s) in enumerate(zip(tok.rows, tok.shards)):
+            row = self.rows.get(rid)
+            if row is None:
+                dead.setdefault(s, []).append(rid)
+                continue
+            row.writing.difference_update(tok.fields)
+            for f in tok.fields:
+                b = int(nbytes[f][i]) if f in nbytes else 0
+                old = row.fields.get(f, 0)
+                row.fields[f] = b
+                row.nbytes += b - old
+                added += b - old
+            for f, vals in tags.items():
+                self._set_tag(row, f, vals[i])
+            touched.append(row)
+        self.bytes_held += added
+        self.c_bytes_put += max(added, 0)
+        if tok.reserved_bytes:
+            self.space_freed = True
+        missing: dict[str, list[int]] = {}
+        for f in self.tag_fields.intersection(tok.fields):
+            if f not in tags:
+                missing[f] = [r.id for r in touched]
+        if touched:
+            self._reindex(touched)
+            self._filter_check(touched)
+        return CommitResult(dead, frozenset(self.tag_fields), missing)
+
+    # ------------------------------------------------------------------ tags
+
+    def register_tag(self, field: str) -> dict[int, list[int]]:
+        """Keep the scalar value of ``field`` per row (for grouping or balancing). Returns
+        rows (per shard) that already have the field but no tag: the caller reads their
+        values from storage and passes them to :meth:`set_tags`."""
+        self.tag_fields.add(field)
+        out: dict[int, list[int]] = {}
+        for r in self.rows.values():
+            if field in r.fields and field not in r.tags:
+                out.setdefault(r.shard, []).append(r.id)
+        return out
+
+    def set_tags(self, field: str, rows: Sequence[int], values: Sequence[Hashable]) -> None:
+        """Record the tag ``field`` of ``rows`` (rows gone meanwhile are skipped)."""
+        touched = []
+        for rid, v in zip(rows, values):
+            row = self.rows.get(rid)
+            if row is not None:
+                self._set_tag(row, field, v)
+                touched.append(row)
+        if touched:
+            self._reindex(touched)
+            self._filter_check(touched)
+
+    def _set_tag(self, row: Row, f: str, v: Hashable) -> None:
+        old = row.tags.get(f, _MISSING)
+        if old is not _MISSING:
+            if old == v:
+                return
+            grp = row.part.groups.get(f, {}).get(old)
+            if grp is not None:
+                grp.pop(row.id, None)
+                if not grp:
+                    del row.part.groups[f][old]
+        row.tags[f] = v
+        row.part.groups.setdefault(f, {}).setdefault(v, {})[row.id] = None
+
+    # ------------------------------------------------------------------ subscriptions
+
+    def validate_request(self, req: Request) -> None:
+        """Raise :class:`InvalidArgument` for a request that can never be served."""
+        validate_request(req)
+
+    def tags_needed(self, req: Request) -> list[str]:
+        """Tag fields a request relies on (group key, balance key) not registered yet."""
+        return [f for f in (req.group_by, req.balance_by) if f and f not in self.tag_fields]
+
+    def _sub(self, req: Request) -> _Sub:
+        key = req.sub_key()
+        sub = self.subs.get(key)
+        if sub is None:
+            for f in self.tags_needed(req):
+                self.tag_fields.add(f)
+            sub = _Sub(key, self._gating(key[1]))
+            self.subs[key] = sub
+            self._subs_by_part.setdefault(sub.partition, []).append(sub)
+            self._subs_by_task.setdefault(sub.task, []).append(sub)
+            rows = (self.parts[sub.partition].rows.values() if sub.partition in self.parts
+                    else ()) if sub.partition is not None else self.rows.values()
+            for row in rows:
+                if self._eligible(row, sub):
+                    self._add(sub, row)
+        sub.last_used = self.clock()
+        return sub
+
+    def _gating(self, fields: frozenset[str]) -> set[str]:
+        return {s.name for s in self.filters.values() if s.fields & fields}
+
+    def _eligible(self, row: Row, sub: _Sub) -> bool:
+        if sub.task in row.leased or sub.task in row.acked:
+            return False
+        if not sub.fields.issubset(row.fields):
+            return False
+        if sub.group_by is not None and sub.group_by not in row.tags:
+            return False
+        if sub.gating and (row.pending or row.judging):
+            if not sub.gating.isdisjoint(row.pending) or not sub.gating.isdisjoint(row.judging):
+                return False
+        return True
+
+    def _add(self, sub: _Sub, row: Row) -> None:
+        if sub.group_by is None:
+            sub.avail[row.id] = None
+        else:
+            gk = (row.part.name, row.tags[sub.group_by])
+            sub.buckets.setdefault(gk, {})[row.id] = None
+            sub.avail[row.id] = None
+            self._check_complete(sub, gk)
+        self.woken.add(sub.key)
+
+    def _remove(self, sub: _Sub, row: Row) -> None:
+        del sub.avail[row.id]
+        if sub.group_by is not None:
+            gk = (row.part.name, row.tags.get(sub.group_by, _MISSING))
+            b = sub.buckets.get(gk)
+            if b is not None:
+                b.pop(row.id, None)
+                if not b:
+                    del sub.buckets[gk]
+                    sub.complete.pop(gk, None)
+                else:
+                    self._check_complete(sub, gk)
+
+    def _check_complete(self, sub: _Sub, gk: tuple) -> None:
+        b = sub.buckets.get(gk)
+        if b and self._group_complete(sub, gk, b):
+            sub.complete[gk] = None
+        else:
+            sub.complete.pop(gk, None)
+
+    def _group_complete(self, sub: _Sub, gk: tuple, bucket: dict[int, None]) -> bool:
+        if sub.group_size is not None and len(bucket) >= sub.group_size:
+            return True
+        p = self.parts.get(gk[0])
+        if p is None or not (p.sealed or self.closed):
+            return False
+        # sealed: complete when every live row of the key that the task still owes is here
+        members = p.groups.get(sub.group_by, {}).get(gk[1], {})
+        owed = sum(1 for r in members if sub.task not in self.rows[r].acked)
+        return len(bucket) >= owed
+
+    def _reindex(self, rows: Iterable[Row], tasks: Iterable[str] | None = None) -> None:
+        """Re-evaluate ``rows`` against subscriptions (of ``tasks`` only, if given)."""
+        if not self.subs:
+            return
+        for row in rows:
+            cand = self._subs_by_part.get(row.part.name, []) + self._subs_by_part.get(None, [])
+            for sub in cand:
+                if tasks is not None and sub.task not in tasks:
+                    continue
+                ok = self._eligible(row, sub)
+                if ok and row.id not in sub.avail:
+                    self._add(sub, row)
+                elif not ok and row.id in sub.avail:
+                    self._remove(sub, row)
+
+    def _unindex(self, row: Row, tasks: Iterable[str] | None = None) -> None:
+        for sub in self._subs_by_part.get(row.part.name, []) + self._subs_by_part.get(None, []):
+            if (tasks is None or sub.task in tasks) and row.id in sub.avail:
+                self._remove(sub, row)
+
+    def _wake_part(self, name: str) -> None:
+        for sub in self._subs_by_part.get(name, []) + self._subs_by_part.get(None, []):
+            if sub.group_by is not None:
+                for gk in list(sub.buckets):
+                    if gk[0] == name:
+                        self._check_complete(sub, gk)
+            self.woken.add(sub.key)
+
+    # ------------------------------------------------------------------ taking
+
+    def take(self, req: Request) -> Delivery | _End | None:
+        """Lease the next micro-batch for ``req``.
+
+        Returns a :class:`Delivery`, ``None`` when the caller must wait (nothing changes),
+        or :data:`END` when nothing more will ever come (the partition is sealed and the
+        task consumed all its rows, or the queue is closed and drained).
+        """
+        self.expire()
+        sub = self._sub(req)
+        if req.max_staleness is not None:
+            self._drop_stale(sub, req.max_staleness)
+        if req.dp_size > 1:
+            return self._take_dp(sub, req)
+        rows = self._select(sub, req, req.batch_size)
+        if rows is None or rows is END:
+            return rows
+        return self._lease(sub, req, rows)
+
+    def _tail(self, sub: _Sub) -> bool:
+        """True when every row the task still owes is deliverable now (nothing to wait
+        for), so a short final batch may go out."""
+        if self.closed:
+            return True
+        if sub.partition is None:
+            return False
+        p = self.parts.get(sub.partition)
+        return p is not None and p.sealed and p.remaining(sub.task) == len(sub.avail)
+
+    def _ended(self, sub: _Sub) -> bool:
+        if self.closed and not sub.avail:
+            return True
+        if sub.partition is None:
+            return False
+        p = self.parts.get(sub.partition)
+        return p is not None and p.sealed and p.remaining(sub.task) == 0
+
+    def _select(self, sub: _Sub, req: Request, size: int) -> list[int] | _End | None:
+        """Pick (without leasing) up to ``size`` rows, or None/END."""
+        if sub.group_by is None:
+            if len(sub.avail) >= size:
+                return list(itertools.islice(sub.avail, size))
+            tail = self._tail(sub)
+            if sub.avail and tail and not req.drop_last:
+                return list(sub.avail)
+            if self._ended(sub) or (tail and req.drop_last):
+                return END
+            return None
+        # grouped: whole groups only
+        chosen: list[int] = []
+        complete_rows = 0
+        for gk in sub.complete:
+            b = sub.buckets[gk]
+            n = min(len(b), sub.group_size) if sub.group_size else len(b)
+            complete_rows += n
+            if len(chosen) + n <= size or not chosen:
+                chosen.extend(itertools.islice(b, n))
+            if len(chosen) >= size:
+                break
+        if chosen and (len(chosen) >= size or complete_rows > len(chosen)):
+            return chosen  # a full batch, or the next whole group would not fit
+        tail = self._tail(sub)
+        if chosen and tail and not req.drop_last:
+            return chosen
+        if self._ended(sub) or (tail and req.drop_last):
+            return END
+        return None
+
+    def _lease(self, sub: _Sub, req: Request, rids: list[int], *, claimed: bool = True,
+               rank: int = 0, dispatch: int | None = None) -> Delivery:
+        task = req.task
+        timeout = req.lease_timeout or self.lease_timeout
+        lid = next(self._lease_ids)
+        lease = _Lease(lid, task, rids, self.clock() + timeout, timeout)
+        lease.claimed = claimed
+        lease.rank = rank
+        self.leases[lid] = lease
+        heapq.heappush(self._lease_heap, (lease.deadline, lid))
+        objs = [self.rows[r] for r in rids]
+        redelivered = 0
+        for row in objs:
+            row.leased[task] = lid
+            if task in row.delivered:
+                redelivered += 1
+            row.delivered.add(task)
+            row.part.tasks.add(task)
+            self._unindex(row, (task,))
+        if claimed:
+            self.c_delivered[task] = self.c_delivered.get(task, 0) + len(rids)
+            if redelivered:
+                self.c_redelivered[task] = self.c_redelivered.get(task, 0) + redelivered
+        common = set(objs[0].fields)
+        for row in objs[1:]:
+            common.intersection_update(row.fields)
+        return Delivery(lid, task, list(rids), [r.shard for r in objs], [r.version for r in objs],
+                        req.fields, sub.partition, rank, dispatch, tuple(sorted(common)))
+
+    # ------------------------------------------------------------------ DP dispatch
+
+    def _take_dp(self, sub: _Sub, req: Request) -> Delivery | _End | None:
+        R, rank = req.dp_size, req.dp_rank
+        disp = self._dispatchers.setdefault(sub.key + (R,), _Dispatcher(R))
+        k = disp.next[rank]
+        share = disp.shares.pop((k, rank), None)
+        if share is None and (k, rank) not in disp.shares:
+            if any(kk >= k for (kk, _r) in disp.shares):
+                # this dispatch exists but our share is gone (its reservation expired)
+                disp.next[rank] = k + 1
+                raise DispatchError(
+                    f"the share of dp_rank={rank} in dispatch {k} of task {req.task!r} expired "
+                    "before this rank asked for it (its rows went back to the queue); raise "
+                    "lease_timeout or keep ranks in step")
+            made = self._make_dispatch(sub, req, disp, k)
+            if made is None or made is END:
+                return made
+            share = disp.shares.pop((k, rank))
+        disp.next[rank] = k + 1
+        lid, rids, pads = share
+        lease = self.leases.get(lid)
+        if lease is None:
+            raise DispatchError(
+                f"the share of dp_rank={rank} in dispatch {k} of task {req.task!r} expired "
+                "before this rank asked for it; raise lease_timeout or keep ranks in step")
+        lease.claimed = True
+        lease.deadline = self.clock() + lease.timeout
+        heapq.heappush(self._lease_heap, (lease.deadline, lid))
+        self.c_delivered[req.task] = self.c_delivered.get(req.task, 0) + len(lease.rows)
+        allrows = list(lease.rows) + list(pads)
+        objs = [self.rows[r] for r in allrows]
+        common = set(objs[0].fields)
+        for row in objs[1:]:
+            common.intersection_update(row.fields)
+        return Delivery(lid, req.task, allrows, [r.shard for r in objs], [r.version for r in objs],
+                        req.fields, sub.partition, rank, k, tuple(sorted(common)))
+
+    def _make_dispatch(self, sub: _Sub, req: Request, disp: _Dispatcher, k: int):
+        R = req.dp_size
+        rows = self._select(sub, req, R * req.batch_size)
+        if rows is None or rows is END:
+            return rows
+        units = self._units(sub, rows)  # whole groups (or single rows)
+        if len(units) % R and len(rows) < R * req.batch_size:
+            # a short final dispatch that does not split evenly
+            extra = len(units) % R
+            if req.dp_remainder == "error":
+                raise DispatchError(
+                    f"the last {len(rows)} rows ({len(units)} "
+                    f"{'groups' if sub.group_by else 'rows'}) of task {req.task!r} cannot be "
+                    f"split evenly over dp_size={R} ranks; pass dp_remainder='drop' (drop the "
+                    f"last {extra}) or 'pad' (repeat rows), or put a multiple of dp_size")
+            if req.dp_remainder == "drop":
+                left, units = units[len(units) - extra:], units[:len(units) - extra]
+                self._drop_rows([self.rows[r] for u in left for r in u], DropReason.DP_REMAINDER)
+                if not units:
+                    return self._select(sub, req, R * req.batch_size) and None
+        shares, pads = _balanced_split(units, R, self._weights(units, req.balance_by))
+        for r in range(R):
+            d = self._lease(sub, req, shares[r], claimed=False, rank=r, dispatch=k)
+            self.leases[d.lease].dispatch = (sub.key + (R,), k)
+            disp.shares[(k, r)] = (d.lease, shares[r], pads[r])
+        return True
+
+    def _units(self, sub: _Sub, rows: list[int]) -> list[list[int]]:
+        if sub.group_by is None:
+            return [[r] for r in rows]
+        by: dict[Hashable, list[int]] = {}
+        for r in rows:
+            by.setdefault(self.rows[r].tags[sub.group_by], []).append(r)
+        return list(by.values())
+
+    def _weights(self, units: list[list[int]], balance_by: str | None) -> list[float]:
+        if balance_by is None:
+            return [float(len(u)) for u in units]
+        out = []
+        for u in units:
+            w = 0.0
+            for r in u:
+                v = self.rows[r].tags.get(balance_by)
+                if v is None:
+                    raise InvalidArgument(
+                        f"balance_by={balance_by!r}: row {r} has no value for it yet; write the "
+                        "length field before the row becomes ready, or list it in fields")
+                w += float(v)
+            out.append(w)
+        return out
+
+    # ------------------------------------------------------------------ leases
+
+    def ack(self, lease_ids: Iterable[int]) -> None:
+        """The consumer is done with these leases: their rows count as consumed by the
+        task. Idempotent. Raises :class:`LeaseExpired` for a lease that expired or was
+        released (its rows go, or went, to another consumer)."""
+        self.expire()
+        expired = []
+        for lid in lease_ids:
+            lease = self.leases.pop(lid, None)
+            if lease is None:
+                if self._lease_outcome.get(lid) in ("expired", "released"):
+                    expired.append(lid)
+                continue
+            self._remember(lid, "acked")
+            task = lease.task
+            done = []
+            for rid in lease.rows:
+                row = self.rows.get(rid)
+                if row is None or row.leased.get(task) != lid:
+                    continue
+                del row.leased[task]
+                row.acked.add(task)
+                p = row.part
+                p.acked[task] = p.acked.get(task, 0) + 1
+                if p.consumers and p.consumers <= row.acked and not row.leased:
+                    done.append(row)
+            self.c_acked[task] = self.c_acked.get(task, 0) + len(lease.rows)
+            self._drop_rows(done, DropReason.CONSUMED)
+            self._lease_changed(lease)
+        if expired:
+            raise LeaseExpired(
+                f"lease(s) {expired} expired or were released before ack; their rows were "
+                "handed out again. Ack sooner, or raise lease_timeout on the queue or stream")
+
+    def release(self, lease_ids: Iterable[int], *, expired: bool = False) -> None:
+        """Give the rows of these leases back: they are delivered again to the task."""
+        for lid in lease_ids:
+            lease = self.leases.pop(lid, None)
+            if lease is None:
+                continue
+            self._remember(lid, "expired" if expired else "released")
+            task = lease.task
+            back = []
+            for rid in lease.rows:
+                row = self.rows.get(rid)
+                if row is not None and row.leased.get(task) == lid:
+                    del row.leased[task]
+                    back.append(row)
+            if expired:
+                self.c_expired[task] = self.c_expired.get(task, 0) + len(back)
+            self._reindex(back, (task,))
+            self._lease_changed(lease)
+
+    def _lease_changed(self, lease: _Lease) -> None:
+        for p in {self.rows[r].part for r in lease.rows if r in self.rows}:
+            if p.sealed or self.closed:  # remaining() moved: tails and ends may follow
+                self.changed.add(p.name)
+                self._wake_part(p.name)
+        if lease.dispatch is not None:
+            disp = self._dispatchers.get(lease.dispatch[0])
+            if disp is not None and not lease.claimed:
+                disp.shares.pop((lease.dispatch[1], lease.rank), None)
+
+    def _remember(self, lid: int, outcome: str) -> None:
+        self._lease_outcome[lid] = outcome
+        if len(self._lease_outcome) > _LEASE_MEMORY:
+            self._lease_outcome.popitem(last=False)
+
+    def next_deadline(self) -> float | None:
+        """The earliest lease deadline (monotonic seconds), for the caller's timer."""
+        while self._lease_heap:
+            d, lid = self._lease_heap[0]
+            lease = self.leases.get(lid)
+            if lease is None or lease.deadline != d:
+                heapq.heappop(self._lease_heap)
+                continue
+            return d
+        return None
+
+    def expire(self, now: float | None = None) -> int:
+        """Release every lease past its deadline; returns how many."""
+        now = self.clock() if now is None else now
+        n = 0
+        while self._lease_heap and self._lease_heap[0][0] <= now:
+            d, lid = heapq.heappop(self._lease_heap)
+            lease = self.leases.get(lid)
+            if lease is not None and lease.deadline == d:
+                self.release([lid], expired=True)
+                n += 1
+        return n
+
+    def lease_rows(self, lease_id: int) -> list[int] | None:
+        lease = self.leases.get(lease_id)
+        return None if lease is None else list(lease.rows)
+
+    # ------------------------------------------------------------------ dropping
+
+    def drop(self, rows: Iterable[int], reason: str = DropReason.DROPPED) -> int:
+        """Delete rows for good (idempotent: rows already gone are skipped). Returns how
+        many were dropped."""
+        objs = [self.rows[r] for r in dict.fromkeys(rows) if r in self.rows]
+        self._drop_rows(objs, reason)
+        return len(objs)
+
+    def clear(self, partition: str) -> int:
+        """Drop every row of ``partition``; the partition stays (sealed or not)."""
+        p = self.parts.get(partition)
+        if p is None:
+            return 0
+        n = len(p.rows)
+        self._drop_rows(list(p.rows.values()), DropReason.CLEARED)
+        return n
+
+    def _drop_rows(self, objs: list[Row], reason: str, *, group: bool = False) -> None:
+        if group:
+            objs = self._with_groups(objs)
+        if not objs:
+            return
+        freed = 0
+        parts: set[Partition] = set()
+        for row in objs:
+            if self.rows.pop(row.id, None) is None:
+                continue
+            p = row.part
+            del p.rows[row.id]
+            for task in row.acked:
+                p.acked[task] -= 1
+            for f, v in row.tags.items():
+                grp = p.groups.get(f, {}).get(v)
+                if grp is not None:
+                    grp.pop(row.id, None)
+                    if not grp:
+                        del p.groups[f][v]
+            self._unindex(row)
+            for task, lid in row.leased.items():
+                lease = self.leases.get(lid)
+                if lease is not None:
+                    lease.rows.remove(row.id)
+                    if not lease.rows:
+                        del self.leases[lid]
+                        self._remember(lid, "acked")
+            for name in row.pending | row.judging:
+                buckets = self._filter_ready.get(name)
+                if buckets:
+                    for b in buckets.values():
+                        b.pop(row.id, None)
+            freed += row.nbytes
+            self.deletes.setdefault(row.shard, []).append(row.id)
+            parts.add(p)
+        self.bytes_held -= freed
+        self.c_bytes_freed += freed
+        self.c_dropped[reason] = self.c_dropped.get(reason, 0) + len(objs)
+        self.space_freed = True
+        for p in parts:
+            self.changed.add(p.name)
+            if p.sealed or self.closed:  # end and group-completeness conditions moved
+                self._wake_part(p.name)
+
+    def _with_groups(self, objs: list[Row]) -> list[Row]:
+        """``objs`` plus every row sharing a group key (any registered group tag) with
+        one of them, so groups leave together."""
+        keys = {f for s in self.subs.values() if s.group_by for f in (s.group_by,)}
+        keys |= {s.group_by for s in self.filters.values() if s.group_by}
+        if not keys:
+            return objs
+        out = {r.id: r for r in objs}
+        for r in objs:
+            for f in keys:
+                v = r.tags.get(f, _MISSING)
+                if v is not _MISSING:
+                    for rid in r.part.groups.get(f, {}).get(v, ()):
+                        out.setdefault(rid, self.rows[rid])
+        return list(out.values())
+
+    # ------------------------------------------------------------------ staleness
+
+    def set_version(self, version: int) -> int:
+        """Advance the current policy version. Returns rows dropped as stale."""
+        if not isinstance(version, int) or isinstance(version, bool):
+            raise InvalidArgument(f"version must be an int, got {version!r}")
+        if version < self.version:
+            raise InvalidArgument(
+                f"versions only go forward: current is {self.version}, got {version}; "
+                "pass the trainer's new policy version")
+        self.version = version
+        self.space_freed = True  # paced producers may go on
+        if self.max_staleness is None:
+            return 0
+        limit = version - self.max_staleness
+        stale = [r for r in self.rows.values() if r.version < limit]
+        before = self.c_dropped.get(DropReason.STALE, 0)
+        self._drop_rows(stale, DropReason.STALE, group=True)
+        return self.c_dropped.get(DropReason.STALE, 0) - before
+
+    def _drop_stale(self, sub: _Sub, k: int) -> None:
+        limit = self.version - k
+        stale = [self.rows[r] for r in sub.avail if self.rows[r].version < limit]
+        if stale:
+            self._drop_rows(stale, DropReason.STALE, group=True)
+
+    # ------------------------------------------------------------------ filters
+
+    def add_filter(self, spec: FilterSpec) -> None:
+        """Register a filter: every live row must pass it before it is delivered to a
+        task that asks for any of ``spec.fields``."""
+        if spec.name in self.filters:
+            raise InvalidArgument(f"a filter named {spec.name!r} exists already; pass another name")
+        self.filters[spec.name] = spec
+        self._filter_ready[spec.name] = {}
+        if spec.group_by:
+            self.tag_fields.add(spec.group_by)
+        for sub in self.subs.values():
+            sub.gating = self._gating(sub.fields)
+        for row in self.rows.values():
+            row.pending.add(spec.name)
+        self._reindex(list(self.rows.values()))
+        self._filter_check(list(self.rows.values()), only=spec)
+
+    def _filter_check(self, rows: list[Row], only: FilterSpec | None = None) -> None:
+        """Queue filter jobs for rows that now have every field a filter needs."""
+        if not self.filters:
+            return
+        specs = [only] if only else list(self.filters.values())
+        for spec in specs:
+            buckets = self._filter_ready[spec.name]
+            new_keys: dict[tuple, Partition] = {}
+            for row in rows:
+                if spec.name not in row.pending or row.id not in self.rows:
+                    continue
+                if not spec.fields.issubset(row.fields):
+                    continue
+                if spec.group_by:
+                    if spec.group_by not in row.tags:
+                        continue
+                    key = (row.part.name, row.tags[spec.group_by])
+                else:
+                    key = (row.part.name, None)
+                buckets.setdefault(key, {})[row.id] = None
+                new_keys[key] = row.part
+            for key, p in new_keys.items():
+                self._maybe_filter_job(spec, p, key[1] if spec.group_by else None, key)
+
+    def _maybe_filter_job(self, spec: FilterSpec, p: Partition, gkey, key: tuple | None = None) -> None:
+        key = key or (p.name, gkey)
+        b = self._filter_ready[spec.name].get(key)
+        if not b:
+            return
+        if spec.group_by is None:
+            self._emit_job(spec, list(b))
+            del self._filter_ready[spec.name][key]
+        elif spec.group_size is not None:
+            while len(b) >= spec.group_size:
+                take = list(itertools.islice(b, spec.group_size))
+                for r in take:
+                    del b[r]
+                self._emit_job(spec, take)
+            if not b:
+                del self._filter_ready[spec.name][key]
+            elif p.sealed:
+                members = p.groups.get(spec.group_by, {}).get(gkey, {})
+                waiting = [r for r in members if spec.name in self.rows[r].pending]
+                if len(b) >= len(waiting):
+                    self._emit_job(spec, list(b))
+                    del self._filter_ready[spec.name][key]
+        else:
+            if not p.sealed:
+                return
+            members = p.groups.get(spec.group_by, {}).get(gkey, {})
+            waiting = [r for r in members if spec.name in self.rows[r].pending]
+            if len(b) >= len(waiting):
+                self._emit_job(spec, list(b))
+                del self._filter_ready[spec.name][key]
+
+    def _emit_job(self, spec: FilterSpec, rids: list[int]) -> None:
+        for r in rids:
+            row = self.rows[r]
+            row.pending.discard(spec.name)
+            row.judging.add(spec.name)
+        job = FilterJob(next(self._job_ids), spec.name, rids,
+                        [self.rows[r].shard for r in rids], tuple(sorted(spec.fields)))
+        self._jobs[job.id] = job
+        self.filter_jobs.append(job)
+
+    def filter_done(self, job_id: int, keep: Sequence[bool] | None, *, error: bool = False) -> int:
+        """Record a filter verdict: ``keep[i]`` for the job's i-th row. Rejected rows (all
+        of them when ``error``) are dropped. Returns how many were dropped."""
+        job = self._jobs.pop(job_id, None)
+        if job is None:
+            return 0
+        live = [self.rows[r] for r in job.rows if r in self.rows]
+        for row in live:
+            row.judging.discard(job.filter)
+        if error:
+            rejected = live
+            self.c_filter_errors[job.filter] = self.c_filter_errors.get(job.filter, 0) + len(live)
+            reason = DropReason.FILTER_ERROR
+        else:
+            verdict = dict(zip(job.rows, keep))
+            rejected = [r for r in live if not verdict[r.id]]
+            self.c_filtered_by[job.filter] = self.c_filtered_by.get(job.filter, 0) + len(rejected)
+            reason = DropReason.FILTERED
+        self._drop_rows(rejected, reason)
+        rej = {r.id for r in rejected}
+        self._reindex([r for r in live if r.id not in rej])
+        return len(rejected)
+
+    def filter_retry(self, job_id: int) -> None:
+        """A job could not run to the end (cancelled): queue it again."""
+        job = self._jobs.get(job_id)
+        if job is not None:
+            self.filter_jobs.append(job)
+
+    # ------------------------------------------------------------------ outboxes
+
+    def drain(self) -> tuple[dict[int, list[int]], list[FilterJob], set[tuple], set, bool]:
+        """Take and reset the outboxes: (deletes, filter_jobs, woken, changed, space_freed)."""
+        out = (self.deletes, self.filter_jobs, self.woken, self.changed, self.space_freed)
+        self.deletes, self.filter_jobs, self.woken, self.changed = {}, [], set(), set()
+        self.space_freed = False
+        return out
+
+    # ------------------------------------------------------------------ introspection
+
+    def pending_filter_rows(self) -> dict[str, int]:
+        """Per filter, live rows it has not judged yet."""
+        out = {name: 0 for name in self.filters}
+        for row in self.rows.values():
+            for name in row.pending | row.judging:
+                out[name] += 1
+        return out
+
+    def partition_states(self) -> dict[str, dict[str, int]]:
+        """Rows held per partition and per state: ``waiting`` (no subscription can take
+        them yet), ``ready`` (deliverable to some task), ``leased``, ``consumed``
+        (acknowledged by some task, not leased, still held)."""
+        ready: set[int] = set()
+        for sub in self.subs.values():
+            ready.update(sub.avail)
+        out: dict[str, dict[str, int]] = {}
+        for p in self.parts.values():
+            st = {"rows": len(p.rows), "waiting": 0, "ready": 0, "leased": 0, "consumed": 0,
+                  "sealed": int(p.sealed)}
+            for row in p.rows.values():
+                if row.leased:
+                    st["leased"] += 1
+                elif row.id in ready:
+                    st["ready"] += 1
+                elif row.acked:
+                    st["consumed"] += 1
+                else:
+                    st["waiting"] += 1
+            out[p.name] = st
+        return out
+
+    def leaked(self) -> dict[str, int]:
+        """Rows still held in sealed partitions that no task will ever take: not leased,
+        and acknowledged by every declared consumer (or, with none declared, by every
+        task that has read from the partition)."""
+        out: dict[str, int] = {}
+        for p in self.parts.values():
+            if not p.sealed or not p.rows:
+                continue
+            tasks = p.consumers or frozenset(p.tasks)
+            if not tasks:
+                continue
+            n = sum(1 for r in p.rows.values() if not r.leased and tasks <= r.acked)
+            if n:
+                out[p.name] = n
+        return out
+
+    def held_by_partition(self) -> dict[str, int]:
+        return {p.name: len(p.rows) for p in self.parts.values() if p.rows}
+
+
+_MISSING = object()
+
+
+def validate_request(req: Request) -> None:
+    """Raise :class:`InvalidArgument` for a request that can never be served."""
+    if not isinstance(req.task, str) or not req.task:
+        raise InvalidArgument(f"task must be a non-empty str, got {req.task!r}")
+    if not req.fields or not all(isinstance(f, str) and f for f in req.fields):
+        raise InvalidArgument(
+            f"fields must be a non-empty list of field names, got {list(req.fields)!r}")
+    if not isinstance(req.batch_size, int) or isinstance(req.batch_size, bool) or req.batch_size <= 0:
+        raise InvalidArgument(f"batch_size must be a positive int, got {req.batch_size!r}")
+    if req.group_size is not None:
+        if req.group_by is None:
+            raise InvalidArgument("group_size needs group_by (the field whose value groups rows)")
+        if not isinstance(req.group_size, int) or req.group_size <= 0:
+            raise InvalidArgument(f"group_size must be a positive int, got {req.group_size!r}")
+        if req.batch_size % req.group_size:
+            raise InvalidArgument(
+                f"group_size={req.group_size} does not divide batch_size={req.batch_size}; "
+                "a batch holds whole groups, so pick a batch_size that is a multiple of it")
+    _check_staleness("max_staleness", req.max_staleness)
+    if not isinstance(req.dp_size, int) or req.dp_size <= 0:
+        raise InvalidArgument(f"dp_size must be a positive int, got {req.dp_size!r}")
+    if not isinstance(req.dp_rank, int) or not 0 <= req.dp_rank < req.dp_size:
+        raise InvalidArgument(
+            f"dp_rank must be an int in [0, dp_size={req.dp_size}), got {req.dp_rank!r}")
+    if req.dp_remainder not in ("error", "drop", "pad"):
+        raise InvalidArgument(
+            f"dp_remainder must be 'error', 'drop' or 'pad', got {req.dp_remainder!r}")
+    if req.lease_timeout is not None and req.lease_timeout <= 0:
+        raise InvalidArgument(f"lease_timeout must be > 0 seconds, got {req.lease_timeout!r}")
+
+
+def _consumers(consumers: Sequence[str] | None) -> frozenset[str] | None:
+    if consumers is None:
+        return None
+    if isinstance(consumers, str):
+        consumers = [consumers]
+    out = frozenset(consumers)
+    if not out or not all(isinstance(c, str) and c for c in out):
+        raise InvalidArgument(
+            f"consumers must be a non-empty list of task names (or None), got {consumers!r}")
+    return out
+
+
+def _check_staleness(name: str, v: int | None) -> None:
+    if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 0):
+        raise InvalidArgument(f"{name} must be an int >= 0 (or None for no bound), got {v!r}")
+
+
+def _balanced_split(units: list[list[int]], R: int, weights: list[float]
+                    ) -> tuple[list[list[int]], list[list[int]]]:
+    """Split ``units`` (groups of rows) over ``R`` ranks, every rank the same number of
+    units, balancing the total weight: greedy longest-processing-time first with a
+    cardinality bound (each unit goes, heaviest first, to the lightest rank that still has
+    room). When ``len(units)`` is not a multiple of ``R`` the short ranks are padded by
+    repeating units of other ranks (returned separately, as they are not leased twice).
+    """
+    per = math.ceil(len(units) / R)
+    order = sorted(range(len(units)), key=lambda i: -weights[i])
+    load = [0.0] * R
+    count = [0] * R
+    shares: list[list[int]] = [[] for _ in range(R)]
+    for i in order:
+        r = min((r for r in range(R) if count[r] < per), key=lambda r: (load[r], count[r]))
+        shares[r].extend(units[i])
+        load[r] += weights[i]
+        count[r] += 1
+    pads: list[list[int]] = [[] for _ in range(R)]
+    donors = deque(i for i in order)
+    for r in range(R):
+        while count[r] < per:
+            i = donors.popleft()
+            donors.append(i)
+            pads[r].extend(units[i])
+            count[r] += 1
+    return shares, pads
+
+
+def imbalance(loads: Sequence[float]) -> float:
+    """(max - min) / mean of per-rank loads: 0 is perfect balance."""
+    mean = sum(loads) / len(loads) if loads else 0.0
+    return (max(loads) - min(loads)) / mean if mean else 0.0

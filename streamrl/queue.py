@@ -1,0 +1,582 @@
+"""The async client: :class:`StreamQueue`."""
+
+from __future__ import annotations
+
+import itertools
+import warnings
+import weakref
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import anyio
+import numpy as np
+import torch
+from tensordict import TensorDictBase
+
+from .batch import ColumnRemoteBatch, RemoteBatch, RowRemoteBatch
+from .columns import Column, assemble, row_nbytes, tag_values, take_rows, to_columns
+from .controller import Controller, Delivery, FilterSpec, Request, validate_request
+from .errors import (EndOfStream, InvalidArgument, LeaseExpired, SchemaError, StreamRLError,
+                     TransportError)
+from .stats import Stats
+
+__all__ = ["StreamQueue", "Stream", "DEFAULT_PARTITION"]
+
+#: Partition used by ``put`` when none is given.
+DEFAULT_PARTITION = "default"
+
+_registry: "weakref.WeakValueDictionary[int, StreamQueue]" = weakref.WeakValueDictionary()
+_ids = itertools.count(1)
+
+
+class StreamQueue:
+    """An async, sharded, bounded queue of partial samples.
+
+    Producers ``put`` rows (or new fields of existing rows); consumers ``stream`` or
+    ``get`` readiness-gated micro-batches as lazy :class:`~streamrl.RowRemoteBatch` views
+    and ``materialize`` only the fields they need.
+
+    Args:
+        capacity: most rows held at once. ``put`` waits while the queue is full.
+        num_shards: storage units the rows are spread over.
+
+    Keyword Args:
+        capacity_bytes: most bytes held at once (``None``: rows bound only). New rows are
+            admitted only while their bytes fit; fields written to admitted rows always are.
+        transport: ``"embedded"`` (default: everything in this process and event loop) or
+            ``"ray"`` (controller and storage units as Ray actors; see the deployment docs).
+        lease_timeout: seconds a delivered batch stays leased without ``ack`` before its
+            rows are delivered again (default 600; per stream/get too).
+        max_staleness: drop rows whose version is older than ``version - max_staleness``
+            (counted in ``stats().stale``); ``None`` keeps every version.
+        max_lead: admission pacer: ``put`` of new rows with ``version=v`` waits while
+            ``v > current version + max_lead``.
+        consumers: tasks that must each acknowledge a row before it is dropped
+            automatically (consumer-set cleanup); per partition with :meth:`declare`.
+        name: name of the queue (Ray: actor names, :meth:`connect`).
+        **options: transport options (see :mod:`streamrl.transport`).
+
+    Examples:
+        >>> import asyncio, torch, streamrl
+        >>> async def main():
+        ...     async with streamrl.StreamQueue(capacity=64, num_shards=2) as q:
+        ...         rows = await q.put({"prompt": torch.zeros(8, 4)}, partition="step-0")
+        ...         await q.put({"reward": torch.ones(8)}, rows=rows)
+        ...         await q.seal("step-0")
+        ...         n = 0
+        ...         async for mb in q.stream("train", ["prompt", "reward"], batch_size=4,
+        ...                                  partition="step-0"):
+        ...             td = await mb.materialize()
+        ...             n += td.batch_size[0]
+        ...         return n
+        >>> asyncio.run(main())
+        8
+    """
+
+    def __init__(self, capacity: int = 4096, num_shards: int = 4, *,
+                 capacity_bytes: int | None = None, transport: str = "embedded",
+                 lease_timeout: float = 600.0, max_staleness: int | None = None,
+                 max_lead: int | None = None, consumers: Sequence[str] | None = None,
+                 name: str | None = None, **options: Any):
+        self.name = name
+        self._closed_locally = False
+        self._tag_fields: frozenset[str] = frozenset()
+        if isinstance(transport, str) and transport == "embedded":
+            if options:
+                raise InvalidArgument(f"unknown options for the embedded transport: {sorted(options)}")
+            from .transport.embedded import EmbeddedTransport
+
+            ctl = Controller(capacity, capacity_bytes=capacity_bytes, num_shards=num_shards,
+                             lease_timeout=lease_timeout, max_staleness=max_staleness,
+                             max_lead=max_lead, consumers=consumers)
+            self._transport = EmbeddedTransport(ctl)
+        elif isinstance(transport, str) and transport == "ray":
+            from .transport.ray import RayTransport
+
+            self._transport = RayTransport.create(
+                capacity=capacity, capacity_bytes=capacity_bytes, num_shards=num_shards,
+                lease_timeout=lease_timeout, max_staleness=max_staleness, max_lead=max_lead,
+                consumers=consumers, name=name, **options)
+        elif not isinstance(transport, str) and hasattr(transport, "control"):
+            self._transport = transport  # an already built transport
+        else:
+            raise InvalidArgument(
+                f"transport must be 'embedded' or 'ray', got {transport!r}")
+        self._id = next(_ids)
+        _registry[self._id] = self
+
+    # ------------------------------------------------------------------ plumbing
+
+    @property
+    def transport(self) -> str:
+        """The transport's name (``"embedded"`` or ``"ray"``)."""
+        return self._transport.name
+
+    @property
+    def _control(self):
+        return self._transport.control
+
+    @property
+    def _data(self):
+        return self._transport.data
+
+    @property
+    def num_shards(self) -> int:
+        return self._data.num_shards
+
+    def __reduce__(self):
+        handle = getattr(self._transport, "handle", None)
+        if handle is not None:
+            return (_from_handle, (handle, self.name))
+        return (_attach_embedded, (self._id,))
+
+    async def __aenter__(self) -> "StreamQueue":
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.close()
+        await self.shutdown()
+
+    # ------------------------------------------------------------------ put
+
+    async def put(self, data: Mapping[str, Any] | TensorDictBase, partition: str | None = None,
+                  rows: RemoteBatch | Sequence[int] | torch.Tensor | None = None, *,
+                  version: int | None = None, overwrite: bool = False,
+                  timeout: float | None = None) -> RowRemoteBatch:
+        """Put new rows, or (with ``rows=``) new fields of existing rows.
+
+        Args:
+            data: a TensorDict (batch dim = rows) or a dict of field -> tensor / ndarray /
+                list, every field with the same number of rows. Tensors are stored as given
+                (no copy): do not modify them in place afterwards.
+            partition: where new rows go (default ``"default"``); ignored with ``rows``.
+            rows: existing rows to add fields to (a batch from ``put``/``get``/``stream``,
+                or row ids); ``len(rows)`` must equal the rows in ``data``.
+
+        Keyword Args:
+            version: policy version stamped on new rows (default: the queue's current one).
+            overwrite: allow replacing fields already written to ``rows``.
+            timeout: seconds to wait for room (new rows only); ``None`` waits for ever.
+
+        Returns:
+            A :class:`RowRemoteBatch` of the rows written (not leased), whose cache holds
+            ``data``.
+
+        Waits while the queue is full (backpressure) or, with ``max_lead``, while
+        ``version`` is too far ahead. Raises :class:`~streamrl.errors.QueueFull` at once for
+        a put that can never fit, :class:`~streamrl.errors.StreamTimeout` after
+        ``timeout``, :class:`~streamrl.errors.QueueClosed` after close,
+        :class:`~streamrl.errors.SchemaError` for mismatched lengths,
+        :class:`~streamrl.errors.DuplicateField` and :class:`~streamrl.errors.RowsDropped`.
+        """
+        return await self._put(data, partition, rows, version=version, overwrite=overwrite,
+                               timeout=timeout, nowait=False)
+
+    async def put_nowait(self, data: Mapping[str, Any] | TensorDictBase,
+                         partition: str | None = None, *, version: int | None = None
+                         ) -> RowRemoteBatch:
+        """Like :meth:`put` of new rows, but raises :class:`~streamrl.errors.QueueFull`
+        instead of waiting for room. (It is a coroutine because storing may still need I/O
+        on distributed transports.)"""
+        return await self._put(data, partition, None, version=version, overwrite=False,
+                               timeout=None, nowait=True)
+
+    async def _put(self, data, partition, rows, *, version, overwrite, timeout, nowait):
+        cols, n = to_columns(data)
+        names = tuple(cols)
+        nbytes = {f: row_nbytes(c, n) for f, c in cols.items()}
+        ctl = self._control
+        target: RowRemoteBatch | None = None
+        if rows is None:
+            part = DEFAULT_PARTITION if partition is None else partition
+            tok = await ctl.allocate(part, n, names, nbytes=sum(sum(v) for v in nbytes.values()),
+                                     version=version, timeout=timeout, nowait=nowait)
+        else:
+            if isinstance(rows, ColumnRemoteBatch):
+                rows = rows.batch
+            if isinstance(rows, RowRemoteBatch):
+                target = rows
+                ids = rows.rows
+                part = rows.partition
+            else:
+                ids = _row_ids(rows)
+                part = None
+            if len(ids) != n:
+                raise SchemaError(
+                    f"writing {n} rows of {list(names)} to {len(ids)} rows; give one value per "
+                    "target row")
+            if len(set(ids)) != len(ids):
+                raise SchemaError("the target rows repeat; write each row once")
+            tok = await ctl.begin_write(ids, names, overwrite=overwrite)
+        try:
+            await self._data.put(_split_by_shard(tok.rows, tok.shards, cols))
+        except BaseException:
+            with anyio.CancelScope(shield=True):
+                await ctl.abort(tok)
+            raise
+        tags = {f: tag_values(f, cols[f]) for f in names if f in self._tag_fields}
+        res = await ctl.commit(tok, nbytes, tags)
+        self._tag_fields = res.tag_fields
+        if target is not None:
+            target._learn(cols)
+            return target
+        out = RowRemoteBatch(self, tok.rows, tok.shards, names, partition=part)
+        out._learn(cols)
+        return out
+
+    # ------------------------------------------------------------------ get / stream
+
+    def _request(self, task, fields, batch_size, **kw) -> Request:
+        if isinstance(fields, str):
+            fields = [fields]
+        req = Request(task, tuple(fields) if fields is not None else (), batch_size, **kw)
+        validate_request(req)
+        return req
+
+    async def get(self, task: str, fields: Sequence[str], batch_size: int, *,
+                  partition: str | None = None, timeout: float | None = None,
+                  group_by: str | None = None, group_size: int | None = None,
+                  drop_last: bool = False, max_staleness: int | None = None,
+                  dp_rank: int = 0, dp_size: int = 1, balance_by: str | None = None,
+                  dp_remainder: str = "error", lease_timeout: float | None = None
+                  ) -> RowRemoteBatch:
+        """One leased micro-batch for ``task`` (see :meth:`stream` for the arguments).
+
+        The batch stays leased until ``ack()``, ``drop()``, ``release()`` or its lease
+        timeout; a second ``get`` does not acknowledge the first.
+
+        Raises:
+            EndOfStream: nothing more will come (sealed and drained, or closed).
+            StreamTimeout: no batch within ``timeout`` seconds.
+        """
+        req = self._request(task, fields, batch_size, partition=partition, group_by=group_by,
+                            group_size=group_size, drop_last=drop_last,
+                            max_staleness=max_staleness, dp_rank=dp_rank, dp_size=dp_size,
+                            balance_by=balance_by, dp_remainder=dp_remainder,
+                            lease_timeout=lease_timeout)
+        d = await self._control.take(req, timeout)
+        if d is None:
+            where = f"partition {partition!r} is sealed and" if partition else "the queue is closed and"
+            raise EndOfStream(f"task {task!r}: {where} every row was delivered; nothing more to get")
+        return self._delivered(d)
+
+    def stream(self, task: str, fields: Sequence[str], batch_size: int, *,
+               partition: str | None = None, timeout: float | None = None,
+               group_by: str | None = None, group_size: int | None = None,
+               drop_last: bool = False, max_staleness: int | None = None,
+               dp_rank: int = 0, dp_size: int = 1, balance_by: str | None = None,
+               dp_remainder: str = "error", lease_timeout: float | None = None) -> "Stream":
+        """Micro-batches of rows ready in every one of ``fields`` that ``task`` has not
+        consumed, as an async iterator of leased :class:`RowRemoteBatch` views.
+
+        Args:
+            task: the consumer role (``"actor_update"``). Each task consumes each row once.
+            fields: the fields a row must have to be delivered. A field nobody has written
+                yet is fine: the stream waits for it.
+            batch_size: rows per batch (per rank with ``dp_size``).
+
+        Keyword Args:
+            partition: only rows of this partition; the stream ends once the partition is
+                sealed and every row was consumed by the task (or dropped). ``None``: rows
+                of any partition, until the queue is closed.
+            timeout: seconds to wait for each batch before raising
+                :class:`~streamrl.errors.StreamTimeout` (``None``: wait for ever).
+            group_by, group_size: deliver whole groups only (rows sharing the value of the
+                field ``group_by``): a group is complete when ``group_size`` of its rows are
+                ready, or -- without ``group_size``, or for a short last group -- when its
+                partition is sealed and all its rows are ready. ``batch_size`` must be a
+                multiple of ``group_size``.
+            drop_last: at the end of a sealed partition, do not deliver a short last batch
+                (its rows stay unconsumed by this task).
+            max_staleness: drop rows whose version is older than ``version - max_staleness``
+                instead of delivering them.
+            dp_rank, dp_size: data-parallel dispatch: each dispatch takes ``dp_size *
+                batch_size`` rows and gives every rank an equal share (whole groups when
+                grouped); rank ``r`` gets share ``r`` of each dispatch.
+            balance_by: a per-row length field; shares are balanced on its totals.
+            dp_remainder: what to do with a last dispatch that does not split evenly:
+                ``"error"`` (raise :class:`~streamrl.errors.DispatchError`), ``"drop"``
+                (drop the surplus rows, counted) or ``"pad"`` (repeat rows).
+            lease_timeout: override the queue's lease timeout for these batches.
+
+        Acknowledgement (leases): each batch is leased to ``task``. It is acknowledged when
+        the consumer asks for the next batch, by ``await mb.ack()`` or ``await mb.drop()``,
+        or -- when the stream is used as ``async with q.stream(...) as batches:`` -- when
+        that block exits without an exception. Anything else releases the lease and the
+        rows are delivered again to the next consumer of ``task`` (at-least-once): the
+        block raising or being cancelled, leaving the loop with ``break`` before ``ack``,
+        the iterator being garbage-collected, or the lease outliving ``lease_timeout``.
+        (A bare ``async for`` cannot tell ``break`` from an exception; both release.)
+
+        Returns:
+            A :class:`Stream` (async iterator and async context manager).
+        """
+        req = self._request(task, fields, batch_size, partition=partition, group_by=group_by,
+                            group_size=group_size, drop_last=drop_last,
+                            max_staleness=max_staleness, dp_rank=dp_rank, dp_size=dp_size,
+                            balance_by=balance_by, dp_remainder=dp_remainder,
+                            lease_timeout=lease_timeout)
+        return Stream(self, req, timeout)
+
+    def _delivered(self, d: Delivery) -> RowRemoteBatch:
+        return RowRemoteBatch(self, d.rows, d.shards, d.fields, versions=d.versions,
+                              leases=(d.lease,), task=d.task, partition=d.partition,
+                              known=d.known)
+
+    async def _fetch(self, rows: np.ndarray, shards: np.ndarray, fields: list[str]
+                     ) -> dict[str, Column]:
+        """Read ``fields`` of ``rows`` from their storage units: one request per unit, all
+        units concurrently; columns come back in ``rows`` order."""
+        order = np.argsort(shards, kind="stable")
+        s_sorted = shards[order]
+        bounds = np.flatnonzero(np.diff(s_sorted)) + 1
+        groups = np.split(order, bounds)
+        parts = [(int(shards[g[0]]), rows[g].tolist(), fields) for g in groups if len(g)]
+        got = await self._data.get(parts)
+        if len(groups) == 1:
+            return {f: assemble(got[0][f]) for f in fields}
+        out: dict[str, Column] = {}
+        contiguous = all(np.array_equal(g, np.arange(g[0], g[0] + len(g))) for g in groups)
+        for f in fields:
+            if contiguous:  # each unit holds one run of the batch: join in batch order
+                seq = sorted(zip((int(g[0]) for g in groups), got), key=lambda x: x[0])
+                out[f] = assemble([p for _, res in seq for p in res[f]])
+                continue
+            cols = [assemble(res[f]) for res in got]
+            out[f] = _scatter(cols, groups, len(rows))
+        return out
+
+    async def _lease_rows(self, lease_ids: Sequence[int]) -> list[int]:
+        return await self._control.lease_rows(list(lease_ids))
+
+    # ------------------------------------------------------------------ lifecycle
+
+    async def drop(self, rows: RemoteBatch | Sequence[int] | torch.Tensor) -> int:
+        """Delete rows for good and free their bytes (idempotent). Returns rows dropped."""
+        if isinstance(rows, (RowRemoteBatch, ColumnRemoteBatch)):
+            b = rows if isinstance(rows, RowRemoteBatch) else rows.batch
+            await b.drop()
+            return len(b)
+        return await self._control.drop(_row_ids(rows))
+
+    async def clear(self, partition: str) -> int:
+        """Drop every row of ``partition``. Returns rows dropped."""
+        return await self._control.clear(partition)
+
+    async def seal(self, partition: str) -> None:
+        """Declare that no new rows will be added to ``partition``: streams over it end
+        once every row is delivered to their task (or dropped), and a short last batch may
+        go out. New fields of its existing rows are still accepted."""
+        await self._control.seal(partition)
+
+    async def declare(self, partition: str, consumers: Sequence[str] | None) -> None:
+        """Set the tasks whose acknowledgement drops a row of ``partition`` automatically
+        (overrides the queue's ``consumers``; ``None`` turns cleanup off)."""
+        await self._control.declare(partition, consumers)
+
+    async def set_version(self, version: int) -> int:
+        """Advance the current policy version (never backwards). With ``max_staleness``,
+        rows now too old are dropped (whole groups together); returns how many. Producers
+        paced by ``max_lead`` are released."""
+        return await self._control.set_version(version)
+
+    async def add_filter(self, fn: Callable, *, fields: Sequence[str], group_by: str | None = None,
+                         group_size: int | None = None, name: str | None = None) -> str:
+        """Judge rows once they have every one of ``fields``; rejected rows are dropped.
+
+        ``fn(td)`` gets a TensorDict of ``fields`` for a row set (the rows a write made
+        ready, or one whole group with ``group_by``) and returns ``True``/``False`` (keep
+        or reject them all) or a bool mask (per row); it may be ``async``. With
+        ``group_by``, a group is judged when ``group_size`` of its rows are ready (without
+        ``group_size``: when its partition is sealed and all its rows are ready).
+
+        A row is never delivered to a task that asks for any of ``fields`` before the
+        filter passed it; tasks that need none of them may take it earlier (if such a row
+        is then rejected while leased, the lease shrinks and that task's ``ack`` covers
+        the rest). A filter that raises or returns a bad mask drops the rows it was judging
+        (counted in ``stats().filter_errors``) and the error is raised to the producer whose
+        write triggered it as :class:`~streamrl.errors.FilterError`.
+
+        Returns:
+            The filter's name (counted per name in ``stats().filtered_by``).
+        """
+        if isinstance(fields, str):
+            fields = [fields]
+        if not fields:
+            raise InvalidArgument("a filter needs the fields it reads (fields=[...])")
+        if group_size is not None and (group_by is None or not isinstance(group_size, int)
+                                       or group_size <= 0):
+            raise InvalidArgument("group_size must be a positive int and needs group_by")
+        name = name or getattr(fn, "__name__", None) or "filter"
+        spec = FilterSpec(name, frozenset(fields), group_by, group_size)
+        await self._control.add_filter(fn, spec)
+        if group_by:
+            self._tag_fields = self._tag_fields | {group_by}
+        return name
+
+    async def stats(self) -> Stats:
+        """A snapshot of counters and holdings (see :class:`~streamrl.Stats`)."""
+        return await self._control.stats()
+
+    async def leaked(self) -> int:
+        """Rows held in sealed partitions that no task will take any more (0 when every
+        row of every finished partition was consumed, filtered, dropped or cleared)."""
+        return sum((await self._control.leaked()).values())
+
+    async def close(self) -> dict[str, int]:
+        """Close the queue (idempotent): ``put`` raises :class:`~streamrl.errors.QueueClosed`,
+        streams deliver what is ready and end, waiting ``put``/``get`` wake with an error.
+        Data already in the queue stays readable until :meth:`shutdown`.
+
+        Returns:
+            Rows still held per partition (empty when nothing is left behind).
+        """
+        self._closed_locally = True
+        return await self._control.close()
+
+    async def shutdown(self) -> None:
+        """Free the deployment (Ray: kill the actors this queue started)."""
+        await self._transport.shutdown()
+
+
+class Stream:
+    """The iterator returned by :meth:`StreamQueue.stream` (see its docstring for the
+    acknowledgement rules)."""
+
+    def __init__(self, queue: StreamQueue, req: Request, timeout: float | None):
+        self._q = queue
+        self._req = req
+        self._timeout = timeout
+        self._current: RowRemoteBatch | None = None
+        self._done = False
+
+    @property
+    def current(self) -> RowRemoteBatch | None:
+        """The batch handed out last (until acknowledged)."""
+        return self._current
+
+    def __aiter__(self) -> "Stream":
+        return self
+
+    async def __anext__(self) -> RowRemoteBatch:
+        cur, self._current = self._current, None
+        if cur is not None and cur.leased:
+            try:
+                await cur.ack()
+            except LeaseExpired as e:
+                warnings.warn(f"streamrl: {e}", RuntimeWarning, stacklevel=2)
+        if self._done:
+            raise StopAsyncIteration
+        d = await self._q._control.take(self._req, self._timeout)
+        if d is None:
+            self._done = True
+            raise StopAsyncIteration
+        self._current = self._q._delivered(d)
+        return self._current
+
+    async def __aenter__(self) -> "Stream":
+        return self
+
+    async def __aexit__(self, et, e, tb) -> None:
+        cur, self._current = self._current, None
+        self._done = True
+        if cur is None or not cur.leased:
+            return
+        with anyio.CancelScope(shield=True):
+            if et is None:
+                await cur.ack()
+            else:
+                await cur.release()
+
+    async def aclose(self) -> None:
+        """Stop: release the current batch (unacknowledged) and end the iteration."""
+        cur, self._current = self._current, None
+        self._done = True
+        if cur is not None and cur.leased:
+            await cur.release()
+
+    def __del__(self) -> None:
+        cur = self._current
+        if cur is not None and cur.leased:
+            cur._lease.open = False
+            try:
+                self._q._transport.release_nowait(list(cur.lease_ids))
+            except Exception:  # interpreter shutdown, loop gone: the lease timeout applies
+                pass
+
+
+def _row_ids(rows: Any) -> list[int]:
+    if isinstance(rows, RowRemoteBatch):
+        return rows.rows
+    if isinstance(rows, torch.Tensor):
+        return rows.reshape(-1).tolist()
+    if isinstance(rows, np.ndarray):
+        return rows.reshape(-1).tolist()
+    try:
+        return [int(r) for r in rows]
+    except (TypeError, ValueError):
+        raise InvalidArgument(f"rows must be a batch or a list of row ids, got {type(rows).__name__}") from None
+
+
+def _split_by_shard(rows: Sequence[int], shards: Sequence[int], cols: Mapping[str, Column]):
+    """(shard, rows, columns) per storage unit: slices (views) for contiguous runs of one
+    shard, gathered copies otherwise."""
+    n = len(rows)
+    runs: list[tuple[int, int, int]] = []  # (shard, start, stop)
+    start = 0
+    for i in range(1, n + 1):
+        if i == n or shards[i] != shards[start]:
+            runs.append((shards[start], start, i))
+            start = i
+    by_shard: dict[int, list[tuple[int, int]]] = {}
+    for s, a, b in runs:
+        by_shard.setdefault(s, []).append((a, b))
+    parts = []
+    for s, spans in by_shard.items():
+        if len(spans) == 1:
+            a, b = spans[0]
+            parts.append((s, list(rows[a:b]), {f: c[a:b] for f, c in cols.items()}))
+        else:
+            idx = [i for a, b in spans for i in range(a, b)]
+            parts.append((s, [rows[i] for i in idx], {f: take_rows(c, idx) for f, c in cols.items()}))
+    return parts
+
+
+def _scatter(cols: list[Column], groups: list[np.ndarray], n: int) -> Column:
+    """Place per-unit columns at their batch positions."""
+    if all(isinstance(c, torch.Tensor) and not c.is_nested for c in cols) and \
+            len({(c.dtype, c.shape[1:]) for c in cols}) == 1:
+        first = cols[0]
+        out = first.new_empty((n,) + tuple(first.shape[1:]))
+        for c, g in zip(cols, groups):
+            out[torch.from_numpy(g)] = c
+        return out
+    flat: list = [None] * n
+    for c, g in zip(cols, groups):
+        items = c.unbind(0) if isinstance(c, torch.Tensor) else c
+        for i, v in zip(g.tolist(), items):
+            flat[i] = v
+    return assemble([flat])
+
+
+def _attach_embedded(qid: int) -> StreamQueue:
+    q = _registry.get(qid)
+    if q is None:
+        raise TransportError(
+            "this batch or queue belongs to an embedded queue of another process (or one that "
+            "is gone); embedded queues live in one process: use transport='ray' to share a "
+            "queue between processes")
+    return q
+
+
+def _from_handle(handle, name):
+    from .transport.ray import RayTransport
+
+    q = StreamQueue.__new__(StreamQueue)
+    q.name = name
+    q._closed_locally = False
+    q._tag_fields = frozenset()
+    q._transport = RayTransport.from_handle(handle)
+    q._id = next(_ids)
+    _registry[q._id] = q
+    return q

@@ -1,0 +1,443 @@
+"""The controller service: the pure :class:`~streamrl.controller.Controller` plus waiting.
+
+This is the control plane every transport exposes. It adds to the controller what needs
+an event loop:
+
+* **waiting** -- ``put`` waits (FIFO) for capacity and for version pacing; ``take`` waits
+  for a batch. Waiting is event-driven: a write that makes rows deliverable sets the
+  events of exactly the subscriptions that gained rows; a seal, drop, ack or close sets
+  those of the partitions whose end-of-stream condition moved. A waiter's timer is the
+  earlier of its own timeout and the next lease deadline, so expired leases are handed
+  out again without any polling loop.
+* **filters** -- filter jobs the controller queues are run right away by whoever caused
+  them (usually the producer whose write completed a row or group), reading the needed
+  fields from storage.
+* **storage deletes** -- rows the controller drops are deleted from their units.
+
+Everything runs in one event loop (the caller's for the embedded transport, the
+controller actor's on Ray); no locks are needed because controller calls never await.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+import math
+import time
+from collections import OrderedDict, deque
+from collections.abc import Callable, Hashable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import anyio
+
+from .columns import assemble, tag_values, to_tensordict
+from .controller import END, CommitResult, Controller, Delivery, FilterJob, FilterSpec, Request, WriteToken
+from .errors import FilterError, InvalidArgument, QueueClosed, QueueFull, RowsDropped, StreamTimeout
+from .stats import Stats, TaskStats
+from .transport.base import DataPlane
+
+log = logging.getLogger("streamrl")
+
+__all__ = ["ControllerService"]
+
+
+class ControllerService:
+    """Async control plane around a :class:`Controller` (see module docstring).
+
+    Args:
+        controller: the metadata state machine.
+        data: the storage units, for deletes and for the fields filters read.
+    """
+
+    def __init__(self, controller: Controller, data: DataPlane):
+        self.ctl = controller
+        self.data = data
+        self._sub_waiters: dict[tuple, set[anyio.Event]] = {}
+        self._part_waiters: dict[str | None, set[anyio.Event]] = {}
+        self._space_q: OrderedDict[object, anyio.Event] = OrderedDict()
+        self._pace_waiters: set[anyio.Event] = set()
+        self._filters: dict[str, Callable] = {}
+        self._filter_failures: deque[str] = deque(maxlen=16)
+        self._waits: deque[float] = deque(maxlen=10000)
+        self._flushing = False
+
+    # ------------------------------------------------------------------ plumbing
+
+    async def _after(self, raise_filter_errors: bool = False) -> None:
+        """Drain the controller's outboxes: wake waiters, delete from storage, run filters.
+        Filter failures are raised (``raise_filter_errors``) or logged; either way the
+        rows concerned are dropped and counted."""
+        errors: list[FilterError] = []
+        while True:
+            deletes, jobs, woken, changed, freed = self.ctl.drain()
+            self._wake(woken, changed, freed)
+            if deletes:
+                try:
+                    await self.data.delete(deletes)
+                except Exception:  # a dead unit: its rows are gone anyway
+                    log.exception("streamrl: deleting rows from storage failed")
+            if not jobs:
+                break
+            for i, job in enumerate(jobs):
+                try:
+                    err = await self._run_filter(job)
+                except BaseException:
+                    for j in jobs[i:]:
+                        self.ctl.filter_retry(j.id)
+                    raise
+                if err is not None:
+                    errors.append(err)
+        if errors:
+            if raise_filter_errors:
+                raise errors[0]
+            for e in errors:
+                log.error("streamrl: %s", e)
+
+    def _wake(self, woken: set[tuple], changed: set, freed: bool) -> None:
+        for key in woken:
+            for ev in self._sub_waiters.get(key, ()):
+                ev.set()
+        if None in changed:
+            changed = set(self._part_waiters)
+        elif changed:
+            changed = set(changed)
+            changed.add(None)
+        for name in changed:
+            for ev in self._part_waiters.get(name, ()):
+                ev.set()
+        if freed:
+            if self._space_q:
+                next(iter(self._space_q.values())).set()
+            for ev in self._pace_waiters:
+                ev.set()
+        if self.ctl.closed:
+            for ev in self._space_q.values():
+                ev.set()
+
+    async def _wait(self, ev: anyio.Event, deadline: float | None) -> bool:
+        """Wait for ``ev`` until ``deadline`` or the next lease deadline; True if set."""
+        nxt = self.ctl.next_deadline()
+        ends = [d for d in (deadline, nxt) if d is not None]
+        if not ends:
+            await ev.wait()
+            return True
+        delay = max(0.0, min(ends) - self.ctl.clock())
+        with anyio.move_on_after(delay):
+            await ev.wait()
+        return ev.is_set()
+
+    # ------------------------------------------------------------------ writes
+
+    async def allocate(self, partition: str, n: int, fields: Sequence[str], *, nbytes: int = 0,
+                       version: int | None = None, timeout: float | None = None,
+                       nowait: bool = False) -> WriteToken:
+        """Admit ``n`` new rows, waiting (FIFO, up to ``timeout``) for capacity and for
+        version pacing. ``nowait`` raises :class:`~streamrl.errors.QueueFull` instead."""
+        ctl = self.ctl
+        if nowait:
+            if self._space_q:
+                ctl.check_fits(n, nbytes)
+                raise QueueFull(f"no room for {n} rows: other producers are waiting for space; "
+                                "use put to wait your turn")
+            tok = ctl.allocate(partition, n, fields, nbytes=nbytes, version=version)
+            await self._after()
+            return tok
+        deadline = None if timeout is None else ctl.clock() + timeout
+        # version pacing: wait while this producer is too far ahead of the trainer
+        while ctl.admission(n, nbytes, version) == "ahead":
+            ev = anyio.Event()
+            self._pace_waiters.add(ev)
+            try:
+                if not await self._wait(ev, deadline) and _past(ctl, deadline):
+                    raise StreamTimeout(
+                        f"put waited {timeout}s for the trainer to reach version "
+                        f"{version - (ctl.max_lead or 0)} (now {ctl.version}); call set_version as "
+                        "training advances, or raise max_lead")
+            finally:
+                self._pace_waiters.discard(ev)
+        # capacity: first come, first served
+        me = object()
+        self._space_q[me] = anyio.Event()
+        try:
+            while True:
+                if next(iter(self._space_q)) is me and ctl.admission(n, nbytes, None) is None:
+                    tok = ctl.allocate(partition, n, fields, nbytes=nbytes, version=version)
+                    return tok
+                ev = self._space_q[me] = anyio.Event()
+                if not await self._wait(ev, deadline) and _past(ctl, deadline):
+                    raise StreamTimeout(
+                        f"put of {n} rows waited {timeout}s for room ({len(ctl.rows)}/"
+                        f"{ctl.capacity} rows held); consumers are not keeping up: consume or "
+                        "drop rows, raise capacity, or pass a longer timeout")
+        finally:
+            self._space_q.pop(me, None)
+            if self._space_q:
+                next(iter(self._space_q.values())).set()
+            await self._after()
+
+    async def begin_write(self, rows: Sequence[int], fields: Sequence[str], *,
+                          overwrite: bool = False) -> WriteToken:
+        if self.ctl.closed:
+            raise QueueClosed("the queue is closed; no fields can be written any more")
+        return self.ctl.begin_write(rows, fields, overwrite=overwrite)
+
+    async def commit(self, token: WriteToken | int, nbytes: dict[str, Sequence[int]],
+                     tags: dict[str, Sequence[Hashable]] | None = None) -> CommitResult:
+        """Mark a write's fields ready; run the filters it completes (a filter failure is
+        raised here as :class:`~streamrl.errors.FilterError` after its rows were dropped).
+        Rows dropped while the write was in flight are deleted from storage here."""
+        res = self.ctl.commit(token, nbytes, tags)
+        if res.dead:
+            await self.data.delete(res.dead)
+        for f, rows in res.missing_tags.items():
+            await self._backfill_tags(f, _by_shard(self.ctl, rows))
+        await self._after(raise_filter_errors=True)
+        return res
+
+    async def abort(self, token: WriteToken | int) -> None:
+        parts = self.ctl.abort(token)
+        if parts:
+            await self.data.delete(parts)
+        await self._after()
+
+    # ------------------------------------------------------------------ tags
+
+    async def _backfill_tags(self, field: str, parts: dict[int, list[int]]) -> None:
+        """Read ``field`` of rows that were written before it became a tag."""
+        if not parts:
+            return
+        req = [(s, rows, [field]) for s, rows in parts.items()]
+        try:
+            got = await self.data.get(req)
+        except RowsDropped as e:  # rows left meanwhile: retry with the rest
+            gone = set(e.rows)
+            parts = {s: [r for r in rows if r not in gone] for s, rows in parts.items()}
+            return await self._backfill_tags(field, {s: r for s, r in parts.items() if r})
+        for (s, rows, _), cols in zip(req, got):
+            self.ctl.set_tags(field, rows, tag_values(field, assemble(cols[field])))
+
+    async def ensure_tags(self, fields: Sequence[str]) -> None:
+        for f in fields:
+            if f not in self.ctl.tag_fields:
+                await self._backfill_tags(f, self.ctl.register_tag(f))
+        await self._after()
+
+    # ------------------------------------------------------------------ reads
+
+    async def take(self, req: Request, timeout: float | None = None) -> Delivery | None:
+        """Lease the next batch for ``req``, waiting up to ``timeout`` seconds.
+
+        Returns ``None`` at end of stream. Raises :class:`StreamTimeout` when the wait
+        passes ``timeout``.
+        """
+        ctl = self.ctl
+        ctl.validate_request(req)
+        need = ctl.tags_needed(req)
+        if need:
+            await self.ensure_tags(need)
+        start = ctl.clock()
+        deadline = None if timeout is None else start + timeout
+        key = req.sub_key()
+        while True:
+            res = ctl.take(req)
+            if res is END:
+                await self._after()
+                return None
+            if res is not None:
+                self._waits.append(ctl.clock() - start)
+                await self._after()
+                return res
+            ev = anyio.Event()
+            self._sub_waiters.setdefault(key, set()).add(ev)
+            self._part_waiters.setdefault(req.partition, set()).add(ev)
+            try:
+                await self._after()
+                if not ev.is_set():
+                    got = await self._wait(ev, deadline)
+                    if not got and _past(ctl, deadline):
+                        where = f"partition {req.partition!r}" if req.partition else "the queue"
+                        raise StreamTimeout(
+                            f"task {req.task!r} waited {timeout}s for {req.batch_size} rows of "
+                            f"{where} ready in {list(req.fields)}; producers may be slow or a "
+                            "field is never written. Pass a longer timeout, or seal the "
+                            "partition so a short last batch can go out")
+            finally:
+                _discard(self._sub_waiters, key, ev)
+                _discard(self._part_waiters, req.partition, ev)
+
+    async def ack(self, lease_ids: Sequence[int]) -> None:
+        try:
+            self.ctl.ack(lease_ids)
+        finally:
+            await self._after()
+
+    async def release(self, lease_ids: Sequence[int]) -> None:
+        self.ctl.release(lease_ids)
+        await self._after()
+
+    async def lease_rows(self, lease_ids: Sequence[int]) -> list[int]:
+        """Rows still held under these leases."""
+        out: list[int] = []
+        for lid in lease_ids:
+            out.extend(self.ctl.lease_rows(lid) or ())
+        return out
+
+    # ------------------------------------------------------------------ lifecycle
+
+    async def drop(self, rows: Sequence[int]) -> int:
+        n = self.ctl.drop(rows)
+        await self._after()
+        return n
+
+    async def clear(self, partition: str) -> int:
+        n = self.ctl.clear(partition)
+        await self._after()
+        return n
+
+    async def seal(self, partition: str) -> None:
+        self.ctl.seal(partition)
+        await self._after()
+
+    async def declare(self, partition: str, consumers: Sequence[str] | None) -> None:
+        self.ctl.declare(partition, consumers)
+        await self._after()
+
+    async def set_version(self, version: int) -> int:
+        n = self.ctl.set_version(version)
+        await self._after()
+        return n
+
+    async def close(self) -> dict[str, int]:
+        """Close; returns rows still held per partition (logged when not empty)."""
+        self.ctl.close()
+        await self._after()
+        held = self.ctl.held_by_partition()
+        if held:
+            log.info("streamrl: queue closed with rows held: %s", held)
+        return held
+
+    # ------------------------------------------------------------------ filters
+
+    async def add_filter(self, fn: Callable, spec: FilterSpec) -> None:
+        if not callable(fn):
+            raise InvalidArgument(f"a filter must be callable, got {type(fn).__name__}")
+        if spec.group_by and spec.group_by not in self.ctl.tag_fields:
+            await self._backfill_tags(spec.group_by, self.ctl.register_tag(spec.group_by))
+        self._filters[spec.name] = fn
+        self.ctl.add_filter(spec)
+        await self._after()
+
+    async def _run_filter(self, job: FilterJob) -> FilterError | None:
+        """Read the job's fields, call the filter, record the verdict. Returns the error
+        (rows already dropped) when the filter failed."""
+        fn = self._filters[job.filter]
+        live = [r for r in job.rows if r in self.ctl.rows]
+        if not live:
+            self.ctl.filter_done(job.id, [], error=False)
+            return None
+        parts = _by_shard(self.ctl, live)
+        try:
+            got = await self.data.get([(s, rows, list(job.fields)) for s, rows in parts.items()])
+            order = [r for rows in parts.values() for r in rows]
+            cols = {f: assemble([p for g in got for p in g[f]]) for f in job.fields}
+            td = to_tensordict(cols, len(order))
+            verdict = fn(td)
+            if inspect.isawaitable(verdict):
+                verdict = await verdict
+            keep = _verdict(verdict, len(order), job.filter)
+        except RowsDropped as e:  # rows dropped while being judged: judge the rest later
+            keep_map = {r: r not in set(e.rows) for r in job.rows}
+            self.ctl.filter_done(job.id, [keep_map[r] for r in job.rows])
+            return None
+        except Exception as e:  # noqa: BLE001 - any failure of user code
+            self.ctl.filter_done(job.id, None, error=True)
+            msg = (f"filter {job.filter!r} failed on {len(live)} rows ({type(e).__name__}: {e}); "
+                   "those rows were dropped and counted in stats().filter_errors. Fix the filter")
+            self._filter_failures.append(msg)
+            err = FilterError(msg)
+            err.__cause__ = e
+            return err
+        verdict_by_row = dict(zip(order, keep))
+        self.ctl.filter_done(job.id, [verdict_by_row.get(r, False) for r in job.rows])
+        return None
+
+    # ------------------------------------------------------------------ stats
+
+    async def stats(self, with_units: bool = True) -> Stats:
+        ctl = self.ctl
+        ctl.expire()
+        await self._after()
+        tasks = {}
+        for t in set(ctl.c_delivered) | set(ctl.c_acked) | {s.task for s in ctl.subs.values()}:
+            tasks[t] = TaskStats(
+                delivered=ctl.c_delivered.get(t, 0), acked=ctl.c_acked.get(t, 0),
+                redelivered=ctl.c_redelivered.get(t, 0), expired=ctl.c_expired.get(t, 0),
+                leased=sum(len(le.rows) for le in ctl.leases.values() if le.task == t))
+        units = await self.data.unit_stats() if with_units else []
+        waits = sorted(self._waits)
+        return Stats(
+            rows=len(ctl.rows), bytes=ctl.bytes_held, capacity=ctl.capacity,
+            capacity_bytes=ctl.capacity_bytes, version=ctl.version,
+            put=ctl.c_put, bytes_put=ctl.c_bytes_put, bytes_freed=ctl.c_bytes_freed,
+            dropped=sum(ctl.c_dropped.values()), dropped_by=dict(ctl.c_dropped),
+            filtered=sum(ctl.c_filtered_by.values()), filtered_by=dict(ctl.c_filtered_by),
+            filter_errors=sum(ctl.c_filter_errors.values()),
+            filter_pending=ctl.pending_filter_rows(),
+            stale=ctl.c_dropped.get("stale", 0), consumed=ctl.c_dropped.get("consumed", 0),
+            delivered=sum(ctl.c_delivered.values()), tasks=tasks,
+            partitions=ctl.partition_states(), leaked=sum(ctl.leaked().values()),
+            leases=len(ctl.leases), waiting_puts=len(self._space_q) + len(self._pace_waiters),
+            wait_p50=_pct(waits, 0.5), wait_p99=_pct(waits, 0.99),
+            unit_rows=[u[0] for u in units], unit_bytes=[u[1] for u in units],
+            closed=ctl.closed, last_filter_errors=list(self._filter_failures))
+
+    async def leaked(self) -> dict[str, int]:
+        return self.ctl.leaked()
+
+
+def _by_shard(ctl: Controller, rows: Sequence[int]) -> dict[int, list[int]]:
+    out: dict[int, list[int]] = {}
+    for r in rows:
+        row = ctl.rows.get(r)
+        if row is not None:
+            out.setdefault(row.shard, []).append(r)
+    return out
+
+
+def _verdict(v: Any, n: int, name: str) -> list[bool]:
+    import torch
+
+    if isinstance(v, (bool,)) or (isinstance(v, torch.Tensor) and v.dim() == 0):
+        return [bool(v)] * n
+    if isinstance(v, torch.Tensor):
+        v = v.reshape(-1).tolist()
+    try:
+        v = [bool(x) for x in v]
+    except TypeError:
+        raise InvalidArgument(
+            f"filter {name!r} returned {type(v).__name__}; return a bool (keep or reject all "
+            "rows) or a bool mask with one entry per row") from None
+    if len(v) != n:
+        raise InvalidArgument(
+            f"filter {name!r} returned a mask of {len(v)} entries for {n} rows; return one "
+            "bool per row (or a single bool)")
+    return v
+
+
+def _past(ctl: Controller, deadline: float | None) -> bool:
+    return deadline is not None and ctl.clock() >= deadline
+
+
+def _discard(d: dict, key, ev) -> None:
+    s = d.get(key)
+    if s is not None:
+        s.discard(ev)
+        if not s:
+            del d[key]
+
+
+def _pct(xs: list[float], q: float) -> float | None:
+    if not xs:
+        return None
+    return xs[min(len(xs) - 1, math.floor(q * len(xs)))]

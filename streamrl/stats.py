@@ -1,0 +1,92 @@
+"""Queue statistics, as returned by :meth:`streamrl.StreamQueue.stats`."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+__all__ = ["Stats", "TaskStats"]
+
+
+@dataclass
+class TaskStats:
+    """Counters of one task (consumer role). ``delivered`` counts rows handed out
+    (redeliveries included), ``acked`` rows acknowledged, ``redelivered`` rows handed out
+    again after a release or lease expiry, ``expired`` rows whose lease timed out, and
+    ``leased`` rows held right now."""
+
+    delivered: int = 0
+    acked: int = 0
+    redelivered: int = 0
+    expired: int = 0
+    leased: int = 0
+
+
+@dataclass
+class Stats:
+    """A snapshot of a queue.
+
+    Attributes:
+        rows: rows held now (admitted, not dropped).
+        bytes: bytes held now, as accounted by the controller.
+        capacity, capacity_bytes: the bounds.
+        version: the current policy version.
+        put: rows ever admitted; ``bytes_put`` their bytes.
+        dropped: rows that left the queue; ``dropped_by`` per reason (``dropped``,
+            ``cleared``, ``filtered``, ``filter_error``, ``stale``, ``consumed``,
+            ``dp_remainder``, ``lost``); ``bytes_freed`` their bytes.
+        filtered: rows rejected by filters; ``filtered_by`` per filter name.
+        filter_errors: rows dropped because their filter raised; the messages of the last
+            failures are in ``last_filter_errors``.
+        filter_pending: per filter, rows it has not judged yet (a filter over a field that
+            is never written shows its rows here).
+        stale: rows dropped for staleness. ``consumed``: rows dropped because every
+            declared consumer acknowledged them.
+        delivered: rows handed out over all tasks; ``tasks``: per-task :class:`TaskStats`.
+        partitions: per partition, rows held by state (``waiting``, ``ready``, ``leased``,
+            ``consumed``) and whether it is ``sealed``.
+        leaked: rows held in sealed partitions that no task will take any more (should be
+            0 at the end of a run).
+        leases: open leases. ``waiting_puts``: producers waiting for room or pacing.
+        wait_p50, wait_p99: seconds consumers waited for a batch (recent 10k takes).
+        unit_rows, unit_bytes: rows and bytes each storage unit reports holding itself.
+        closed: whether the queue is closed.
+    """
+
+    rows: int = 0
+    bytes: int = 0
+    capacity: int = 0
+    capacity_bytes: int | None = None
+    version: int = 0
+    put: int = 0
+    bytes_put: int = 0
+    bytes_freed: int = 0
+    dropped: int = 0
+    dropped_by: dict[str, int] = field(default_factory=dict)
+    filtered: int = 0
+    filtered_by: dict[str, int] = field(default_factory=dict)
+    filter_errors: int = 0
+    filter_pending: dict[str, int] = field(default_factory=dict)
+    stale: int = 0
+    consumed: int = 0
+    delivered: int = 0
+    tasks: dict[str, TaskStats] = field(default_factory=dict)
+    partitions: dict[str, dict[str, int]] = field(default_factory=dict)
+    leaked: int = 0
+    leases: int = 0
+    waiting_puts: int = 0
+    wait_p50: float | None = None
+    wait_p99: float | None = None
+    unit_rows: list[int] = field(default_factory=list)
+    unit_bytes: list[int] = field(default_factory=list)
+    closed: bool = False
+    last_filter_errors: list[str] = field(default_factory=list)
+
+    def to_dict(self) -> dict:
+        """A plain dict (for logging or JSON)."""
+        return asdict(self)
+
+    def summary(self) -> str:
+        """One line: rows put / filtered / stale / consumed / held / leaked."""
+        return (f"put={self.put} filtered={self.filtered} stale={self.stale} "
+                f"consumed={self.consumed} dropped={self.dropped} held={self.rows} "
+                f"bytes={self.bytes} leaked={self.leaked}")

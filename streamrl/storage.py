@@ -1,0 +1,163 @@
+"""Storage units: column-oriented, in-memory holders of row data.
+
+A :class:`StorageUnit` holds, per field, one entry per row. A tensor entry is a reference
+to the tensor given to ``put`` plus the row's offset in it: **nothing is copied on put**.
+The ownership rule that follows (as with Ray Direct Transport): once a tensor is put, the
+producer must not modify it in place; and data read back may be a view of what was put,
+so consumers must not modify it in place either (use ``materialize(copy=True)`` when they
+must). Python objects are stored by reference too.
+
+A read of 2 fields out of 30 touches only those 2 fields' entries. Bytes are accounted
+per row and field, and freed by ``delete``; the memory behind a tensor is released when
+the last row that references it is deleted (and no reader holds a view).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+import torch
+
+from .columns import Column, approx_size
+from .errors import RowsDropped, UnknownField, rows_preview
+
+__all__ = ["StorageUnit"]
+
+
+class _Obj:
+    """A stored Python object (distinguishes it from a (segment, offset) tensor entry)."""
+
+    __slots__ = ("value", "nbytes")
+
+    def __init__(self, value, nbytes: int):
+        self.value = value
+        self.nbytes = nbytes
+
+
+class StorageUnit:
+    """One shard of row data.
+
+    Args:
+        index: the unit's number among the queue's shards (for messages).
+
+    Examples:
+        >>> u = StorageUnit()
+        >>> u.put([7, 8], {"x": torch.arange(6).view(2, 3)})
+        >>> u.get([8], ["x"])["x"][0]
+        tensor([[3, 4, 5]])
+        >>> u.delete([7, 8])
+        (2, 48)
+    """
+
+    def __init__(self, index: int = 0):
+        self.index = index
+        # field -> row -> (segment, offset, nbytes) | _Obj
+        self.columns: dict[str, dict[int, tuple | _Obj]] = {}
+        self.row_fields: dict[int, int] = {}  # row -> number of fields held
+        self.nbytes = 0
+
+    def put(self, rows: Sequence[int], columns: Mapping[str, Column]) -> None:
+        """Store ``columns`` (each with ``len(rows)`` rows) for ``rows``; an existing
+        entry of the same field is replaced."""
+        n = len(rows)
+        for name, col in columns.items():
+            store = self.columns.setdefault(name, {})
+            if isinstance(col, torch.Tensor):
+                per = col.element_size() * (col[0].numel() if n else 0)
+                entries = [(col, i, per) for i in range(n)]
+            else:
+                entries = []
+                for x in col:
+                    if isinstance(x, torch.Tensor):
+                        entries.append((x.unsqueeze(0), 0, x.element_size() * x.numel()))
+                    else:
+                        entries.append(_Obj(x, approx_size(x)))
+            for r, e in zip(rows, entries):
+                old = store.get(r)
+                if old is None:
+                    self.row_fields[r] = self.row_fields.get(r, 0) + 1
+                else:
+                    self.nbytes -= old.nbytes if isinstance(old, _Obj) else old[2]
+                store[r] = e
+                self.nbytes += e.nbytes if isinstance(e, _Obj) else e[2]
+
+    def get(self, rows: Sequence[int], fields: Sequence[str]) -> dict[str, list[Column]]:
+        """Read ``fields`` of ``rows`` (in that order) as pieces of consecutive rows:
+        tensor pieces are views (slices) of what was put, never copies.
+
+        Raises:
+            RowsDropped: a row is not held here (dropped, or never written).
+            UnknownField: a held row lacks one of ``fields``.
+        """
+        missing = [r for r in rows if r not in self.row_fields]
+        if missing:
+            raise RowsDropped(
+                f"rows {rows_preview(missing)} are not held by storage unit {self.index}: they "
+                "were dropped (drop, clear, a filter, staleness or consumer-set cleanup)", missing)
+        out: dict[str, list[Column]] = {}
+        for f in fields:
+            store = self.columns.get(f)
+            if store is None:
+                raise UnknownField(self._unknown(f, rows))
+            try:
+                entries = [store[r] for r in rows]
+            except KeyError:
+                raise UnknownField(self._unknown(f, rows)) from None
+            out[f] = _runs(entries)
+        return out
+
+    def _unknown(self, f: str, rows: Sequence[int]) -> str:
+        store = self.columns.get(f, {})
+        lacking = [r for r in rows if r not in store]
+        have = sorted(k for k, v in self.columns.items() if all(r in v for r in rows))
+        return (f"field {f!r} is not written for rows {rows_preview(lacking)}; these rows have "
+                f"{have}. Wait for the field (stream/get with it in fields) or check the name")
+
+    def delete(self, rows: Sequence[int]) -> tuple[int, int]:
+        """Forget ``rows`` (rows not held are skipped). Returns (rows, bytes) freed."""
+        before = self.nbytes
+        n = 0
+        for r in rows:
+            if self.row_fields.pop(r, None) is None:
+                continue
+            n += 1
+            for store in self.columns.values():
+                e = store.pop(r, None)
+                if e is not None:
+                    self.nbytes -= e.nbytes if isinstance(e, _Obj) else e[2]
+        for f in [f for f, s in self.columns.items() if not s]:
+            del self.columns[f]
+        return n, before - self.nbytes
+
+    def fields_of(self, rows: Sequence[int]) -> list[str]:
+        """Fields held for every one of ``rows``."""
+        return sorted(f for f, s in self.columns.items() if all(r in s for r in rows))
+
+    def stats(self) -> tuple[int, int]:
+        """(rows, bytes) held now."""
+        return len(self.row_fields), self.nbytes
+
+
+def _runs(entries: list) -> list[Column]:
+    """Group entries into pieces: slices of one segment at consecutive offsets, and lists
+    of objects."""
+    pieces: list[Column] = []
+    i, n = 0, len(entries)
+    while i < n:
+        e = entries[i]
+        if isinstance(e, _Obj):
+            objs = [e.value]
+            i += 1
+            while i < n and isinstance(entries[i], _Obj):
+                objs.append(entries[i].value)
+                i += 1
+            pieces.append(objs)
+            continue
+        seg, off = e[0], e[1]
+        j = i + 1
+        while j < n and not isinstance(entries[j], _Obj) and entries[j][0] is seg \
+                and entries[j][1] == off + (j - i):
+            j += 1
+        pieces.append(seg[off:off + (j - i)])
+        i = j
+    return pieces

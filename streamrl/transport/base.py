@@ -1,0 +1,68 @@
+"""The narrow interfaces a deployment implements.
+
+A queue client talks to two things:
+
+* the **control plane** -- the :class:`~streamrl.service.ControllerService` API (allocate,
+  commit, take, ack, ...), metadata only;
+* the **data plane** -- :class:`DataPlane`: put / get / delete of columns on storage units.
+
+The embedded transport hands the client the service object and in-process storage units;
+the Ray transport hands it proxies that call actors. The client never knows which.
+"""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import Mapping, Sequence
+
+from ..columns import Column
+
+__all__ = ["DataPlane", "Transport"]
+
+
+class DataPlane(abc.ABC):
+    """Access to the storage units of one queue. All methods take batched requests so a
+    micro-batch spread over shards costs one call per shard, issued concurrently."""
+
+    num_shards: int
+
+    @abc.abstractmethod
+    async def put(self, parts: Sequence[tuple[int, Sequence[int], Mapping[str, Column]]]) -> None:
+        """Store columns: ``parts`` is a list of ``(shard, rows, columns)``."""
+
+    @abc.abstractmethod
+    async def get(self, parts: Sequence[tuple[int, Sequence[int], Sequence[str]]]
+                  ) -> list[dict[str, list[Column]]]:
+        """Read: ``parts`` is a list of ``(shard, rows, fields)``; for each, the pieces of
+        each field in row order (see :meth:`streamrl.storage.StorageUnit.get`)."""
+
+    @abc.abstractmethod
+    async def delete(self, parts: Mapping[int, Sequence[int]]) -> None:
+        """Forget rows: ``{shard: rows}``."""
+
+    @abc.abstractmethod
+    async def unit_stats(self) -> list[tuple[int, int]]:
+        """(rows, bytes) held by each storage unit, read from the units themselves."""
+
+
+class Transport(abc.ABC):
+    """A deployment: how to reach the control and data planes, and how to shut down."""
+
+    name: str
+
+    @property
+    @abc.abstractmethod
+    def control(self):
+        """The control-plane object (service or proxy)."""
+
+    @property
+    @abc.abstractmethod
+    def data(self) -> DataPlane:
+        """The data plane."""
+
+    @abc.abstractmethod
+    def release_nowait(self, lease_ids: Sequence[int]) -> None:
+        """Give leases back without awaiting (from finalizers); best effort."""
+
+    async def shutdown(self) -> None:
+        """Free the deployment's resources (actors, memory)."""

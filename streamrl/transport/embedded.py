@@ -1,0 +1,71 @@
+"""The embedded transport: controller and storage units in the caller's process.
+
+Nothing is encoded or copied: storage units keep references to the tensors that were put,
+and reads return views of them. All calls run in the caller's event loop.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+from ..columns import Column
+from ..controller import Controller
+from ..service import ControllerService
+from ..storage import StorageUnit
+from .base import DataPlane, Transport
+
+__all__ = ["EmbeddedTransport", "LocalDataPlane"]
+
+
+class LocalDataPlane(DataPlane):
+    """In-process storage units, called directly."""
+
+    def __init__(self, units: Sequence[StorageUnit]):
+        self.units = list(units)
+        self.num_shards = len(self.units)
+
+    async def put(self, parts: Sequence[tuple[int, Sequence[int], Mapping[str, Column]]]) -> None:
+        for shard, rows, cols in parts:
+            self.units[shard].put(rows, cols)
+
+    async def get(self, parts: Sequence[tuple[int, Sequence[int], Sequence[str]]]
+                  ) -> list[dict[str, list[Column]]]:
+        return [self.units[s].get(rows, fields) for s, rows, fields in parts]
+
+    async def delete(self, parts: Mapping[int, Sequence[int]]) -> None:
+        for shard, rows in parts.items():
+            self.units[shard].delete(rows)
+
+    async def unit_stats(self) -> list[tuple[int, int]]:
+        return [u.stats() for u in self.units]
+
+
+class EmbeddedTransport(Transport):
+    """Everything in this process (the default)."""
+
+    name = "embedded"
+
+    def __init__(self, controller: Controller):
+        self._data = LocalDataPlane([StorageUnit(i) for i in range(controller.num_shards)])
+        self._service = ControllerService(controller, self._data)
+
+    @property
+    def control(self) -> ControllerService:
+        return self._service
+
+    @property
+    def data(self) -> LocalDataPlane:
+        return self._data
+
+    def release_nowait(self, lease_ids: Sequence[int]) -> None:
+        ctl = self._service.ctl
+        ctl.release(lease_ids)
+        # wake waiters now; storage work (if any) happens on the next queue call
+        _deletes, jobs, woken, changed, freed = ctl.drain()
+        ctl.deletes.update(_deletes)
+        ctl.filter_jobs.extend(jobs)
+        try:
+            self._service._wake(woken, changed, freed)
+        except RuntimeError:  # no event loop here (finalizer in another thread)
+            ctl.woken |= woken
+            ctl.changed |= changed

@@ -1,0 +1,60 @@
+"""Shared fixtures: the behavioural suite runs over every transport in TRANSPORTS."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+import streamrl
+
+TRANSPORTS = ["embedded"]
+try:  # the Ray transport joins when Ray and the transport are importable
+    import ray  # noqa: F401
+
+    from streamrl.transport import ray as _ray_transport  # noqa: F401
+
+    if os.environ.get("STREAMRL_SKIP_RAY") != "1":
+        TRANSPORTS.append("ray")
+except ImportError:
+    pass
+
+
+@pytest.fixture(scope="session")
+def ray_session():
+    """One local Ray for the whole test session (small: this machine has 2 cores)."""
+    import ray
+
+    if not ray.is_initialized():
+        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False,
+                 object_store_memory=1 << 30, namespace="streamrl-tests")
+    yield ray
+    ray.shutdown()
+
+
+@pytest.fixture(params=TRANSPORTS)
+def transport(request):
+    if request.param == "ray":
+        request.getfixturevalue("ray_session")
+    return request.param
+
+
+@pytest.fixture
+async def make_queue(transport):
+    """make_queue(**kwargs) -> StreamQueue on the parametrised transport; every queue is
+    closed and shut down after the test."""
+    made: list[streamrl.StreamQueue] = []
+
+    def make(**kw) -> streamrl.StreamQueue:
+        kw.setdefault("capacity", 1024)
+        kw.setdefault("num_shards", 2)
+        q = streamrl.StreamQueue(transport=transport, **kw)
+        made.append(q)
+        return q
+
+    yield make
+    for q in made:
+        try:
+            await q.close()
+        finally:
+            await q.shutdown()

@@ -1,0 +1,586 @@
+"""The behavioural suite: every semantic of the public contract, on every transport.
+
+Each test reads like the rule it checks (see docs/concepts.md)."""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import pickle
+
+import anyio
+import pytest
+import torch
+
+from streamrl import RowRemoteBatch
+from streamrl.errors import (DuplicateField, EndOfStream, InvalidArgument, QueueClosed, QueueFull,
+                             RowsDropped, SchemaError, StreamRLError, StreamTimeout, UnknownField)
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def rows_of(n, start=0, width=4):
+    ids = torch.arange(start, start + n)
+    return {"idx": ids, "x": ids.float().unsqueeze(1).repeat(1, width)}
+
+
+async def drain(q, task, fields, bs, partition, **kw):
+    got = []
+    async for mb in q.stream(task, fields, bs, partition=partition, **kw):
+        td = await mb.materialize()
+        got.extend(td["idx"].tolist())
+    return got
+
+
+# ---------------------------------------------------------------- delivery
+
+
+async def test_exactly_once_per_task_with_concurrent_consumers(make_queue):
+    q = make_queue()
+    seen: list[int] = []
+
+    async def consumer():
+        async for mb in q.stream("train", ["idx", "x"], 7, partition="p"):
+            td = await mb.materialize()
+            assert torch.equal(td["x"][:, 0], td["idx"].float())
+            seen.extend(td["idx"].tolist())
+            await anyio.sleep(0)
+
+    async def producer():
+        for i in range(10):
+            await q.put(rows_of(10, 10 * i), partition="p")
+        await q.seal("p")
+
+    async with anyio.create_task_group() as tg:
+        for _ in range(3):
+            tg.start_soon(consumer)
+        tg.start_soon(producer)
+    assert sorted(seen) == list(range(100))  # every row, none twice
+    st = await q.stats()
+    assert st.tasks["train"].delivered == 100 and st.tasks["train"].acked == 100
+    assert st.tasks["train"].redelivered == 0
+
+
+async def test_many_tasks_read_the_same_rows_independently(make_queue):
+    q = make_queue()
+    await q.put(rows_of(20), partition="p")
+    await q.seal("p")
+    a = await drain(q, "ref", ["x", "idx"], 5, "p")
+    b = await drain(q, "reward", ["idx"], 3, "p")
+    c = await drain(q, "ref", ["x", "idx"], 5, "p")  # ref is done: nothing more
+    assert sorted(a) == sorted(b) == list(range(20))
+    assert c == []
+
+
+async def test_redelivery_after_exception_in_async_with(make_queue):
+    q = make_queue()
+    await q.put(rows_of(8), partition="p")
+    await q.seal("p")
+    with pytest.raises(RuntimeError):
+        async with q.stream("t", ["idx"], 4, partition="p") as batches:
+            async for mb in batches:
+                first = (await mb.materialize())["idx"].tolist()
+                raise RuntimeError("trainer crashed")
+    again = await drain(q, "t", ["idx"], 8, "p")
+    assert sorted(again) == list(range(8)) and set(first) <= set(again)
+    assert (await q.stats()).tasks["t"].redelivered == 4
+
+
+async def test_redelivery_after_exception_in_bare_async_for(make_queue):
+    q = make_queue()
+    await q.put(rows_of(8), partition="p")
+    await q.seal("p")
+
+    async def crashing():
+        async for mb in q.stream("t", ["idx"], 4, partition="p"):
+            raise ValueError("boom")
+
+    with pytest.raises(ValueError):
+        await crashing()
+    gc.collect()
+    assert sorted(await drain(q, "t", ["idx"], 4, "p")) == list(range(8))
+
+
+async def test_redelivery_after_cancellation(make_queue):
+    q = make_queue()
+    await q.put(rows_of(8), partition="p")
+    await q.seal("p")
+    holding = anyio.Event()
+
+    async def slow_consumer():
+        async with q.stream("t", ["idx"], 4, partition="p") as batches:
+            async for mb in batches:
+                holding.set()
+                await anyio.sleep(60)
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(slow_consumer)
+        await holding.wait()
+        tg.cancel_scope.cancel()
+    assert sorted(await drain(q, "t", ["idx"], 4, "p")) == list(range(8))
+
+
+async def test_cancelled_while_waiting_leaves_no_lease(make_queue):
+    q = make_queue()
+    with anyio.move_on_after(0.2):
+        await q.get("t", ["idx"], 4, partition="p")
+    await q.put(rows_of(4), partition="p")
+    mb = await q.get("t", ["idx"], 4, partition="p", timeout=5)
+    assert len(mb) == 4
+    assert (await q.stats()).leases == 1
+
+
+async def test_break_before_ack_redelivers_but_async_with_exit_acks(make_queue):
+    q = make_queue()
+    await q.put(rows_of(8), partition="p")
+    await q.seal("p")
+    s = q.stream("t", ["idx"], 4, partition="p")
+    async for mb in s:
+        break
+    del s, mb
+    gc.collect()
+    await anyio.sleep(0)
+    st = await q.stats()
+    assert st.tasks["t"].leased == 0
+    async with q.stream("t", ["idx"], 4, partition="p") as batches:
+        async for mb in batches:
+            taken = (await mb.materialize())["idx"].tolist()
+            break  # clean exit of the block: acknowledged
+    st = await q.stats()
+    assert st.tasks["t"].acked == 4 and st.tasks["t"].leased == 0
+    rest = await drain(q, "t", ["idx"], 8, "p")
+    assert sorted(rest + taken) == list(range(8))
+
+
+async def test_get_stays_leased_until_ack_and_second_get_does_not_ack(make_queue):
+    q = make_queue()
+    await q.put(rows_of(8), partition="p")
+    a = await q.get("t", ["idx"], 4, partition="p")
+    b = await q.get("t", ["idx"], 4, partition="p")
+    assert set(a.rows).isdisjoint(b.rows)
+    st = await q.stats()
+    assert st.tasks["t"].leased == 8 and st.tasks["t"].acked == 0
+    await a.ack()
+    await a.ack()  # idempotent
+    await b.drop()
+    st = await q.stats()
+    assert st.tasks["t"].acked == 4 and st.leases == 0 and st.rows == 4
+
+
+async def test_lease_timeout_redelivers(make_queue):
+    q = make_queue(lease_timeout=0.3)
+    await q.put(rows_of(4), partition="p")
+    a = await q.get("t", ["idx"], 4, partition="p")
+    b = await q.get("t", ["idx"], 4, partition="p", timeout=10)  # wakes on expiry
+    assert sorted(b.rows) == sorted(a.rows)
+    from streamrl.errors import LeaseExpired
+    with pytest.raises(LeaseExpired):
+        await a.ack()
+    await b.ack()
+    assert (await q.stats()).tasks["t"].expired == 4
+
+
+async def test_release_gives_rows_back(make_queue):
+    q = make_queue()
+    await q.put(rows_of(4), partition="p")
+    a = await q.get("t", ["idx"], 4, partition="p")
+    await a.release()
+    b = await q.get("t", ["idx"], 4, partition="p", timeout=5)
+    assert sorted(a.rows) == sorted(b.rows)
+
+
+# ---------------------------------------------------------------- readiness, pipelines
+
+
+async def test_request_for_unwritten_field_waits_for_it(make_queue):
+    q = make_queue()
+    rows = await q.put(rows_of(4), partition="p")
+
+    async def later():
+        await anyio.sleep(0.1)
+        await q.put({"reward": torch.arange(4).float()}, rows=rows)
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(later)
+        mb = await q.get("t", ["idx", "reward"], 4, partition="p", timeout=10)
+    td = await mb.materialize()
+    assert td["reward"].tolist() == [0.0, 1.0, 2.0, 3.0]
+
+
+async def test_partial_samples_pipeline_through_four_roles(make_queue):
+    q = make_queue(capacity=64)
+    N = 96
+
+    async def producer():
+        for i in range(0, N, 8):
+            await q.put({"idx": torch.arange(i, i + 8), "prompt": torch.arange(i, i + 8).float()},
+                        partition="step")
+        await q.seal("step")
+
+    async def generate():
+        async for mb in q.stream("gen", ["prompt"], 4, partition="step"):
+            p = (await mb.materialize())["prompt"]
+            await mb.write({"response": p * 2})
+
+    async def reward():
+        async for mb in q.stream("reward", ["response"], 6, partition="step"):
+            r = (await mb.materialize())["response"]
+            await mb.write({"reward": r + 1})
+
+    async def ref():
+        async for mb in q.stream("ref", ["prompt", "response"], 5, partition="step"):
+            td = await mb.materialize()
+            await mb.write({"ref_lp": td["prompt"] - td["response"]})
+
+    trained = []
+
+    async def train():
+        async for mb in q.stream("train", ["prompt", "response", "reward", "ref_lp"], 8,
+                                 partition="step"):
+            td = await mb.materialize()
+            assert torch.equal(td["reward"], td["prompt"] * 2 + 1)
+            assert torch.equal(td["ref_lp"], -td["prompt"])
+            trained.extend(td["idx"].tolist() if "idx" in td.keys() else
+                           (await mb.materialize(["idx"]))["idx"].tolist())
+            await mb.drop()
+
+    async with anyio.create_task_group() as tg:
+        for f in (producer, generate, reward, ref, train):
+            tg.start_soon(f)
+    assert sorted(trained) == list(range(N))
+    st = await q.stats()
+    assert st.rows == 0 and st.bytes == 0 and sum(st.unit_rows) == 0 and sum(st.unit_bytes) == 0
+
+
+async def test_group_complete_batches_never_split(make_queue):
+    q = make_queue()
+    G, S = 12, 4
+    order = torch.randperm(G * S, generator=torch.Generator().manual_seed(0))
+    uid = (torch.arange(G * S) // S)[order]
+
+    async def producer():
+        for i in range(0, G * S, 5):
+            await q.put({"uid": uid[i:i + 5], "v": torch.ones(len(uid[i:i + 5]))}, partition="p")
+            await anyio.sleep(0)
+        await q.seal("p")
+
+    batches = []
+
+    async def consumer():
+        async for mb in q.stream("t", ["v"], 8, partition="p", group_by="uid", group_size=S):
+            batches.append((await mb.materialize(["uid"]))["uid"].tolist())
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(consumer)
+        tg.start_soon(producer)
+    assert sum(len(b) for b in batches) == G * S
+    for b in batches:
+        assert len(b) == 8
+        for g in set(b):
+            assert b.count(g) == S  # a whole group, in one batch
+
+
+async def test_groups_without_group_size_complete_at_seal(make_queue):
+    q = make_queue()
+    await q.put({"uid": torch.tensor([1, 1, 2, 2, 2, 3]), "v": torch.ones(6)}, partition="p")
+    got = []
+
+    async def consumer():
+        async for mb in q.stream("t", ["v"], 4, partition="p", group_by="uid"):
+            got.append(sorted((await mb.materialize(["uid"]))["uid"].tolist()))
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(consumer)
+        await anyio.sleep(0.1)
+        assert got == []  # nothing is complete before the partition is sealed
+        await q.seal("p")
+    assert sorted(x for b in got for x in b) == [1, 1, 2, 2, 2, 3]
+    for b in got:
+        assert len(b) <= 4 or len(set(b)) == 1
+
+
+async def test_sealed_partition_gives_short_last_batch_and_drop_last_skips_it(make_queue):
+    q = make_queue()
+    await q.put(rows_of(10), partition="a")
+    await q.put(rows_of(10), partition="b")
+    await q.seal("a")
+    await q.seal("b")
+    sizes = [len(mb) async for mb in q.stream("t", ["idx"], 4, partition="a")]
+    assert sizes == [4, 4, 2]
+    sizes = [len(mb) async for mb in q.stream("t", ["idx"], 4, partition="b", drop_last=True)]
+    assert sizes == [4, 4]
+
+
+async def test_unsealed_partition_stream_times_out(make_queue):
+    q = make_queue()
+    await q.put(rows_of(3), partition="p")
+    with pytest.raises(StreamTimeout):
+        async for mb in q.stream("t", ["idx"], 4, partition="p", timeout=0.2):
+            pass
+
+
+# ---------------------------------------------------------------- capacity
+
+
+async def test_backpressure_bounds_rows_under_fast_producer(make_queue):
+    cap = 32
+    q = make_queue(capacity=cap)
+    peak = 0
+    total = 400
+
+    async def producer():
+        for i in range(0, total, 4):
+            await q.put(rows_of(4, i), partition="p")
+        await q.seal("p")
+
+    async def consumer():
+        async for mb in q.stream("t", ["idx"], 8, partition="p"):
+            await anyio.sleep(0.002)  # ten times slower than the producer
+            await mb.drop()
+
+    async def watch():
+        nonlocal peak
+        while True:
+            st = await q.stats()
+            peak = max(peak, st.rows)
+            assert st.rows <= cap
+            await anyio.sleep(0.001)
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(watch)
+        async with anyio.create_task_group() as inner:
+            inner.start_soon(producer)
+            inner.start_soon(consumer)
+        tg.cancel_scope.cancel()
+    st = await q.stats()
+    assert st.put == total and st.rows == 0 and peak > cap // 2
+
+
+async def test_capacity_bytes_bounds_admission(make_queue):
+    q = make_queue(capacity=1000, capacity_bytes=4096)
+    await q.put({"x": torch.zeros(4, 256)})  # 4 KiB: full
+    with pytest.raises(QueueFull):
+        await q.put_nowait({"x": torch.zeros(1, 1)})
+    with pytest.raises(QueueFull):  # can never fit
+        await q.put({"x": torch.zeros(5, 256)})
+    with pytest.raises(StreamTimeout):
+        await q.put({"x": torch.zeros(1, 1)}, timeout=0.1)
+    assert (await q.stats()).rows == 4
+
+
+async def test_put_larger_than_capacity_raises_at_once(make_queue):
+    q = make_queue(capacity=8)
+    with pytest.raises(QueueFull):
+        await q.put(rows_of(9))
+    await q.put(rows_of(8))
+    with pytest.raises(QueueFull):
+        await q.put_nowait(rows_of(1))
+    assert (await q.stats()).rows == 8
+
+
+async def test_waiting_puts_are_served_in_order(make_queue):
+    q = make_queue(capacity=4)
+    await q.put(rows_of(4), partition="p")
+    order = []
+
+    async def put(tag, n):
+        await q.put(rows_of(n), partition="p")
+        order.append(tag)
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(put, "big", 3)
+        await anyio.sleep(0.05)
+        tg.start_soon(put, "small", 1)
+        await anyio.sleep(0.05)
+        mb = await q.get("t", ["idx"], 1, partition="p")
+        await mb.drop()  # room for one: the small put must not overtake the big one
+        await anyio.sleep(0.05)
+        assert order == []
+        mb = await q.get("t", ["idx"], 3, partition="p")
+        await mb.drop()
+    assert order == ["big", "small"]
+
+
+# ---------------------------------------------------------------- close
+
+
+async def test_close_wakes_every_waiter(make_queue):
+    q = make_queue(capacity=2)
+    await q.put(rows_of(2), partition="full")
+    outcomes = {}
+
+    async def getter():
+        try:
+            await q.get("t", ["nope"], 1)
+        except EndOfStream:
+            outcomes["get"] = "eos"
+
+    async def putter():
+        try:
+            await q.put(rows_of(1))
+        except QueueClosed:
+            outcomes["put"] = "closed"
+
+    async def streamer():
+        async for mb in q.stream("s", ["nope"], 1):
+            pass
+        outcomes["stream"] = "ended"
+
+    with anyio.fail_after(10):
+        async with anyio.create_task_group() as tg:
+            for f in (getter, putter, streamer):
+                tg.start_soon(f)
+            await anyio.sleep(0.1)
+            await q.close()
+            await q.close()  # idempotent
+    assert outcomes == {"get": "eos", "put": "closed", "stream": "ended"}
+    with pytest.raises(QueueClosed):
+        await q.put(rows_of(1))
+
+
+async def test_closed_stream_drains_ready_rows_then_ends(make_queue):
+    q = make_queue()
+    await q.put(rows_of(6), partition="p")
+    await q.close()
+    assert sorted(await drain(q, "t", ["idx"], 4, None)) == list(range(6))
+
+
+# ---------------------------------------------------------------- nothing leaks
+
+
+async def test_drop_and_clear_leave_zero_rows_and_bytes(make_queue):
+    q = make_queue(num_shards=3)
+    a = await q.put(rows_of(10), partition="a")
+    await q.put(rows_of(7), partition="b")
+    await q.put({"chat": [{"turn": i} for i in range(5)]}, partition="c")
+    st = await q.stats()
+    assert st.rows == 22 and st.bytes > 0 and sum(st.unit_rows) == 22
+    await q.drop(a)
+    await q.drop(a)  # idempotent
+    assert await q.clear("b") == 7
+    await q.clear("c")
+    st = await q.stats()
+    assert (st.rows, st.bytes, sum(st.unit_rows), sum(st.unit_bytes)) == (0, 0, 0, 0)
+    assert st.dropped_by == {"dropped": 10, "cleared": 12}
+
+
+# ---------------------------------------------------------------- views and data
+
+
+async def test_materialize_fetches_only_requested_fields(make_queue):
+    q = make_queue()
+    data = {f"f{i}": torch.full((4, 3), float(i)) for i in range(30)}
+    await q.put(data, partition="p")
+    mb = await q.get("t", ["f3", "f7"], 4, partition="p")
+    td = await mb.materialize()
+    assert set(td.keys()) == {"f3", "f7"} and torch.all(td["f7"] == 7)
+    td2 = await mb.materialize(["f29"])  # written, though not asked for: readable
+    assert torch.all(td2["f29"] == 29)
+    with pytest.raises(UnknownField):
+        await mb.materialize(["nope"])
+    with pytest.raises(UnknownField):
+        mb.select("nope")
+
+
+async def test_non_tensor_and_ragged_fields(make_queue):
+    q = make_queue()
+    chats = [[{"role": "user", "content": "hi" * i}] for i in range(4)]
+    resp = [torch.arange(i + 1) for i in range(4)]
+    await q.put({"chat": chats, "resp": resp, "same": [torch.ones(2)] * 4}, partition="p")
+    mb = await q.get("t", ["chat", "resp", "same"], 4, partition="p")
+    td = await mb.materialize()
+    assert list(td["chat"]) == chats
+    assert td["resp"].is_nested and [t.tolist() for t in td["resp"].unbind()] == [r.tolist() for r in resp]
+    assert td["same"].shape == (4, 2)
+    col = await mb["chat"][1:3].materialize()
+    assert list(col) == chats[1:3]
+
+
+async def test_views_index_select_concat_split(make_queue):
+    q = make_queue(num_shards=3)
+    await q.put(rows_of(12), partition="p")
+    mb = await q.get("t", ["idx", "x"], 12, partition="p")
+    td = await mb.materialize()
+    assert (await mb[3].materialize())["idx"].item() == td["idx"][3].item()
+    mask = td["idx"] % 2 == 0
+    assert torch.equal((await mb[mask].materialize())["idx"], td["idx"][mask])
+    assert torch.equal((await mb[torch.tensor([5, 1])].materialize())["x"], td["x"][[5, 1]])
+    parts = mb.split(5)
+    assert [len(p) for p in parts] == [5, 5, 2]
+    cat = RowRemoteBatch.concat(parts[::-1])
+    assert torch.equal((await cat.materialize())["idx"], torch.cat([td["idx"][10:], td["idx"][5:10], td["idx"][:5]]))
+    assert torch.equal((await mb.repeat_interleave(2).materialize(["idx"]))["idx"],
+                       td["idx"].repeat_interleave(2))
+    assert list((await mb.select("x").materialize()).keys()) == ["x"]
+
+
+async def test_write_wrong_length_and_duplicate_field(make_queue):
+    q = make_queue()
+    rows = await q.put(rows_of(4), partition="p")
+    with pytest.raises(SchemaError):
+        await q.put({"y": torch.ones(3)}, rows=rows)
+    await q.put({"y": torch.ones(4)}, rows=rows)
+    with pytest.raises(DuplicateField):
+        await q.put({"y": torch.zeros(4)}, rows=rows)
+    await q.put({"y": torch.zeros(4)}, rows=rows, overwrite=True)
+    mb = await q.get("t", ["y"], 4, partition="p")
+    assert (await mb.materialize(["y"]))["y"].sum().item() == 0
+    st = await q.stats()
+    assert st.rows == 4
+
+
+async def test_use_after_drop_raises(make_queue):
+    q = make_queue()
+    rows = await q.put(rows_of(4), partition="p")
+    mb = await q.get("t", ["idx"], 4, partition="p")
+    await mb.drop()
+    await mb.drop()  # idempotent
+    with pytest.raises(RowsDropped):
+        await mb.materialize()
+    with pytest.raises(RowsDropped):
+        await mb.write({"z": torch.ones(4)})
+    with pytest.raises(RowsDropped):  # through another handle of the same rows
+        await q.put({"z": torch.ones(4)}, rows=rows.rows)
+    assert not mb.leased
+
+
+async def test_bad_input_raises_and_queue_stays_usable(make_queue):
+    q = make_queue()
+    with pytest.raises(SchemaError):
+        await q.put({"a": torch.ones(3), "b": torch.ones(4)})
+    with pytest.raises(SchemaError):
+        await q.put({"a": 3})
+    with pytest.raises(InvalidArgument):
+        await q.get("t", ["a"], 0)
+    with pytest.raises(InvalidArgument):
+        q.stream("t", ["a"], -1)
+    with pytest.raises(InvalidArgument):
+        q.stream("t", ["a"], 6, group_by="uid", group_size=4)
+    with pytest.raises(InvalidArgument):
+        await q.put({})
+    for exc in (SchemaError, InvalidArgument):
+        assert issubclass(exc, StreamRLError)
+    await q.put(rows_of(2), partition="ok")
+    mb = await q.get("t", ["idx"], 2, partition="ok")
+    assert len(mb) == 2 and (await q.stats()).rows == 2
+
+
+async def test_put_into_sealed_partition_raises(make_queue):
+    q = make_queue()
+    await q.put(rows_of(2), partition="p")
+    await q.seal("p")
+    with pytest.raises(InvalidArgument):
+        await q.put(rows_of(2), partition="p")
+
+
+async def test_remote_batch_pickles_small_without_cache(make_queue):
+    q = make_queue()
+    await q.put({"x": torch.zeros(256, 4096)}, partition="p")  # 4 MiB
+    mb = await q.get("t", ["x"], 256, partition="p")
+    await mb.materialize()
+    blob = pickle.dumps(mb)
+    assert len(blob) < 8192
+    back = pickle.loads(blob)
+    assert back.rows == mb.rows and len(back._cache.fields) == 0
+    td = await back.materialize()
+    assert td["x"].shape == (256, 4096)
