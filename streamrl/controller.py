@@ -225,10 +225,12 @@ class _Lease:
 class _Dispatcher:
     """DP dispatch state of one (subscription, dp_size): shares waiting for their rank."""
 
-    __slots__ = ("next", "shares")
+    __slots__ = ("next", "shares", "made")
 
     def __init__(self, dp_size: int):
         self.next = [0] * dp_size  # next dispatch index per rank
+        self.made = 0  # dispatches made so far
+        # (dispatch, rank) -> (lease id or 0, rows, padding rows)
         self.shares: dict[tuple[int, int], tuple[int, list[int], list[int]]] = {}
 
 
@@ -790,66 +792,71 @@ class Controller:
         timeout = req.lease_timeout or self.lease_timeout
         lid = next(self._lease_ids)
         lease = _Lease(lid, task, rids, self.clock() + timeout, timeout)
-        lease.claimed = claimed
         lease.rank = rank
         self.leases[lid] = lease
         heapq.heappush(self._lease_heap, (lease.deadline, lid))
-        objs = [self.rows[r] for r in rids]
-        redelivered = 0
-        for row in objs:
+        for rid in rids:
+            row = self.rows[rid]
             row.leased[task] = lid
+            row.part.tasks.add(task)
+            self._unindex(row, (task,))
+        lease.claimed = False
+        if claimed:
+            self._claim(lease)
+        return self._delivery(lid, req, sub, rids, rank, dispatch)
+
+    def _claim(self, lease: _Lease) -> None:
+        """The consumer has the batch now: count it (and redeliveries)."""
+        lease.claimed = True
+        task = lease.task
+        redelivered = 0
+        for rid in lease.rows:
+            row = self.rows[rid]
             if task in row.delivered:
                 redelivered += 1
             row.delivered.add(task)
-            row.part.tasks.add(task)
-            self._unindex(row, (task,))
-        if claimed:
-            self.c_delivered[task] = self.c_delivered.get(task, 0) + len(rids)
-            if redelivered:
-                self.c_redelivered[task] = self.c_redelivered.get(task, 0) + redelivered
-        common = set(objs[0].fields)
+        self.c_delivered[task] = self.c_delivered.get(task, 0) + len(lease.rows)
+        if redelivered:
+            self.c_redelivered[task] = self.c_redelivered.get(task, 0) + redelivered
+
+    def _delivery(self, lid: int, req: Request, sub: _Sub, rids: list[int], rank: int = 0,
+                  dispatch: int | None = None) -> Delivery:
+        objs = [self.rows[r] for r in rids]
+        common = set(objs[0].fields) if objs else set()
         for row in objs[1:]:
             common.intersection_update(row.fields)
-        return Delivery(lid, task, list(rids), [r.shard for r in objs], [r.version for r in objs],
-                        req.fields, sub.partition, rank, dispatch, tuple(sorted(common)))
+        return Delivery(lid, req.task, list(rids), [r.shard for r in objs],
+                        [r.version for r in objs], req.fields, sub.partition, rank, dispatch,
+                        tuple(sorted(common)))
 
     # ------------------------------------------------------------------ DP dispatch
 
     def _take_dp(self, sub: _Sub, req: Request) -> Delivery | _End | None:
+        """Rank ``r`` takes share ``r`` of dispatch ``k`` (its k-th batch). The first rank
+        to ask for dispatch ``k`` makes it: ``dp_size * batch_size`` rows (whole groups)
+        split into equal-count, weight-balanced shares; the other shares are reserved
+        (leased, unclaimed) until their rank asks."""
         R, rank = req.dp_size, req.dp_rank
         disp = self._dispatchers.setdefault(sub.key + (R,), _Dispatcher(R))
         k = disp.next[rank]
-        share = disp.shares.pop((k, rank), None)
-        if share is None and (k, rank) not in disp.shares:
-            if any(kk >= k for (kk, _r) in disp.shares):
-                # this dispatch exists but our share is gone (its reservation expired)
+        if (k, rank) not in disp.shares:
+            if k < disp.made:
                 disp.next[rank] = k + 1
                 raise DispatchError(
                     f"the share of dp_rank={rank} in dispatch {k} of task {req.task!r} expired "
                     "before this rank asked for it (its rows went back to the queue); raise "
-                    "lease_timeout or keep ranks in step")
+                    "lease_timeout or keep the ranks in step")
             made = self._make_dispatch(sub, req, disp, k)
             if made is None or made is END:
                 return made
-            share = disp.shares.pop((k, rank))
+        lid, rids, pads = disp.shares.pop((k, rank))
         disp.next[rank] = k + 1
-        lid, rids, pads = share
-        lease = self.leases.get(lid)
-        if lease is None:
-            raise DispatchError(
-                f"the share of dp_rank={rank} in dispatch {k} of task {req.task!r} expired "
-                "before this rank asked for it; raise lease_timeout or keep ranks in step")
-        lease.claimed = True
-        lease.deadline = self.clock() + lease.timeout
-        heapq.heappush(self._lease_heap, (lease.deadline, lid))
-        self.c_delivered[req.task] = self.c_delivered.get(req.task, 0) + len(lease.rows)
-        allrows = list(lease.rows) + list(pads)
-        objs = [self.rows[r] for r in allrows]
-        common = set(objs[0].fields)
-        for row in objs[1:]:
-            common.intersection_update(row.fields)
-        return Delivery(lid, req.task, allrows, [r.shard for r in objs], [r.version for r in objs],
-                        req.fields, sub.partition, rank, k, tuple(sorted(common)))
+        if lid:
+            lease = self.leases[lid]
+            lease.deadline = self.clock() + lease.timeout
+            heapq.heappush(self._lease_heap, (lease.deadline, lid))
+            self._claim(lease)
+        return self._delivery(lid, req, sub, list(rids) + list(pads), rank, k)
 
     def _make_dispatch(self, sub: _Sub, req: Request, disp: _Dispatcher, k: int):
         R = req.dp_size
@@ -857,25 +864,29 @@ class Controller:
         if rows is None or rows is END:
             return rows
         units = self._units(sub, rows)  # whole groups (or single rows)
-        if len(units) % R and len(rows) < R * req.batch_size:
-            # a short final dispatch that does not split evenly
-            extra = len(units) % R
+        extra = len(units) % R
+        if extra:  # only a short last dispatch can be uneven
+            kind = "groups" if sub.group_by else "rows"
             if req.dp_remainder == "error":
                 raise DispatchError(
-                    f"the last {len(rows)} rows ({len(units)} "
-                    f"{'groups' if sub.group_by else 'rows'}) of task {req.task!r} cannot be "
-                    f"split evenly over dp_size={R} ranks; pass dp_remainder='drop' (drop the "
-                    f"last {extra}) or 'pad' (repeat rows), or put a multiple of dp_size")
+                    f"the last {len(rows)} rows ({len(units)} {kind}) of task {req.task!r} "
+                    f"cannot be split evenly over dp_size={R} ranks; pass dp_remainder='drop' "
+                    f"(drop the last {extra} {kind}, counted in stats) or 'pad' (repeat "
+                    "rows), or put a multiple of dp_size")
             if req.dp_remainder == "drop":
-                left, units = units[len(units) - extra:], units[:len(units) - extra]
+                left = units[len(units) - extra:]
+                units = units[:len(units) - extra]
                 self._drop_rows([self.rows[r] for u in left for r in u], DropReason.DP_REMAINDER)
                 if not units:
-                    return self._select(sub, req, R * req.batch_size) and None
+                    return None  # all dropped: the next take sees the end
         shares, pads = _balanced_split(units, R, self._weights(units, req.balance_by))
         for r in range(R):
-            d = self._lease(sub, req, shares[r], claimed=False, rank=r, dispatch=k)
-            self.leases[d.lease].dispatch = (sub.key + (R,), k)
-            disp.shares[(k, r)] = (d.lease, shares[r], pads[r])
+            lid = self._lease(sub, req, shares[r], claimed=False, rank=r, dispatch=k).lease \
+                if shares[r] else 0
+            if lid:
+                self.leases[lid].dispatch = (sub.key + (R,), k)
+            disp.shares[(k, r)] = (lid, shares[r], pads[r])
+        disp.made = k + 1
         return True
 
     def _units(self, sub: _Sub, rows: list[int]) -> list[list[int]]:

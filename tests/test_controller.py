@@ -1,0 +1,270 @@
+"""Unit tests of the pure controller: no event loop, no I/O, an injected clock."""
+
+from __future__ import annotations
+
+import pytest
+
+from streamrl.controller import END, Controller, FilterSpec, Request, imbalance, _balanced_split
+from streamrl.errors import (DispatchError, DuplicateField, InvalidArgument, LeaseExpired,
+                             QueueClosed, QueueFull, RowsDropped)
+
+
+class Clock:
+    def __init__(self):
+        self.t = 0.0
+
+    def __call__(self):
+        return self.t
+
+
+def put(c, n, fields=("x",), part="p", version=None, nbytes=8, tags=None):
+    tok = c.allocate(part, n, fields, nbytes=n * nbytes * len(fields), version=version)
+    res = c.commit(tok, {f: [nbytes] * n for f in fields}, tags)
+    return tok.rows, res
+
+
+def req(task="t", fields=("x",), bs=4, **kw):
+    return Request(task, tuple(fields), bs, **kw)
+
+
+def test_rows_spread_over_shards_in_contiguous_chunks():
+    c = Controller(100, num_shards=4)
+    tok = c.allocate("p", 10, ("x",))
+    assert tok.shards == [0, 0, 0, 1, 1, 1, 2, 2, 3, 3]
+    assert c.allocate("p", 1, ("x",)).shards == [0]  # rotates
+    assert c.allocate("p", 1, ("x",)).shards == [1]
+
+
+def test_take_needs_every_field_and_is_fifo():
+    c = Controller(100)
+    rows, _ = put(c, 4, ("a",))
+    assert c.take(req(fields=("a", "b"))) is None
+    tok = c.begin_write(rows, ("b",))
+    assert c.take(req(fields=("a", "b"))) is None  # written, not committed: not ready
+    c.commit(tok, {"b": [1] * 4})
+    d = c.take(req(fields=("a", "b")))
+    assert d.rows == rows and d.fields == ("a", "b")
+    assert c.take(req(fields=("a", "b"))) is None  # leased: not again
+
+
+def test_subscription_index_is_updated_not_scanned():
+    c = Controller(1000)
+    put(c, 10)
+    r = req(bs=3)
+    c.take(r)
+    sub = c.subs[r.sub_key()]
+    assert len(sub.avail) == 7
+    put(c, 5)
+    assert len(sub.avail) == 12
+    assert r.sub_key() in c.drain()[2]  # woken
+
+
+def test_ack_is_idempotent_and_counts():
+    c = Controller(100)
+    put(c, 4)
+    d = c.take(req())
+    c.ack([d.lease])
+    c.ack([d.lease])
+    assert c.c_acked["t"] == 4 and not c.leases
+    assert c.take(req()) is None
+
+
+def test_release_and_expiry_redeliver():
+    clock = Clock()
+    c = Controller(100, lease_timeout=10, clock=clock)
+    put(c, 4)
+    d = c.take(req())
+    c.release([d.lease])
+    d2 = c.take(req())
+    assert sorted(d2.rows) == sorted(d.rows)
+    assert c.c_redelivered["t"] == 4
+    assert c.next_deadline() == 10
+    clock.t = 10.5
+    assert c.expire() == 1
+    with pytest.raises(LeaseExpired):
+        c.ack([d2.lease])
+    assert c.take(req()).rows == d.rows
+
+
+def test_capacity_rows_and_bytes():
+    c = Controller(4, capacity_bytes=100)
+    with pytest.raises(QueueFull):
+        c.allocate("p", 5, ("x",))  # never fits
+    with pytest.raises(QueueFull):
+        c.check_fits(1, 101)
+    put(c, 3, nbytes=10)
+    assert c.admission(1, 10, None) is None
+    assert c.admission(2, 10, None) == "full"
+    assert c.admission(1, 80, None) == "full"  # 30 held + 80 > 100
+    with pytest.raises(QueueFull):
+        c.allocate("p", 2, ("x",))
+
+
+def test_duplicate_field_and_dropped_rows():
+    c = Controller(100)
+    rows, _ = put(c, 2)
+    with pytest.raises(DuplicateField):
+        c.begin_write(rows, ("x",))
+    tok = c.begin_write(rows, ("y",))
+    with pytest.raises(DuplicateField):  # a write in flight counts too
+        c.begin_write(rows, ("y",))
+    c.abort(tok)
+    c.begin_write(rows, ("y",))
+    c.drop(rows)
+    with pytest.raises(RowsDropped) as e:
+        c.begin_write(rows, ("z",))
+    assert e.value.rows == rows
+
+
+def test_rows_dropped_during_write_are_reported_for_storage_cleanup():
+    c = Controller(100, num_shards=2)
+    rows, _ = put(c, 2)
+    tok = c.begin_write(rows, ("y",))
+    c.drop([rows[0]])
+    res = c.commit(tok, {"y": [4, 4]})
+    assert res.dead == {0: [rows[0]]}
+    assert c.rows[rows[1]].fields["y"] == 4
+
+
+def test_drop_frees_bytes_and_queues_deletes():
+    c = Controller(100, num_shards=2)
+    rows, _ = put(c, 4, nbytes=10)
+    assert c.bytes_held == 40
+    c.drop(rows[:3])
+    deletes = c.drain()[0]
+    assert deletes == {0: rows[:2], 1: rows[2:3]}
+    assert c.bytes_held == 10 and c.c_bytes_freed == 30
+
+
+def test_seal_end_and_short_tail():
+    c = Controller(100)
+    put(c, 5)
+    r = req(bs=4, partition="p")
+    assert len(c.take(r).rows) == 4
+    assert c.take(r) is None  # unsealed: wait for more
+    c.seal("p")
+    assert c.take(r) is None  # the 4 leased rows may come back: wait
+    c.ack(list(c.leases))
+    assert len(c.take(r).rows) == 1
+    c.ack(list(c.leases))
+    assert c.take(r) is END
+
+
+def test_closed_queue_refuses_puts_and_drains():
+    c = Controller(100)
+    put(c, 2)
+    c.close()
+    with pytest.raises(QueueClosed):
+        c.allocate("p", 1, ("x",))
+    assert len(c.take(req(bs=4)).rows) == 2
+    assert c.take(req(bs=4)) is END
+
+
+def test_groups_complete_by_size_and_never_split():
+    c = Controller(100)
+    c.register_tag("uid")
+    put(c, 3, ("x", "uid"), tags={"uid": [1, 1, 2]})
+    r = req(bs=4, group_by="uid", group_size=2, partition="p")
+    assert c.take(r) is None  # group 1 complete, but a batch is 2 groups
+    put(c, 3, ("x", "uid"), tags={"uid": [2, 3, 3]})
+    d = c.take(r)
+    assert sorted(c.rows[i].tags["uid"] for i in d.rows) == [1, 1, 2, 2]
+
+
+def test_filter_gates_delivery_and_drops_rejected():
+    c = Controller(100)
+    c.add_filter(FilterSpec("f", frozenset({"reward"})))
+    rows, _ = put(c, 4, ("x", "reward"))
+    jobs = c.drain()[1]
+    assert len(jobs) == 1 and jobs[0].rows == rows
+    assert c.take(req(fields=("reward",))) is None  # not judged yet
+    early = c.take(req(task="other", fields=("x",)))  # needs none of the filter's fields
+    assert len(early.rows) == 4
+    c.filter_done(jobs[0].id, [True, False, True, False])
+    d = c.take(req(fields=("reward",), bs=2))
+    assert d.rows == [rows[0], rows[2]]
+    assert c.c_filtered_by == {"f": 2} and len(c.rows) == 2
+    assert c.leases[early.lease].rows == [rows[0], rows[2]]  # rejected rows left the lease
+
+
+def test_grouped_filter_runs_per_group_size():
+    c = Controller(100)
+    c.add_filter(FilterSpec("g", frozenset({"r"}), "uid", 2))
+    put(c, 3, ("r", "uid"), tags={"uid": [1, 2, 1]})
+    jobs = c.drain()[1]
+    assert len(jobs) == 1 and len(jobs[0].rows) == 2
+    c.filter_done(jobs[0].id, None, error=True)
+    assert c.c_filter_errors == {"g": 2} and len(c.rows) == 1
+
+
+def test_staleness_drops_whole_groups():
+    c = Controller(100, max_staleness=1)
+    c.register_tag("uid")
+    put(c, 2, ("x", "uid"), version=0, tags={"uid": [7, 7]})
+    put(c, 2, ("x", "uid"), version=1, tags={"uid": [8, 8]})
+    c.subs  # no grouped subscription needed: group tags are registered
+    c._sub(req(group_by="uid", group_size=2))
+    assert c.set_version(2) == 2
+    assert sorted(r.tags["uid"] for r in c.rows.values()) == [8, 8]
+    with pytest.raises(InvalidArgument):
+        c.set_version(1)
+
+
+def test_admission_pacer():
+    c = Controller(100, max_lead=1)
+    assert c.admission(1, 0, 1) is None
+    assert c.admission(1, 0, 2) == "ahead"
+    c.set_version(1)
+    assert c.admission(1, 0, 2) is None
+
+
+def test_consumer_set_cleanup():
+    c = Controller(100, consumers=["a", "b"])
+    put(c, 2)
+    da = c.take(req(task="a", bs=2))
+    c.ack([da.lease])
+    assert len(c.rows) == 2
+    db = c.take(req(task="b", bs=2))
+    c.ack([db.lease])
+    assert len(c.rows) == 0 and c.c_dropped == {"consumed": 2}
+
+
+def test_dp_dispatch_equal_shares_and_remainder_policies():
+    c = Controller(100)
+    put(c, 10)
+    shares = [c.take(req(bs=2, dp_rank=r, dp_size=2, partition="p")) for r in (0, 1)]
+    assert [len(s.rows) for s in shares] == [2, 2] and not set(shares[0].rows) & set(shares[1].rows)
+    c.seal("p")
+    for s in shares:
+        c.ack([s.lease])
+    shares = [c.take(req(bs=2, dp_rank=r, dp_size=2, partition="p")) for r in (0, 1)]
+    for s in shares:
+        c.ack([s.lease])
+    c.drop([max(c.rows)])  # one row left for two ranks
+    with pytest.raises(DispatchError):
+        c.take(req(bs=2, dp_rank=0, dp_size=2, partition="p"))
+    d = c.take(req(bs=2, dp_rank=0, dp_size=2, partition="p", dp_remainder="pad"))
+    d1 = c.take(req(bs=2, dp_rank=1, dp_size=2, partition="p", dp_remainder="pad"))
+    assert len(d.rows) == len(d1.rows) == 1 and d.rows == d1.rows  # padded by repetition
+
+
+def test_balanced_split_beats_round_robin():
+    import random
+
+    rng = random.Random(0)
+    w = [rng.paretovariate(1.2) * 100 for _ in range(64)]
+    units = [[i] for i in range(64)]
+    shares, pads = _balanced_split(units, 8, w)
+    assert all(len(s) == 8 for s in shares) and not any(pads)
+    greedy = imbalance([sum(w[i] for i in s) for s in shares])
+    rr = imbalance([sum(w[i] for i in range(r, 64, 8)) for r in range(8)])
+    assert greedy < rr
+
+
+def test_request_validation():
+    c = Controller(10)
+    for bad in (req(bs=0), req(bs=-1), req(fields=()), req(bs=6, group_by="u", group_size=4),
+                req(group_size=2), req(dp_size=2, dp_rank=2), req(max_staleness=-1),
+                req(dp_remainder="x")):
+        with pytest.raises(InvalidArgument):
+            c.validate_request(bad)
