@@ -505,13 +505,15 @@ class _Unpickler(pickle.Unpickler):
 class _Decoder:
     def __init__(self, frames: Sequence[Frame], allow_pickle: bool):
         self.allow_pickle = allow_pickle
-        self.frames = frames
         self.views: list[memoryview] = []
         for index, frame in enumerate(frames):
             try:
                 self.views.append(_byte_view(frame))
             except (TypeError, ValueError) as exc:
-                _fail(f"frame {index} is a {_type_name(type(frame))}, not a contiguous bytes-like object ({exc})")
+                _fail(
+                    f"frame {index} is a {_type_name(type(frame))}, not a contiguous "
+                    f"bytes-like object ({exc})"
+                )
 
     def load(self) -> Any:
         if not self.views:
@@ -521,7 +523,10 @@ class _Decoder:
             _fail("frame 0 is not a streamrl codec header")
         _, version, count, body = envelope
         if version != FORMAT_VERSION:
-            _fail(f"the frames use codec format version {version!r}; this codec reads version {FORMAT_VERSION}")
+            _fail(
+                f"the frames use codec format version {version!r}; this codec reads "
+                f"version {FORMAT_VERSION}"
+            )
         if count != len(self.views):
             _fail(f"the header announces {count!r} frames but {len(self.views)} were given")
         if type(body) is not bytes:
@@ -549,12 +554,13 @@ class _Decoder:
             dtype_str, raw = value
             dtype = self._numpy_dtype(dtype_str)
             if type(raw) is not bytes or len(raw) != dtype.itemsize:
-                _fail(f"a numpy scalar of dtype {dtype_str!r} does not have {dtype.itemsize} bytes")
+                _fail(f"a numpy scalar of dtype {dtype_str!r} needs {dtype.itemsize} bytes")
             return np.frombuffer(raw, dtype=dtype)[0]
         if code == _EXT_BYTES:
             data = self.segment(*value)
-            if isinstance(data, memoryview) and type(data.obj) is bytes and data.nbytes == len(data.obj):
-                return data.obj
+            whole = isinstance(data, memoryview) and type(data.obj) is bytes
+            if whole and data.nbytes == len(data.obj):
+                return data.obj  # the frame itself: no copy
             return bytes(data)
         if code == _EXT_STR:
             return str(self.segment(*value), "utf-8", _UNICODE_ERRORS)
@@ -577,7 +583,8 @@ class _Decoder:
             return parts[0]
         total = sum(part.nbytes for part in parts)
         if total != nbytes:
-            _fail(f"frames {first}..{first + count - 1} hold {total} bytes, the header says {nbytes}")
+            last = first + count - 1
+            _fail(f"frames {first}..{last} hold {total} bytes, the header says {nbytes}")
         joined = bytearray(nbytes)
         position = 0
         for part in parts:
@@ -724,7 +731,9 @@ def unpack(data: Frame) -> list[memoryview]:
     """
     view = _byte_view(data)
     if view.nbytes < _PACK_PREFIX.size:
-        raise EncodeError(f"cannot unpack {view.nbytes} bytes: too short for a packed-frames buffer")
+        raise EncodeError(
+            f"cannot unpack {view.nbytes} bytes: too short for a packed-frames buffer"
+        )
     magic, count = _PACK_PREFIX.unpack_from(view)
     lengths_end = _PACK_PREFIX.size + 8 * count
     if magic != _PACK_MAGIC or lengths_end > view.nbytes:

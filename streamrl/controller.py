@@ -1342,29 +1342,52 @@ def _check_staleness(name: str, v: int | None) -> None:
 def _balanced_split(units: list[list[int]], R: int, weights: list[float]
                     ) -> tuple[list[list[int]], list[list[int]]]:
     """Split ``units`` (groups of rows) over ``R`` ranks, every rank the same number of
-    units, balancing the total weight: greedy longest-processing-time first with a
-    cardinality bound (each unit goes, heaviest first, to the lightest rank that still has
-    room). When ``len(units)`` is not a multiple of ``R`` the short ranks are padded by
-    repeating units of other ranks (returned separately, as they are not leased twice).
+    units, balancing the total weight.
+
+    Greedy longest-processing-time first with a cardinality bound (each unit goes,
+    heaviest first, to the lightest rank that still has room), then pairwise swaps between
+    the heaviest and the lightest rank while a swap narrows their gap. When ``len(units)``
+    is not a multiple of ``R``, short ranks are padded by repeating units of other ranks
+    (returned separately, since those rows are leased by their own share).
     """
-    per = math.ceil(len(units) / R)
+    per = math.ceil(len(units) / R) if units else 0
     order = sorted(range(len(units)), key=lambda i: -weights[i])
     load = [0.0] * R
-    count = [0] * R
-    shares: list[list[int]] = [[] for _ in range(R)]
+    members: list[list[int]] = [[] for _ in range(R)]
     for i in order:
-        r = min((r for r in range(R) if count[r] < per), key=lambda r: (load[r], count[r]))
-        shares[r].extend(units[i])
+        r = min((r for r in range(R) if len(members[r]) < per), key=lambda r: (load[r], len(members[r])))
+        members[r].append(i)
         load[r] += weights[i]
-        count[r] += 1
+    for _ in range(4 * len(units)):
+        h = max(range(R), key=load.__getitem__)
+        lo = min(range(R), key=load.__getitem__)
+        gap = load[h] - load[lo]
+        best, pick = gap, None
+        for a in members[h]:
+            for b in members[lo]:
+                d = weights[a] - weights[b]
+                if 0 < d < gap and abs(gap - 2 * d) < best:
+                    best, pick = abs(gap - 2 * d), (a, b)
+        if pick is None:
+            break
+        a, b = pick
+        members[h].remove(a)
+        members[lo].remove(b)
+        members[h].append(b)
+        members[lo].append(a)
+        d = weights[a] - weights[b]
+        load[h] -= d
+        load[lo] += d
+    shares = [[r for i in m for r in units[i]] for m in members]
     pads: list[list[int]] = [[] for _ in range(R)]
-    donors = deque(i for i in order)
+    donors = deque(order)
     for r in range(R):
-        while count[r] < per:
+        need = per - len(members[r])
+        while need > 0:
             i = donors.popleft()
             donors.append(i)
             pads[r].extend(units[i])
-            count[r] += 1
+            need -= 1
     return shares, pads
 
 

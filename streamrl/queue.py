@@ -380,8 +380,9 @@ class StreamQueue:
         paced by ``max_lead`` are released."""
         return await self._control.set_version(version)
 
-    async def add_filter(self, fn: Callable, *, fields: Sequence[str], group_by: str | None = None,
-                         group_size: int | None = None, name: str | None = None) -> str:
+    async def add_filter(self, fn: Callable, *, fields: Sequence[str] | None = None,
+                         group_by: str | None = None, group_size: int | None = None,
+                         name: str | None = None) -> str:
         """Judge rows once they have every one of ``fields``; rejected rows are dropped.
 
         ``fn(td)`` gets a TensorDict of ``fields`` for a row set (the rows a write made
@@ -397,9 +398,16 @@ class StreamQueue:
         (counted in ``stats().filter_errors``) and the error is raised to the producer whose
         write triggered it as :class:`~streamrl.errors.FilterError`.
 
+        Ready-made filters (:mod:`streamrl.filters`) carry their ``fields``, ``group_by``,
+        ``group_size`` and ``name``; arguments given here override them.
+
         Returns:
             The filter's name (counted per name in ``stats().filtered_by``).
         """
+        fields = fields if fields is not None else getattr(fn, "fields", None)
+        group_by = group_by if group_by is not None else getattr(fn, "group_by", None)
+        group_size = group_size if group_size is not None else getattr(fn, "group_size", None)
+        name = name or getattr(fn, "name", None)
         if isinstance(fields, str):
             fields = [fields]
         if not fields:

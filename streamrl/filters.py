@@ -1,0 +1,149 @@
+"""Ready-made filters for :meth:`streamrl.StreamQueue.add_filter`.
+
+Each is a callable object that also carries the ``fields`` (and grouping) it needs, so
+``await q.add_filter(zero_variance("reward", group_by="uid", group_size=8))`` is enough;
+keyword arguments given to ``add_filter`` override them.
+
+Examples:
+    >>> f = zero_variance("reward", group_by="uid", group_size=4)
+    >>> f.fields, f.group_by, f.group_size
+    (('reward',), 'uid', 4)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from tensordict import TensorDictBase
+
+from .errors import InvalidArgument, SchemaError
+
+__all__ = ["Filter", "zero_variance", "max_length", "predicate"]
+
+
+class Filter:
+    """Base of the ready-made filters: ``fields``, ``group_by``, ``group_size`` and
+    ``name`` are what :meth:`~streamrl.StreamQueue.add_filter` uses by default."""
+
+    fields: tuple[str, ...] = ()
+    group_by: str | None = None
+    group_size: int | None = None
+    name: str = "filter"
+
+    def __call__(self, td: TensorDictBase) -> Any:  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(fields={self.fields}, group_by={self.group_by!r})"
+
+
+class zero_variance(Filter):
+    """Reject GRPO groups with no learning signal: all rewards of the group equal (within
+    ``atol``), so every advantage would be zero.
+
+    Args:
+        reward: the reward field (one scalar per row).
+
+    Keyword Args:
+        group_by: the group-key field (one value per prompt), default ``"uid"``.
+        group_size: rollouts per prompt; the group is judged when that many are rewarded
+            (``None``: when its partition is sealed).
+        atol: rewards closer than this count as equal.
+        name: the name counted in ``stats().filtered_by``.
+    """
+
+    def __init__(self, reward: str = "reward", *, group_by: str = "uid",
+                 group_size: int | None = None, atol: float = 0.0,
+                 name: str = "zero_variance"):
+        self.fields = (reward,)
+        self.reward = reward
+        self.group_by = group_by
+        self.group_size = group_size
+        self.atol = float(atol)
+        self.name = name
+
+    def __call__(self, td: TensorDictBase) -> bool:
+        r = td.get(self.reward)
+        if not isinstance(r, torch.Tensor) or r.is_nested:
+            raise SchemaError(f"zero_variance needs a numeric reward tensor, got {type(r).__name__}")
+        r = r.reshape(r.shape[0], -1).float()
+        return bool((r.max(0).values - r.min(0).values).abs().max() > self.atol) if len(r) else False
+
+
+class max_length(Filter):
+    """Reject rows longer than ``limit`` (truncated or runaway generations).
+
+    Args:
+        field: either a per-row length (a scalar per row) or a per-row sequence (a ragged
+            list / jagged nested tensor, or a padded ``[n, L]`` tensor, whose length is
+            counted; for padded tensors pass ``pad_value``).
+        limit: the longest length kept.
+
+    Keyword Args:
+        pad_value: padding value not counted in ``[n, L]`` tensors.
+        name: the name counted in ``stats().filtered_by``.
+    """
+
+    def __init__(self, field: str, limit: int, *, pad_value: Any = None, name: str = "max_length"):
+        if not isinstance(limit, int) or limit < 0:
+            raise InvalidArgument(f"limit must be an int >= 0, got {limit!r}")
+        self.fields = (field,)
+        self.field = field
+        self.limit = limit
+        self.pad_value = pad_value
+        self.name = name
+
+    def lengths(self, col: Any) -> torch.Tensor:
+        if isinstance(col, torch.Tensor):
+            if col.is_nested:
+                return torch.tensor([t.shape[0] for t in col.unbind()])
+            if col.dim() == 1:
+                return col
+            if col.dim() == 2 and self.pad_value is not None:
+                return (col != self.pad_value).sum(1)
+            if col.dim() == 2:
+                return torch.full((col.shape[0],), col.shape[1])
+        return torch.tensor([len(x) for x in col])
+
+    def __call__(self, td: TensorDictBase) -> torch.Tensor:
+        col = td.get(self.field)
+        if not isinstance(col, torch.Tensor):
+            col = list(col.tolist()) if hasattr(col, "tolist") else list(col)
+        return self.lengths(col) <= self.limit
+
+
+class predicate(Filter):
+    """Keep rows for which ``fn(column)`` is true.
+
+    Args:
+        field: the field ``fn`` looks at.
+        fn: gets the column (a tensor, or a list for Python objects) and returns a bool
+            mask with one entry per row (or one bool for all).
+
+    Keyword Args:
+        group_by, group_size: judge whole groups (``fn`` then sees one group's column).
+        name: the name counted in ``stats().filtered_by``.
+
+    Examples:
+        >>> keep_finished = predicate("finished", lambda col: col)
+        >>> keep_short_chats = predicate("chat", lambda chats: [len(c) < 8 for c in chats])
+    """
+
+    def __init__(self, field: str, fn: Callable[[Any], Any], *, group_by: str | None = None,
+                 group_size: int | None = None, name: str | None = None):
+        if not callable(fn):
+            raise InvalidArgument(f"predicate needs a callable, got {type(fn).__name__}")
+        self.fields = (field,)
+        self.field = field
+        self.fn = fn
+        self.group_by = group_by
+        self.group_size = group_size
+        self.name = name or f"predicate:{field}"
+
+    def __call__(self, td: TensorDictBase) -> Any:
+        col = td.get(self.field)
+        if not isinstance(col, torch.Tensor):
+            col = list(col.tolist()) if hasattr(col, "tolist") else list(col)
+        return self.fn(col)

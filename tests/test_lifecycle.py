@@ -1,0 +1,279 @@
+"""Row lifecycle on every transport: filters, consumer-set cleanup, staleness, pacing,
+DP dispatch and the stats that account for every row."""
+
+from __future__ import annotations
+
+import random
+
+import anyio
+import pytest
+import torch
+
+from streamrl import filters
+from streamrl.controller import imbalance
+from streamrl.errors import DispatchError, FilterError, InvalidArgument, StreamTimeout
+
+pytestmark = pytest.mark.timeout(60)
+
+
+async def eventually(fn, timeout=5.0):
+    """Poll an async predicate until true (stats are eventually consistent with filters)."""
+    with anyio.fail_after(timeout):
+        while not await fn():
+            await anyio.sleep(0.01)
+
+
+def grpo_groups(n_groups, size, equal, start=0):
+    """Rows of n_groups groups; groups listed in `equal` get identical rewards."""
+    uid = torch.arange(start, start + n_groups).repeat_interleave(size)
+    reward = torch.rand(n_groups * size, generator=torch.Generator().manual_seed(start))
+    for g in equal:
+        reward[(g - start) * size:(g - start + 1) * size] = 1.0
+    return {"uid": uid, "prompt": torch.zeros(n_groups * size, 8)}, {"reward": reward}
+
+
+async def test_grpo_zero_variance_filter_ends_with_nothing_held(make_queue):
+    q = make_queue(consumers=["train"])
+    await q.add_filter(filters.zero_variance("reward", group_by="uid", group_size=4))
+    G, S = 10, 4
+    equal = set(range(0, G, 2))  # half the groups carry no signal
+    base, rewards = grpo_groups(G, S, equal)
+    rows = await q.put(base, partition="step-0")
+    # rewards arrive per group, in another order, as the reward role finishes them
+    for g in reversed(range(G)):
+        sl = slice(g * S, (g + 1) * S)
+        await q.put({"reward": rewards["reward"][sl]}, rows=rows[sl])
+    await q.seal("step-0")
+    trained_groups = []
+    async for mb in q.stream("train", ["prompt", "reward"], 8, partition="step-0",
+                             group_by="uid", group_size=S):
+        td = await mb.materialize(["uid", "reward"])
+        for g in set(td["uid"].tolist()):
+            r = td["reward"][td["uid"] == g]
+            assert r.max() > r.min()  # never an unfiltered, signal-free group
+            trained_groups.append(g)
+    assert sorted(trained_groups) == sorted(set(range(G)) - equal)
+    st = await q.stats()
+    assert st.filtered == len(equal) * S and st.filtered_by == {"zero_variance": len(equal) * S}
+    assert st.rows == 0 and st.bytes == 0 and sum(st.unit_rows) == 0 and st.leaked == 0
+    assert st.consumed == (G - len(equal)) * S
+    assert await q.leaked() == 0
+
+
+async def test_filter_sees_fields_and_rows_leased_elsewhere_shrink(make_queue):
+    q = make_queue()
+    await q.add_filter(lambda td: td["score"] > 0, fields=["score"], name="positive")
+    rows = await q.put({"x": torch.arange(4)}, partition="p")
+    early = await q.get("logger", ["x"], 4, partition="p")  # needs no filter field
+    await q.put({"score": torch.tensor([1.0, -1.0, 2.0, -2.0])}, rows=rows)
+    mb = await q.get("train", ["x", "score"], 2, partition="p", timeout=5)
+    assert (await mb.materialize(["x"]))["x"].tolist() == [0, 2]
+    await eventually(lambda: _eq(q, "filtered", 2))
+    await early.ack()  # the rejected rows left its lease; acking the rest works
+    st = await q.stats()
+    assert st.tasks["logger"].acked >= 2 and st.rows == 2
+
+
+async def _eq(q, attr, v):
+    return getattr(await q.stats(), attr) == v
+
+
+async def test_async_filter_and_predicate_and_length_filters(make_queue):
+    q = make_queue()
+
+    async def keep_even(td):
+        await anyio.sleep(0)
+        return td["k"] % 2 == 0
+
+    await q.add_filter(keep_even, fields=["k"])
+    await q.add_filter(filters.max_length("resp", 3))
+    await q.add_filter(filters.predicate("chat", lambda chats: [c != "spam" for c in chats]))
+    await q.put({"k": torch.arange(6), "resp": [torch.ones(i) for i in range(6)],
+                 "chat": ["hi", "spam", "ok", "ok", "spam", "x"]}, partition="p")
+    await q.seal("p")
+    got = []
+    async for mb in q.stream("t", ["k", "resp", "chat"], 2, partition="p"):
+        got.extend((await mb.materialize(["k"]))["k"].tolist())
+    assert got == [0, 2]  # 4 has resp of length 4; 1,3,5 are odd
+    st = await q.stats()
+    assert st.filtered == 4 and set(st.filtered_by) <= {"keep_even", "max_length", "predicate:chat"}
+
+
+async def test_filter_error_is_raised_to_producer_and_rows_dropped(make_queue):
+    q = make_queue()
+
+    def broken(td):
+        raise ZeroDivisionError("oops")
+
+    await q.add_filter(broken, fields=["r"])
+    with pytest.raises(FilterError, match="oops"):
+        await q.put({"r": torch.ones(3)}, partition="p")
+    st = await q.stats()
+    assert st.filter_errors == 3 and st.rows == 0 and "broken" in st.last_filter_errors[0]
+    await q.add_filter(lambda td: [True], fields=["s"], name="short_mask")
+    with pytest.raises(FilterError, match="mask of 1 entries for 2 rows"):
+        await q.put({"s": torch.ones(2)}, partition="p")
+    assert (await q.stats()).rows == 0
+
+
+async def test_filter_over_unwritten_field_is_pending_and_close_reports(make_queue):
+    q = make_queue()
+    await q.add_filter(lambda td: True, fields=["never"], name="waits")
+    await q.put({"x": torch.ones(3)}, partition="p")
+    st = await q.stats()
+    assert st.filter_pending == {"waits": 3}
+    held = await q.close()
+    assert held == {"p": 3}
+
+
+async def test_stale_versions_are_dropped_per_group(make_queue):
+    q = make_queue(max_staleness=1)
+    for v in range(3):
+        await q.put({"uid": torch.tensor([10 * v, 10 * v, 10 * v + 1, 10 * v + 1]),
+                     "x": torch.full((4,), v)}, partition="p", version=v)
+    await q.set_version(2)  # limit 1: version 0 is stale
+    st = await q.stats()
+    assert st.stale == 4 and st.rows == 8
+    await q.set_version(3)  # limit 2: version 1 too
+    await q.seal("p")
+    got = []
+    async for mb in q.stream("t", ["x"], 2, partition="p", group_by="uid", group_size=2):
+        assert set(mb.versions) == {2}
+        got.extend((await mb.materialize())["x"].tolist())
+    assert got == [2, 2, 2, 2]
+    st = await q.stats()
+    assert st.stale == 8 and st.dropped_by["stale"] == 8
+    with pytest.raises(InvalidArgument):
+        await q.set_version(1)  # backwards
+
+
+async def test_stream_level_staleness_drops_group_together(make_queue):
+    q = make_queue()
+    await q.put({"uid": torch.tensor([1, 1, 2, 2]), "x": torch.ones(4)}, partition="p", version=0)
+    await q.put({"uid": torch.tensor([3, 3]), "x": torch.ones(2)}, partition="p", version=5)
+    await q.set_version(5)
+    mb = await q.get("t", ["x"], 2, partition="p", group_by="uid", group_size=2, max_staleness=2,
+                     timeout=5)
+    assert mb.versions == [5, 5]
+    st = await q.stats()
+    assert st.stale == 4 and st.rows == 2
+
+
+async def test_admission_pacer_holds_producers_until_trainer_catches_up(make_queue):
+    q = make_queue(max_lead=1)
+    await q.put({"x": torch.ones(1)}, version=1)  # one ahead: fine
+    with pytest.raises(StreamTimeout):
+        await q.put({"x": torch.ones(1)}, version=2, timeout=0.2)
+    done = anyio.Event()
+
+    async def producer():
+        await q.put({"x": torch.ones(1)}, version=3)
+        done.set()
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(producer)
+        await anyio.sleep(0.1)
+        assert not done.is_set() and (await q.stats()).waiting_puts == 1
+        await q.set_version(1)
+        await anyio.sleep(0.1)
+        assert not done.is_set()  # 3 > 1 + 1 still
+        await q.set_version(2)
+        with anyio.fail_after(5):
+            await done.wait()
+
+
+async def test_consumer_set_cleanup_frees_rows_when_last_task_acks(make_queue):
+    q = make_queue()
+    await q.declare("p", ["ref", "train"])
+    await q.put({"x": torch.ones(6, 16)}, partition="p")
+    a = await q.get("ref", ["x"], 6, partition="p")
+    await a.ack()
+    st = await q.stats()
+    assert st.rows == 6 and st.partitions["p"]["consumed"] == 6
+    b = await q.get("train", ["x"], 4, partition="p")
+    await b.ack()
+    st = await q.stats()
+    assert st.rows == 2 and st.consumed == 4 and st.bytes == 2 * 16 * 4
+    c = await q.get("train", ["x"], 2, partition="p")
+    await c.ack()
+    st = await q.stats()
+    assert st.rows == 0 and st.bytes == 0 and sum(st.unit_bytes) == 0
+
+
+async def test_dp_dispatch_equal_counts_and_balanced_tokens(make_queue):
+    q = make_queue(capacity=4096)
+    R, B = 4, 16
+    rng = random.Random(0)  # skewed, like response lengths: lognormal, capped at 4096
+    lengths = [min(4096, int(rng.lognormvariate(5.5, 1.0))) for _ in range(R * B * 4)]
+    await q.put({"length": torch.tensor(lengths), "x": torch.ones(len(lengths))}, partition="s")
+    await q.seal("s")
+    per_rank: dict[int, list[list[int]]] = {r: [] for r in range(R)}
+
+    async def rank(r):
+        async for mb in q.stream("train", ["x", "length"], B, partition="s", dp_rank=r,
+                                 dp_size=R, balance_by="length"):
+            per_rank[r].append((await mb.materialize(["length"]))["length"].tolist())
+
+    async with anyio.create_task_group() as tg:
+        for r in range(R):
+            tg.start_soon(rank, r)
+    steps = len(per_rank[0])
+    assert steps == 4 and all(len(v) == steps for v in per_rank.values())
+    for k in range(steps):
+        shares = [per_rank[r][k] for r in range(R)]
+        assert all(len(s) == B for s in shares)  # equal counts, never empty
+        ours = imbalance([sum(s) for s in shares])
+        flat = [x for s in shares for x in s]
+        rr = imbalance([sum(flat[i::R]) for i in range(R)])  # round-robin of the same rows
+        assert ours < 0.05 and ours < rr
+
+
+async def test_dp_remainder_policies(make_queue):
+    q = make_queue()
+    await q.put({"x": torch.arange(5)}, partition="e")
+    await q.seal("e")
+    with pytest.raises(DispatchError):
+        await q.get("t", ["x"], 4, partition="e", dp_rank=0, dp_size=2)
+    await q.put({"x": torch.arange(5)}, partition="d")
+    await q.seal("d")
+    a = await q.get("t", ["x"], 4, partition="d", dp_rank=0, dp_size=2, dp_remainder="drop")
+    b = await q.get("t", ["x"], 4, partition="d", dp_rank=1, dp_size=2, dp_remainder="drop")
+    assert len(a) == len(b) == 2
+    assert (await q.stats()).dropped_by.get("dp_remainder") == 1
+    await q.put({"x": torch.arange(3)}, partition="pad")
+    await q.seal("pad")
+    a = await q.get("t", ["x"], 4, partition="pad", dp_rank=0, dp_size=2, dp_remainder="pad")
+    b = await q.get("t", ["x"], 4, partition="pad", dp_rank=1, dp_size=2, dp_remainder="pad")
+    assert len(a) == len(b) == 2 and len(set(a.rows) | set(b.rows)) == 3
+
+
+async def test_stats_account_for_every_row(make_queue):
+    q = make_queue(consumers=["t"])
+    await q.add_filter(lambda td: td["r"] > 0, fields=["r"], name="pos")
+    await q.put({"r": torch.tensor([1.0, -1.0, 1.0, 1.0])}, partition="p", version=0)
+    await q.seal("p")
+    async for mb in q.stream("t", ["r"], 2, partition="p"):
+        pass
+    st = await q.stats()
+    assert st.put == 4 and st.filtered == 1 and st.consumed == 3 and st.rows == 0
+    assert st.tasks["t"].delivered == 3 and st.tasks["t"].acked == 3
+    assert st.wait_p50 is not None and st.wait_p99 >= st.wait_p50
+    assert st.bytes_freed == st.bytes_put
+    assert "leaked=0" in st.summary()
+
+
+async def test_lifecycle_bad_input(make_queue):
+    with pytest.raises(InvalidArgument):
+        make_queue(max_staleness=-1)
+    q = make_queue()
+    with pytest.raises(InvalidArgument):
+        await q.get("t", ["x"], 2, max_staleness=-2)
+    with pytest.raises(InvalidArgument):
+        await q.add_filter("not callable", fields=["x"])
+    with pytest.raises(InvalidArgument):
+        await q.add_filter(lambda td: True, fields=[])
+    await q.add_filter(lambda td: True, fields=["x"], name="dup")
+    with pytest.raises(InvalidArgument):
+        await q.add_filter(lambda td: True, fields=["x"], name="dup")
+    with pytest.raises(InvalidArgument):
+        await q.get("t", ["x"], 2, dp_size=2, dp_rank=5)
