@@ -85,24 +85,28 @@ class Row:
         self.fields: dict[str, int] = {}  # ready field -> bytes
         self.nbytes = 0  # committed bytes
         self.tags: dict[str, Hashable] = {}
+        # Sets of tasks, filters and fields are int bitmasks (bits from the controller's
+        # registries): ints and str->int dicts are not tracked by the cyclic GC, which
+        # otherwise costs as much as the bookkeeping itself with many rows held.
         self.leased: dict[str, int] = {}  # task -> lease id
-        self.acked: set[str] = set()
-        self.pending: set[str] = set()  # filters that have not judged the row yet
-        self.judging: set[str] = set()  # filters judging it right now
-        self.writing: set[str] = set()  # fields with a write in flight
-        self.delivered: set[str] = set()  # tasks it was ever handed to
+        self.acked = 0  # tasks that acknowledged it
+        self.pending = 0  # filters that have not judged it yet
+        self.judging = 0  # filters judging it right now
+        self.writing = 0  # fields with a write in flight
+        self.delivered = 0  # tasks it was ever handed to
 
 
 class Partition:
     """A named set of rows with one lifetime. Internal."""
 
-    __slots__ = ("name", "rows", "sealed", "consumers", "acked", "groups", "tasks")
+    __slots__ = ("name", "rows", "sealed", "consumers", "cmask", "acked", "groups", "tasks")
 
-    def __init__(self, name: str, consumers: frozenset[str] | None):
+    def __init__(self, name: str, consumers: frozenset[str] | None, cmask: int = 0):
         self.name = name
         self.rows: dict[int, Row] = {}
         self.sealed = False
         self.consumers = consumers
+        self.cmask = cmask  # bitmask of the consumers
         self.acked: dict[str, int] = {}  # task -> live rows of this partition it acked
         self.groups: dict[str, dict[Hashable, dict[int, None]]] = {}  # tag -> key -> rows
         self.tasks: set[str] = set()  # tasks that took rows from here
@@ -195,17 +199,17 @@ class _Sub:
     """One request shape and its index of deliverable rows."""
 
     __slots__ = ("key", "task", "fields", "partition", "group_by", "group_size", "avail",
-                 "buckets", "complete", "gating", "last_used")
+                 "buckets", "complete", "gating", "last_used", "tbit")
 
-    def __init__(self, key: tuple, gating: set[str]):
+    def __init__(self, key: tuple, gating: int, tbit: int):
         self.key = key
         self.task, fields, self.partition, self.group_by, self.group_size = key
         self.fields: frozenset[str] = fields
         self.avail: dict[int, None] = {}
         self.buckets: dict[tuple[str, Hashable], dict[int, None]] = {}
         self.complete: dict[tuple[str, Hashable], None] = {}
-        self.gating = gating
-        self.last_used = 0.0
+        self.gating = gating  # bitmask of filters that must pass a row first
+        self.tbit = tbit
 
 
 class _Lease:
@@ -313,6 +317,7 @@ class Controller:
         self.subs: dict[tuple, _Sub] = {}
         self._subs_by_part: dict[str | None, list[_Sub]] = {}
         self._subs_by_task: dict[str, list[_Sub]] = {}
+        self._cands: dict[str, list[_Sub]] = {}  # partition -> subscriptions that see it
         self.leases: dict[int, _Lease] = {}
         self._lease_heap: list[tuple[float, int]] = []
         self._lease_outcome: OrderedDict[int, str] = OrderedDict()
@@ -320,6 +325,9 @@ class Controller:
         self._dispatchers: dict[tuple, _Dispatcher] = {}
 
         self.tag_fields: set[str] = set()
+        self._tbits: dict[str, int] = {}  # task -> bit
+        self._fbits: dict[str, int] = {}  # filter -> bit
+        self._field_bits: dict[str, int] = {}  # field -> bit (writes in flight)
         self.filters: dict[str, FilterSpec] = {}
         # filter name -> (partition, key) -> rows that have the filter's fields, unjudged
         self._filter_ready: dict[str, dict[tuple, dict[int, None]]] = {}
@@ -351,8 +359,25 @@ class Controller:
         if p is None and create:
             if not isinstance(name, str) or not name:
                 raise InvalidArgument(f"partition must be a non-empty str, got {name!r}")
-            p = self.parts[name] = Partition(name, self.default_consumers)
+            p = self.parts[name] = Partition(name, self.default_consumers,
+                                             self._mask(self.default_consumers))
         return p
+
+    def _bit(self, table: dict[str, int], name: str) -> int:
+        b = table.get(name)
+        if b is None:
+            b = table[name] = 1 << len(table)
+        return b
+
+    def _mask(self, tasks) -> int:
+        m = 0
+        for t in tasks or ():
+            m |= self._bit(self._tbits, t)
+        return m
+
+    @staticmethod
+    def _names(table: dict[str, int], mask: int) -> list[str]:
+        return [n for n, b in table.items() if mask & b] if mask else []
 
     def declare(self, partition: str, consumers: Sequence[str] | None) -> None:
         """Set the tasks that must acknowledge each row of ``partition`` before it is
@@ -360,8 +385,9 @@ class Controller:
         acknowledged by all of them are dropped now."""
         p = self._part(partition)
         p.consumers = _consumers(consumers)
-        if p.consumers:
-            done = [r for r in p.rows.values() if p.consumers <= r.acked and not r.leased]
+        p.cmask = self._mask(p.consumers)
+        if p.cmask:
+            done = [r for r in p.rows.values() if r.acked & p.cmask == p.cmask and not r.leased]
             self._drop_rows(done, DropReason.CONSUMED)
 
     def seal(self, partition: str) -> None:
@@ -445,13 +471,14 @@ class Controller:
             raise InvalidArgument(f"version must be an int, got {version!r}")
         ids = [next(self._ids) for _ in range(n)]
         shards = self._place(n)
-        pending = set(self.filters)
-        fset = set(fields)
+        pending = 0
+        for name in self.filters:
+            pending |= self._fbits[name]
+        wmask = self._wmask(fields)
         for rid, s in zip(ids, shards):
             row = Row(rid, p, s, version)
-            if pending:
-                row.pending = set(pending)
-            row.writing = set(fset)
+            row.pending = pending
+            row.writing = wmask
             self.rows[rid] = row
             p.rows[rid] = row
         self.reserved_bytes += nbytes
@@ -462,6 +489,12 @@ class Controller:
             # admitted and immediately stale: it will never be delivered
             self._drop_rows([self.rows[r] for r in ids], DropReason.STALE, group=True)
         return tok
+
+    def _wmask(self, fields: Iterable[str]) -> int:
+        m = 0
+        for f in fields:
+            m |= self._bit(self._field_bits, f)
+        return m
 
     def _place(self, n: int) -> list[int]:
         """Spread ``n`` rows over shards in contiguous chunks, rotating the first shard."""
@@ -491,15 +524,17 @@ class Controller:
                 "(by drop, clear, a filter, staleness or consumer-set cleanup); skip them",
                 dead)
         objs = [self.rows[r] for r in rows]
+        wmask = self._wmask(fields)
         if not overwrite:
             for f in fields:
-                dup = [r.id for r in objs if f in r.fields or f in r.writing]
+                fb = self._field_bits[f]
+                dup = [r.id for r in objs if f in r.fields or r.writing & fb]
                 if dup:
                     raise DuplicateField(
                         f"field {f!r} is already written to rows {rows_preview(dup)}; pass "
                         "overwrite=True to replace it, or write it under another name")
         for r in objs:
-            r.writing.update(fields)
+            r.writing |= wmask
         tok = WriteToken(next(self._token_ids), list(rows), [r.shard for r in objs], tuple(fields))
         self._tokens[tok.id] = tok
         return tok
@@ -512,8 +547,9 @@ class Controller:
             return {}
         self.reserved_bytes -= tok.reserved_bytes
         live = [self.rows[r] for r in tok.rows if r in self.rows]
+        wmask = self._wmask(tok.fields)
         for r in live:
-            r.writing.difference_update(tok.fields)
+            r.writing &= ~wmask
         if tok.new_rows:
             self._drop_rows(live, DropReason.DROPPED)
             self.c_put -= len(tok.rows)
@@ -539,12 +575,13 @@ class Controller:
         dead: dict[int, list[int]] = {}
         touched: list[Row] = []
         added = 0
+        keep = ~self._wmask(tok.fields)
         for i, (rid, s) in enumerate(zip(tok.rows, tok.shards)):
             row = self.rows.get(rid)
             if row is None:
                 dead.setdefault(s, []).append(rid)
                 continue
-            row.writing.difference_update(tok.fields)
+            row.writing &= keep
             for f in tok.fields:
                 b = int(nbytes[f][i]) if f in nbytes else 0
                 old = row.fields.get(f, 0)
@@ -621,10 +658,11 @@ class Controller:
         if sub is None:
             for f in self.tags_needed(req):
                 self.tag_fields.add(f)
-            sub = _Sub(key, self._gating(key[1]))
+            sub = _Sub(key, self._gating(key[1]), self._bit(self._tbits, req.task))
             self.subs[key] = sub
             self._subs_by_part.setdefault(sub.partition, []).append(sub)
             self._subs_by_task.setdefault(sub.task, []).append(sub)
+            self._cands.clear()
             rows = (self.parts[sub.partition].rows.values() if sub.partition in self.parts
                     else ()) if sub.partition is not None else self.rows.values()
             for row in rows:
@@ -633,19 +671,22 @@ class Controller:
         sub.last_used = self.clock()
         return sub
 
-    def _gating(self, fields: frozenset[str]) -> set[str]:
-        return {s.name for s in self.filters.values() if s.fields & fields}
+    def _gating(self, fields: frozenset[str]) -> int:
+        m = 0
+        for s in self.filters.values():
+            if s.fields & fields:
+                m |= self._fbits[s.name]
+        return m
 
     def _eligible(self, row: Row, sub: _Sub) -> bool:
-        if sub.task in row.leased or sub.task in row.acked:
+        if row.acked & sub.tbit or sub.task in row.leased:
             return False
         if not sub.fields.issubset(row.fields):
             return False
         if sub.group_by is not None and sub.group_by not in row.tags:
             return False
-        if sub.gating and (row.pending or row.judging):
-            if not sub.gating.isdisjoint(row.pending) or not sub.gating.isdisjoint(row.judging):
-                return False
+        if (row.pending | row.judging) & sub.gating:
+            return False
         return True
 
     def _add(self, sub: _Sub, row: Row) -> None:
@@ -686,7 +727,7 @@ class Controller:
             return False
         # sealed: complete when every live row of the key that the task still owes is here
         members = p.groups.get(sub.group_by, {}).get(gk[1], {})
-        owed = sum(1 for r in members if sub.task not in self.rows[r].acked)
+        owed = sum(1 for r in members if not self.rows[r].acked & sub.tbit)
         return len(bucket) >= owed
 
     def _reindex(self, rows: Iterable[Row], tasks: Iterable[str] | None = None) -> None:
@@ -694,8 +735,7 @@ class Controller:
         if not self.subs:
             return
         for row in rows:
-            cand = self._subs_by_part.get(row.part.name, []) + self._subs_by_part.get(None, [])
-            for sub in cand:
+            for sub in self._candidates(row.part.name):
                 if tasks is not None and sub.task not in tasks:
                     continue
                 ok = self._eligible(row, sub)
@@ -704,13 +744,19 @@ class Controller:
                 elif not ok and row.id in sub.avail:
                     self._remove(sub, row)
 
+    def _candidates(self, name: str) -> list[_Sub]:
+        c = self._cands.get(name)
+        if c is None:
+            c = self._cands[name] = self._subs_by_part.get(name, []) + self._subs_by_part.get(None, [])
+        return c
+
     def _unindex(self, row: Row, tasks: Iterable[str] | None = None) -> None:
-        for sub in self._subs_by_part.get(row.part.name, []) + self._subs_by_part.get(None, []):
+        for sub in self._candidates(row.part.name):
             if (tasks is None or sub.task in tasks) and row.id in sub.avail:
                 self._remove(sub, row)
 
     def _wake_part(self, name: str) -> None:
-        for sub in self._subs_by_part.get(name, []) + self._subs_by_part.get(None, []):
+        for sub in self._candidates(name):
             if sub.group_by is not None:
                 for gk in list(sub.buckets):
                     if gk[0] == name:
@@ -809,12 +855,13 @@ class Controller:
         """The consumer has the batch now: count it (and redeliveries)."""
         lease.claimed = True
         task = lease.task
+        bit = self._bit(self._tbits, task)
         redelivered = 0
         for rid in lease.rows:
             row = self.rows[rid]
-            if task in row.delivered:
+            if row.delivered & bit:
                 redelivered += 1
-            row.delivered.add(task)
+            row.delivered |= bit
         self.c_delivered[task] = self.c_delivered.get(task, 0) + len(lease.rows)
         if redelivered:
             self.c_redelivered[task] = self.c_redelivered.get(task, 0) + redelivered
@@ -929,16 +976,17 @@ class Controller:
                 continue
             self._remember(lid, "acked")
             task = lease.task
+            bit = self._bit(self._tbits, task)
             done = []
             for rid in lease.rows:
                 row = self.rows.get(rid)
                 if row is None or row.leased.get(task) != lid:
                     continue
                 del row.leased[task]
-                row.acked.add(task)
+                row.acked |= bit
                 p = row.part
                 p.acked[task] = p.acked.get(task, 0) + 1
-                if p.consumers and p.consumers <= row.acked and not row.leased:
+                if p.cmask and row.acked & p.cmask == p.cmask and not row.leased:
                     done.append(row)
             self.c_acked[task] = self.c_acked.get(task, 0) + len(lease.rows)
             self._drop_rows(done, DropReason.CONSUMED)
@@ -1039,7 +1087,7 @@ class Controller:
                 continue
             p = row.part
             del p.rows[row.id]
-            for task in row.acked:
+            for task in self._names(self._tbits, row.acked):
                 p.acked[task] -= 1
             for f, v in row.tags.items():
                 grp = p.groups.get(f, {}).get(v)
@@ -1055,7 +1103,7 @@ class Controller:
                     if not lease.rows:
                         del self.leases[lid]
                         self._remember(lid, "acked")
-            for name in row.pending | row.judging:
+            for name in self._names(self._fbits, row.pending | row.judging):
                 buckets = self._filter_ready.get(name)
                 if buckets:
                     for b in buckets.values():
@@ -1123,12 +1171,13 @@ class Controller:
             raise InvalidArgument(f"a filter named {spec.name!r} exists already; pass another name")
         self.filters[spec.name] = spec
         self._filter_ready[spec.name] = {}
+        fbit = self._bit(self._fbits, spec.name)
         if spec.group_by:
             self.tag_fields.add(spec.group_by)
         for sub in self.subs.values():
             sub.gating = self._gating(sub.fields)
         for row in self.rows.values():
-            row.pending.add(spec.name)
+            row.pending |= fbit
         self._reindex(list(self.rows.values()))
         self._filter_check(list(self.rows.values()), only=spec)
 
@@ -1139,9 +1188,10 @@ class Controller:
         specs = [only] if only else list(self.filters.values())
         for spec in specs:
             buckets = self._filter_ready[spec.name]
+            fbit = self._fbits[spec.name]
             new_keys: dict[tuple, Partition] = {}
             for row in rows:
-                if spec.name not in row.pending or row.id not in self.rows:
+                if not row.pending & fbit or row.id not in self.rows:
                     continue
                 if not spec.fields.issubset(row.fields):
                     continue
@@ -1158,6 +1208,7 @@ class Controller:
 
     def _maybe_filter_job(self, spec: FilterSpec, p: Partition, gkey, key: tuple | None = None) -> None:
         key = key or (p.name, gkey)
+        fbit = self._fbits[spec.name]
         b = self._filter_ready[spec.name].get(key)
         if not b:
             return
@@ -1174,7 +1225,7 @@ class Controller:
                 del self._filter_ready[spec.name][key]
             elif p.sealed:
                 members = p.groups.get(spec.group_by, {}).get(gkey, {})
-                waiting = [r for r in members if spec.name in self.rows[r].pending]
+                waiting = [r for r in members if self.rows[r].pending & fbit]
                 if len(b) >= len(waiting):
                     self._emit_job(spec, list(b))
                     del self._filter_ready[spec.name][key]
@@ -1182,16 +1233,17 @@ class Controller:
             if not p.sealed:
                 return
             members = p.groups.get(spec.group_by, {}).get(gkey, {})
-            waiting = [r for r in members if spec.name in self.rows[r].pending]
+            waiting = [r for r in members if self.rows[r].pending & fbit]
             if len(b) >= len(waiting):
                 self._emit_job(spec, list(b))
                 del self._filter_ready[spec.name][key]
 
     def _emit_job(self, spec: FilterSpec, rids: list[int]) -> None:
+        fbit = self._fbits[spec.name]
         for r in rids:
             row = self.rows[r]
-            row.pending.discard(spec.name)
-            row.judging.add(spec.name)
+            row.pending &= ~fbit
+            row.judging |= fbit
         job = FilterJob(next(self._job_ids), spec.name, rids,
                         [self.rows[r].shard for r in rids], tuple(sorted(spec.fields)))
         self._jobs[job.id] = job
@@ -1204,8 +1256,9 @@ class Controller:
         if job is None:
             return 0
         live = [self.rows[r] for r in job.rows if r in self.rows]
+        fbit = self._fbits[job.filter]
         for row in live:
-            row.judging.discard(job.filter)
+            row.judging &= ~fbit
         if error:
             rejected = live
             self.c_filter_errors[job.filter] = self.c_filter_errors.get(job.filter, 0) + len(live)
@@ -1241,7 +1294,7 @@ class Controller:
         """Per filter, live rows it has not judged yet."""
         out = {name: 0 for name in self.filters}
         for row in self.rows.values():
-            for name in row.pending | row.judging:
+            for name in self._names(self._fbits, row.pending | row.judging):
                 out[name] += 1
         return out
 
@@ -1276,10 +1329,10 @@ class Controller:
         for p in self.parts.values():
             if not p.sealed or not p.rows:
                 continue
-            tasks = p.consumers or frozenset(p.tasks)
-            if not tasks:
+            mask = p.cmask or self._mask(p.tasks)
+            if not mask:
                 continue
-            n = sum(1 for r in p.rows.values() if not r.leased and tasks <= r.acked)
+            n = sum(1 for r in p.rows.values() if not r.leased and r.acked & mask == mask)
             if n:
                 out[p.name] = n
         return out

@@ -143,6 +143,11 @@ class ControllerService:
             tok = ctl.allocate(partition, n, fields, nbytes=nbytes, version=version)
             await self._after()
             return tok
+        if not self._space_q and ctl.admission(n, nbytes, version) is None:
+            # fast path: room now and nobody ahead of us
+            tok = ctl.allocate(partition, n, fields, nbytes=nbytes, version=version)
+            await self._after()
+            return tok
         deadline = None if timeout is None else ctl.clock() + timeout
         # version pacing: wait while this producer is too far ahead of the trainer
         while ctl.admission(n, nbytes, version) == "ahead":

@@ -25,7 +25,7 @@ __all__ = ["StorageUnit"]
 
 
 class _Obj:
-    """A stored Python object (distinguishes it from a (segment, offset) tensor entry)."""
+    """A stored Python object (distinguishes it from a packed tensor entry)."""
 
     __slots__ = ("value", "nbytes")
 
@@ -34,8 +34,27 @@ class _Obj:
         self.nbytes = nbytes
 
 
+_OFF_BITS = 32  # a tensor entry is the int (segment id << 32) | row offset in the segment
+
+
+class _Segment:
+    """A tensor that was put, shared by the rows it holds."""
+
+    __slots__ = ("tensor", "row_bytes", "live")
+
+    def __init__(self, tensor: torch.Tensor, row_bytes: int, live: int):
+        self.tensor = tensor
+        self.row_bytes = row_bytes
+        self.live = live  # entries still referring to it
+
+
 class StorageUnit:
     """One shard of row data.
+
+    Tensor entries are packed ints ``(segment id << 32) | offset``: rows of one put sit at
+    consecutive ints, so a run of rows is found by comparing integers, and the cyclic
+    garbage collector has nothing per row to scan. A segment (the tensor that was put) is
+    released when its last row is deleted.
 
     Args:
         index: the unit's number among the queue's shards (for messages).
@@ -51,10 +70,30 @@ class StorageUnit:
 
     def __init__(self, index: int = 0):
         self.index = index
-        # field -> row -> (segment, offset, nbytes) | _Obj
-        self.columns: dict[str, dict[int, tuple | _Obj]] = {}
+        # field -> row -> packed int (tensor rows) | _Obj (Python objects)
+        self.columns: dict[str, dict[int, int | _Obj]] = {}
+        self.segments: dict[int, _Segment] = {}
+        self._next_seg = 1
         self.row_fields: dict[int, int] = {}  # row -> number of fields held
         self.nbytes = 0
+
+    def _segment(self, t: torch.Tensor, n: int) -> int:
+        sid = self._next_seg
+        self._next_seg += 1
+        per = t.element_size() * (t.numel() // n if n else 0)
+        self.segments[sid] = _Segment(t, per, n)
+        return sid << _OFF_BITS
+
+    def _entry_bytes(self, e: int | _Obj) -> int:
+        return e.nbytes if isinstance(e, _Obj) else self.segments[e >> _OFF_BITS].row_bytes
+
+    def _release(self, e: int | _Obj) -> None:
+        if not isinstance(e, _Obj):
+            sid = e >> _OFF_BITS
+            seg = self.segments[sid]
+            seg.live -= 1
+            if not seg.live:
+                del self.segments[sid]
 
     def put(self, rows: Sequence[int], columns: Mapping[str, Column]) -> None:
         """Store ``columns`` (each with ``len(rows)`` rows) for ``rows``; an existing
@@ -63,13 +102,13 @@ class StorageUnit:
         for name, col in columns.items():
             store = self.columns.setdefault(name, {})
             if isinstance(col, torch.Tensor):
-                per = col.element_size() * (col[0].numel() if n else 0)
-                entries = [(col, i, per) for i in range(n)]
+                base = self._segment(col, n)
+                entries: list = list(range(base, base + n))
             else:
                 entries = []
                 for x in col:
                     if isinstance(x, torch.Tensor):
-                        entries.append((x.unsqueeze(0), 0, x.element_size() * x.numel()))
+                        entries.append(self._segment(x.unsqueeze(0), 1))
                     else:
                         entries.append(_Obj(x, approx_size(x)))
             for r, e in zip(rows, entries):
@@ -77,9 +116,10 @@ class StorageUnit:
                 if old is None:
                     self.row_fields[r] = self.row_fields.get(r, 0) + 1
                 else:
-                    self.nbytes -= old.nbytes if isinstance(old, _Obj) else old[2]
+                    self.nbytes -= self._entry_bytes(old)
+                    self._release(old)
                 store[r] = e
-                self.nbytes += e.nbytes if isinstance(e, _Obj) else e[2]
+                self.nbytes += self._entry_bytes(e)
 
     def get(self, rows: Sequence[int], fields: Sequence[str]) -> dict[str, list[Column]]:
         """Read ``fields`` of ``rows`` (in that order) as pieces of consecutive rows:
@@ -103,7 +143,7 @@ class StorageUnit:
                 entries = [store[r] for r in rows]
             except KeyError:
                 raise UnknownField(self._unknown(f, rows)) from None
-            out[f] = _runs(entries)
+            out[f] = self._runs(entries)
         return out
 
     def _unknown(self, f: str, rows: Sequence[int]) -> str:
@@ -112,6 +152,28 @@ class StorageUnit:
         have = sorted(k for k, v in self.columns.items() if all(r in v for r in rows))
         return (f"field {f!r} is not written for rows {rows_preview(lacking)}; these rows have "
                 f"{have}. Wait for the field (stream/get with it in fields) or check the name")
+
+    def _runs(self, entries: list) -> list[Column]:
+        """Pieces: slices of one segment at consecutive offsets, and lists of objects."""
+        pieces: list[Column] = []
+        i, n = 0, len(entries)
+        while i < n:
+            e = entries[i]
+            if isinstance(e, _Obj):
+                objs = [e.value]
+                i += 1
+                while i < n and isinstance(entries[i], _Obj):
+                    objs.append(entries[i].value)
+                    i += 1
+                pieces.append(objs)
+                continue
+            j = i + 1
+            while j < n and entries[j] == e + (j - i) and not isinstance(entries[j], _Obj):
+                j += 1
+            off = e & ((1 << _OFF_BITS) - 1)
+            pieces.append(self.segments[e >> _OFF_BITS].tensor[off:off + (j - i)])
+            i = j
+        return pieces
 
     def delete(self, rows: Sequence[int]) -> tuple[int, int]:
         """Forget ``rows`` (rows not held are skipped). Returns (rows, bytes) freed."""
@@ -124,40 +186,16 @@ class StorageUnit:
             for store in self.columns.values():
                 e = store.pop(r, None)
                 if e is not None:
-                    self.nbytes -= e.nbytes if isinstance(e, _Obj) else e[2]
-        for f in [f for f, s in self.columns.items() if not s]:
+                    self.nbytes -= self._entry_bytes(e)
+                    self._release(e)
+        for f in [f for f, st in self.columns.items() if not st]:
             del self.columns[f]
         return n, before - self.nbytes
 
     def fields_of(self, rows: Sequence[int]) -> list[str]:
         """Fields held for every one of ``rows``."""
-        return sorted(f for f, s in self.columns.items() if all(r in s for r in rows))
+        return sorted(f for f, st in self.columns.items() if all(r in st for r in rows))
 
     def stats(self) -> tuple[int, int]:
         """(rows, bytes) held now."""
         return len(self.row_fields), self.nbytes
-
-
-def _runs(entries: list) -> list[Column]:
-    """Group entries into pieces: slices of one segment at consecutive offsets, and lists
-    of objects."""
-    pieces: list[Column] = []
-    i, n = 0, len(entries)
-    while i < n:
-        e = entries[i]
-        if isinstance(e, _Obj):
-            objs = [e.value]
-            i += 1
-            while i < n and isinstance(entries[i], _Obj):
-                objs.append(entries[i].value)
-                i += 1
-            pieces.append(objs)
-            continue
-        seg, off = e[0], e[1]
-        j = i + 1
-        while j < n and not isinstance(entries[j], _Obj) and entries[j][0] is seg \
-                and entries[j][1] == off + (j - i):
-            j += 1
-        pieces.append(seg[off:off + (j - i)])
-        i = j
-    return pieces
