@@ -3,25 +3,54 @@
 Producers ``put`` partial samples into a sharded, bounded :class:`StreamQueue`; consumers
 ``stream`` readiness-gated micro-batches as lazy :class:`RowRemoteBatch` views and
 ``materialize`` only the fields they need. See the documentation for the concepts.
+
+The public names are loaded on first use, so that processes which only host parts of a
+queue (Ray storage-unit and controller actors) do not import torch.
 """
 
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING
+
 from . import errors
-from .batch import BatchProxy, ColumnRemoteBatch, RemoteBatch, RowRemoteBatch
-from .queue import DEFAULT_PARTITION, Stream, StreamQueue
-from .stats import Stats, TaskStats
 
 __version__ = "0.1.0"
 
-__all__ = [
-    "StreamQueue",
-    "Stream",
-    "RemoteBatch",
-    "RowRemoteBatch",
-    "ColumnRemoteBatch",
-    "BatchProxy",
-    "Stats",
-    "TaskStats",
-    "DEFAULT_PARTITION",
-    "errors",
-    "__version__",
-]
+_EXPORTS = {
+    "StreamQueue": "queue",
+    "Stream": "queue",
+    "DEFAULT_PARTITION": "queue",
+    "RemoteBatch": "batch",
+    "RowRemoteBatch": "batch",
+    "ColumnRemoteBatch": "batch",
+    "BatchProxy": "batch",
+    "Stats": "stats",
+    "TaskStats": "stats",
+    "filters": None,
+    "sync": None,
+    "codec": None,
+}
+
+__all__ = sorted(_EXPORTS) + ["errors", "__version__"]
+
+
+def __getattr__(name: str):
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'streamrl' has no attribute {name!r}")
+    mod = _EXPORTS[name]
+    value = (importlib.import_module(f".{name}", __name__) if mod is None
+             else getattr(importlib.import_module(f".{mod}", __name__), name))
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return __all__
+
+
+if TYPE_CHECKING:  # for type checkers and IDEs
+    from . import codec, filters, sync
+    from .batch import BatchProxy, ColumnRemoteBatch, RemoteBatch, RowRemoteBatch
+    from .queue import DEFAULT_PARTITION, Stream, StreamQueue
+    from .stats import Stats, TaskStats

@@ -72,10 +72,14 @@ class _Chunk:
 class _Cache:
     """Per-field chunks shared by the views of one batch."""
 
-    __slots__ = ("fields",)
+    __slots__ = ("fields", "probe")
 
-    def __init__(self, fields: dict[str, list[_Chunk]] | None = None):
+    def __init__(self, fields: dict[str, list[_Chunk]] | None = None,
+                 probe: tuple[np.ndarray, np.ndarray] | None = None):
         self.fields: dict[str, list[_Chunk]] = fields or {}
+        # (rows, shards) of one row of the batch: read to learn dtype/shape of a field
+        # when a view with no rows is materialized before anything was fetched
+        self.probe = probe
 
     def lookup(self, field: str, rows: np.ndarray) -> Column | None:
         for chunk in self.fields.get(field, ()):
@@ -91,18 +95,24 @@ class _Cache:
         out = {k: list(v) for k, v in self.fields.items()}
         for k, v in other.fields.items():
             out.setdefault(k, []).extend(v)
-        return _Cache(out)
+        return _Cache(out, self.probe if self.probe is not None else other.probe)
 
 
 class _Lease:
     """Acknowledgement state shared by the views of one delivered batch."""
 
-    __slots__ = ("ids", "open", "dropped")
+    __slots__ = ("ids", "open", "dropped", "parts")
 
-    def __init__(self, ids: tuple[int, ...]):
+    def __init__(self, ids: tuple[int, ...], parts: Sequence["_Lease"] = ()):
         self.ids = ids
         self.open = bool(ids)
         self.dropped: set[int] = set()
+        self.parts = tuple(parts)  # the source leases of a concat (closed with it)
+
+    def close(self) -> None:
+        self.open = False
+        for p in self.parts:
+            p.close()
 
 
 class RemoteBatch(abc.ABC):
@@ -163,7 +173,7 @@ class RowRemoteBatch(RemoteBatch):
         self._versions = None if versions is None else np.asarray(versions, dtype=np.int64)
         self._fields = tuple(fields)
         self._known = frozenset(known) | frozenset(self._fields)
-        self._cache = cache if cache is not None else _Cache()
+        self._cache = cache if cache is not None else _Cache(probe=_probe(self._rows, self._shards))
         self._lease = lease if lease is not None else _Lease(tuple(leases))
         self._task = task
         self._partition = partition
@@ -245,12 +255,12 @@ class RowRemoteBatch(RemoteBatch):
         ``materialize`` gives a 0-d TensorDict), ``slice``, list of ints, ``LongTensor``
         or bool mask. A ``str`` gives the lazy column (:class:`ColumnRemoteBatch`) and a
         list of ``str`` a :meth:`select`."""
-        if self._scalar:
-            raise IndexError("cannot index a 0-d view (from an int index) further")
         if isinstance(idx, str):
             return ColumnRemoteBatch(self.select(idx), idx)
         if isinstance(idx, (list, tuple)) and idx and all(isinstance(i, str) for i in idx):
             return self.select(*idx)
+        if self._scalar:
+            raise IndexError("cannot index a 0-d view (from an int index) further")
         n = len(self._rows)
         if isinstance(idx, (int, np.integer)) and not isinstance(idx, bool):
             i = int(idx)
@@ -315,7 +325,8 @@ class RowRemoteBatch(RemoteBatch):
             if b._cache is not cache:
                 cache = cache.merged(b._cache)
         leases = tuple(dict.fromkeys(i for b in batches for i in b._lease.ids))
-        lease = batches[0]._lease if all(b._lease is batches[0]._lease for b in batches) else _Lease(leases)
+        lease = batches[0]._lease if all(b._lease is batches[0]._lease for b in batches) else _Lease(
+            leases, parts=list({id(b._lease): b._lease for b in batches}.values()))
         lease.open = any(b._lease.open for b in batches) if lease.ids else False
         versions = (None if any(b._versions is None for b in batches)
                     else np.concatenate([b._versions for b in batches]))
@@ -356,8 +367,9 @@ class RowRemoteBatch(RemoteBatch):
         if chunks <= 0:
             raise InvalidArgument(f"chunks must be positive, got {chunks}")
         n = len(self._rows)
-        size = -(-n // chunks) if n else 1
-        return self.split(size)
+        if not n:  # like torch/TensorDict: ``chunks`` empty views
+            return [self._view(slice(0, 0)) for _ in range(chunks)]
+        return self.split(-(-n // chunks))
 
     # ------------------------------------------------------------------ data
 
@@ -402,6 +414,9 @@ class RowRemoteBatch(RemoteBatch):
                 missing.append(f)
             else:
                 out[f] = col
+        if missing and not len(rows):
+            out.update(await self._empty_columns(missing))
+            missing = []
         if missing:
             uniq, inverse = np.unique(rows, return_inverse=True)
             if len(uniq) == len(rows):
@@ -414,6 +429,28 @@ class RowRemoteBatch(RemoteBatch):
                 self._cache.add(f, fetch_rows, got[f])
                 out[f] = got[f] if inverse is None else take_rows(got[f], inverse.tolist())
         return {f: out[f] for f in fields}
+
+    async def _empty_columns(self, fields: Sequence[str]) -> dict[str, Column]:
+        """Zero-row columns (a view with no rows), with the dtype and per-row shape the
+        fields have: sliced from the cache, or from one fetched row of the batch."""
+        out: dict[str, Column] = {}
+        need = []
+        for f in fields:
+            chunks = self._cache.fields.get(f)
+            if chunks:
+                out[f] = take_rows(chunks[0].col, slice(0, 0))
+            else:
+                need.append(f)
+        if need:
+            if self._cache.probe is None:
+                raise SchemaError(f"cannot tell the dtype and shape of {need} for a batch of "
+                                   "0 rows that never had rows; materialize a non-empty batch")
+            rows, shards = self._cache.probe
+            got = await self._q._fetch(rows, shards, need)
+            for f in need:
+                self._cache.add(f, rows, got[f])
+                out[f] = take_rows(got[f], slice(0, 0))
+        return out
 
     async def write(self, data: Mapping[str, Any] | TensorDictBase, *,
                     overwrite: bool = False) -> "RowRemoteBatch":
@@ -451,7 +488,7 @@ class RowRemoteBatch(RemoteBatch):
         """
         if not self._lease.open:
             return
-        self._lease.open = False
+        self._lease.close()
         await self._q._control.ack(list(self._lease.ids))
 
     async def release(self) -> None:
@@ -459,7 +496,7 @@ class RowRemoteBatch(RemoteBatch):
         the task. Idempotent."""
         if not self._lease.open:
             return
-        self._lease.open = False
+        self._lease.close()
         await self._q._control.release(list(self._lease.ids))
 
     async def drop(self) -> None:
@@ -473,7 +510,7 @@ class RowRemoteBatch(RemoteBatch):
         if self._lease.open and self._lease.ids:
             remaining = await self._q._lease_rows(self._lease.ids)
             if not remaining:
-                self._lease.open = False
+                self._lease.close()
 
     # ------------------------------------------------------------------ pickling
 
@@ -481,14 +518,14 @@ class RowRemoteBatch(RemoteBatch):
         return {"q": self._q, "rows": self._rows, "shards": self._shards,
                 "versions": self._versions, "fields": self._fields, "known": self._known, "leases": self._lease.ids,
                 "open": self._lease.open, "task": self._task, "partition": self._partition,
-                "scalar": self._scalar}
+                "scalar": self._scalar, "probe": self._cache.probe}
 
     def __setstate__(self, st):
         self._q = st["q"]
         self._rows, self._shards, self._versions = st["rows"], st["shards"], st["versions"]
         self._fields = st["fields"]
         self._known = st["known"]
-        self._cache = _Cache()
+        self._cache = _Cache(probe=st.get("probe"))
         self._lease = _Lease(st["leases"])
         self._lease.open = st["open"]
         self._task, self._partition, self._scalar = st["task"], st["partition"], st["scalar"]
@@ -638,6 +675,10 @@ def _flat_fields(fields: Iterable[Any]) -> list[str]:
         else:
             raise InvalidArgument(f"field names must be str, got {f!r}")
     return out
+
+
+def _probe(rows: np.ndarray, shards: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:
+    return (rows[:1].copy(), shards[:1].copy()) if len(rows) else None
 
 
 def _count(repeats: int) -> int:

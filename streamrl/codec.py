@@ -755,3 +755,31 @@ def unpack(data: Frame) -> list[memoryview]:
             "the buffer is corrupt"
         )
     return frames
+
+
+def tensor_to_raw(t: torch.Tensor) -> tuple[str, tuple[int, ...], np.ndarray]:
+    """``(dtype name, shape, bytes)`` of a CPU tensor: the bytes as a flat numpy ``uint8``
+    array, a view of ``t`` when it is contiguous (else one copy). Every raw dtype works,
+    including bfloat16 and float8 that numpy cannot represent."""
+    if t.device.type != "cpu":
+        t = t.cpu()
+    if t.requires_grad:
+        t = t.detach()
+    t = t.resolve_conj().resolve_neg()
+    return _dtype_name(t.dtype), tuple(t.shape), _tensor_bytes(t).numpy()
+
+
+def tensor_from_raw(dtype: str, shape: Sequence[int], buf: Any) -> torch.Tensor:
+    """The inverse of :func:`tensor_to_raw`: a tensor over ``buf`` without copying (unless
+    ``buf`` is misaligned for the dtype). ``buf`` may be read-only memory (for example a
+    Ray object): writing to the tensor then writes into that memory."""
+    dt = _TORCH_DTYPES.get(dtype)
+    if dt is None:
+        _fail(f"unknown torch dtype {dtype!r}")
+    shape = tuple(shape)
+    if math.prod(shape) == 0:
+        return torch.empty(shape, dtype=dt)
+    flat = _torch_bytes(_byte_view(buf))
+    if flat.data_ptr() % min(dt.itemsize, _MAX_ALIGN):
+        flat = flat.clone()
+    return flat.view(dt).view(shape)

@@ -14,7 +14,6 @@ contiguous run of one put).
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Hashable, Mapping, Sequence
 from typing import Any, Union
 
@@ -23,6 +22,7 @@ import torch
 from tensordict import NonTensorData, NonTensorStack, TensorDict, TensorDictBase
 
 from .errors import InvalidArgument, SchemaError
+from .storage import approx_size
 
 Column = Union[torch.Tensor, list]
 
@@ -113,25 +113,6 @@ def row_nbytes(col: Column, n: int) -> list[int]:
     if isinstance(col, torch.Tensor):
         return [col.element_size() * col[0].numel() if n else 0] * n
     return [approx_size(x) for x in col]
-
-
-def approx_size(obj: Any, _depth: int = 0) -> int:
-    """A cheap estimate of the memory an object holds (exact for tensors and bytes)."""
-    if isinstance(obj, torch.Tensor):
-        return obj.element_size() * obj.numel()
-    if isinstance(obj, np.ndarray):
-        return int(obj.nbytes)
-    if isinstance(obj, (bytes, bytearray, memoryview)):
-        return len(obj)
-    if isinstance(obj, str):
-        return len(obj)
-    if _depth < 4:
-        if isinstance(obj, (list, tuple, set, frozenset)):
-            return 8 * len(obj) + sum(approx_size(x, _depth + 1) for x in obj)
-        if isinstance(obj, dict):
-            return 8 * len(obj) + sum(approx_size(k, _depth + 1) + approx_size(v, _depth + 1)
-                                      for k, v in obj.items())
-    return sys.getsizeof(obj)
 
 
 def tag_values(name: str, col: Column) -> list[Hashable]:

@@ -313,6 +313,7 @@ class Controller:
         self._token_ids = itertools.count(1)
         self._job_ids = itertools.count(1)
         self._next_shard = 0
+        self.dead_shards: set[int] = set()  # storage units known to be gone
 
         self.subs: dict[tuple, _Sub] = {}
         self._subs_by_part: dict[str | None, list[_Sub]] = {}
@@ -497,14 +498,20 @@ class Controller:
         return m
 
     def _place(self, n: int) -> list[int]:
-        """Spread ``n`` rows over shards in contiguous chunks, rotating the first shard."""
-        k = min(self.num_shards, n)
-        start = self._next_shard
-        self._next_shard = (start + k) % self.num_shards
+        """Spread ``n`` rows over the living shards in contiguous chunks, rotating the
+        first shard."""
+        live = [s for s in range(self.num_shards) if s not in self.dead_shards]
+        if not live:
+            from .errors import TransportError
+
+            raise TransportError("every storage unit of this queue is gone; create a new queue")
+        k = min(len(live), n)
+        start = self._next_shard % len(live)
+        self._next_shard = (start + k) % len(live)
         out: list[int] = []
         base, extra = divmod(n, k)
         for i in range(k):
-            out.extend([(start + i) % self.num_shards] * (base + (1 if i < extra else 0)))
+            out.extend([live[(start + i) % len(live)]] * (base + (1 if i < extra else 0)))
         return out
 
     # ------------------------------------------------------------------ writes

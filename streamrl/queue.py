@@ -105,6 +105,19 @@ class StreamQueue:
         self._id = next(_ids)
         _registry[self._id] = self
 
+    @classmethod
+    def connect(cls, name: str, *, namespace: str | None = None) -> "StreamQueue":
+        """Attach to a named Ray queue (``StreamQueue(transport="ray", name=...)``) from
+        another driver, task or actor. The returned queue does not own the actors:
+        ``shutdown`` leaves them running.
+
+        Raises:
+            TransportError: no queue of that name in the cluster.
+        """
+        from .transport.ray import RayTransport
+
+        return cls(transport=RayTransport.connect(name, namespace), name=name)
+
     # ------------------------------------------------------------------ plumbing
 
     @property

@@ -31,7 +31,6 @@ from typing import Any
 
 import anyio
 
-from .columns import assemble, tag_values, to_tensordict
 from .controller import END, CommitResult, Controller, Delivery, FilterJob, FilterSpec, Request, WriteToken
 from .errors import FilterError, InvalidArgument, QueueClosed, QueueFull, RowsDropped, StreamTimeout
 from .stats import Stats, TaskStats
@@ -60,7 +59,7 @@ class ControllerService:
         self._filters: dict[str, Callable] = {}
         self._filter_failures: deque[str] = deque(maxlen=16)
         self._waits: deque[float] = deque(maxlen=10000)
-        self._flushing = False
+        self._tags_ready: dict[str, anyio.Event] = {}  # tag field -> backfill done
 
     # ------------------------------------------------------------------ plumbing
 
@@ -212,6 +211,7 @@ class ControllerService:
         """Read ``field`` of rows that were written before it became a tag."""
         if not parts:
             return
+        from .columns import assemble, tag_values
         req = [(s, rows, [field]) for s, rows in parts.items()]
         try:
             got = await self.data.get(req)
@@ -222,10 +222,27 @@ class ControllerService:
         for (s, rows, _), cols in zip(req, got):
             self.ctl.set_tags(field, rows, tag_values(field, assemble(cols[field])))
 
+    def tags_pending(self, fields: Sequence[str | None]) -> list[str]:
+        """Tag fields (group keys, balance keys) whose values are not all known yet."""
+        return [f for f in fields if f and not (f in self._tags_ready and self._tags_ready[f].is_set())]
+
     async def ensure_tags(self, fields: Sequence[str]) -> None:
+        """Make sure every row's value of each tag field is known (reading the values of
+        rows written before the field became a tag). Concurrent callers wait for the
+        first one's backfill."""
         for f in fields:
-            if f not in self.ctl.tag_fields:
+            ev = self._tags_ready.get(f)
+            if ev is not None:
+                await ev.wait()
+                continue
+            ev = self._tags_ready[f] = anyio.Event()
+            try:
                 await self._backfill_tags(f, self.ctl.register_tag(f))
+            except BaseException:
+                del self._tags_ready[f]
+                ev.set()
+                raise
+            ev.set()
         await self._after()
 
     # ------------------------------------------------------------------ reads
@@ -238,7 +255,7 @@ class ControllerService:
         """
         ctl = self.ctl
         ctl.validate_request(req)
-        need = ctl.tags_needed(req)
+        need = self.tags_pending([req.group_by, req.balance_by])
         if need:
             await self.ensure_tags(need)
         start = ctl.clock()
@@ -327,8 +344,8 @@ class ControllerService:
     async def add_filter(self, fn: Callable, spec: FilterSpec) -> None:
         if not callable(fn):
             raise InvalidArgument(f"a filter must be callable, got {type(fn).__name__}")
-        if spec.group_by and spec.group_by not in self.ctl.tag_fields:
-            await self._backfill_tags(spec.group_by, self.ctl.register_tag(spec.group_by))
+        if spec.group_by:
+            await self.ensure_tags([spec.group_by])
         self._filters[spec.name] = fn
         self.ctl.add_filter(spec)
         await self._after()
@@ -336,6 +353,8 @@ class ControllerService:
     async def _run_filter(self, job: FilterJob) -> FilterError | None:
         """Read the job's fields, call the filter, record the verdict. Returns the error
         (rows already dropped) when the filter failed."""
+        from .columns import assemble, to_tensordict
+
         fn = self._filters[job.filter]
         live = [r for r in job.rows if r in self.ctl.rows]
         if not live:

@@ -14,14 +14,40 @@ the last row that references it is deleted (and no reader holds a view).
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Mapping, Sequence
+from typing import Any
 
-import torch
-
-from .columns import Column, approx_size
 from .errors import RowsDropped, UnknownField, rows_preview
 
-__all__ = ["StorageUnit"]
+__all__ = ["StorageUnit", "approx_size"]
+
+# This module does not import torch: a unit stores anything with the tensor surface it
+# uses (``shape``, ``element_size()``, ``numel()``, row slices, ``unsqueeze(0)``), that is
+# torch tensors (embedded) and :class:`streamrl.wire.WireTensor` (storage-unit actors).
+Column = Any
+
+
+def _is_tensor(x: Any) -> bool:
+    return hasattr(x, "element_size") and hasattr(x, "shape") and not isinstance(x, (list, tuple))
+
+
+def approx_size(obj: Any, _depth: int = 0) -> int:
+    """A cheap estimate of the memory an object holds (exact for tensors and bytes)."""
+    if _is_tensor(obj):
+        return obj.element_size() * obj.numel()
+    nbytes = getattr(obj, "nbytes", None)  # numpy arrays
+    if isinstance(nbytes, int):
+        return nbytes
+    if isinstance(obj, (bytes, bytearray, memoryview, str)):
+        return len(obj)
+    if _depth < 4:
+        if isinstance(obj, (list, tuple, set, frozenset)):
+            return 8 * len(obj) + sum(approx_size(x, _depth + 1) for x in obj)
+        if isinstance(obj, dict):
+            return 8 * len(obj) + sum(approx_size(k, _depth + 1) + approx_size(v, _depth + 1)
+                                      for k, v in obj.items())
+    return sys.getsizeof(obj)
 
 
 class _Obj:
@@ -42,7 +68,7 @@ class _Segment:
 
     __slots__ = ("tensor", "row_bytes", "live")
 
-    def __init__(self, tensor: torch.Tensor, row_bytes: int, live: int):
+    def __init__(self, tensor: Any, row_bytes: int, live: int):
         self.tensor = tensor
         self.row_bytes = row_bytes
         self.live = live  # entries still referring to it
@@ -60,6 +86,7 @@ class StorageUnit:
         index: the unit's number among the queue's shards (for messages).
 
     Examples:
+        >>> import torch
         >>> u = StorageUnit()
         >>> u.put([7, 8], {"x": torch.arange(6).view(2, 3)})
         >>> u.get([8], ["x"])["x"][0]
@@ -77,7 +104,7 @@ class StorageUnit:
         self.row_fields: dict[int, int] = {}  # row -> number of fields held
         self.nbytes = 0
 
-    def _segment(self, t: torch.Tensor, n: int) -> int:
+    def _segment(self, t: Any, n: int) -> int:
         sid = self._next_seg
         self._next_seg += 1
         per = t.element_size() * (t.numel() // n if n else 0)
@@ -101,13 +128,13 @@ class StorageUnit:
         n = len(rows)
         for name, col in columns.items():
             store = self.columns.setdefault(name, {})
-            if isinstance(col, torch.Tensor):
+            if _is_tensor(col):
                 base = self._segment(col, n)
                 entries: list = list(range(base, base + n))
             else:
                 entries = []
                 for x in col:
-                    if isinstance(x, torch.Tensor):
+                    if _is_tensor(x):
                         entries.append(self._segment(x.unsqueeze(0), 1))
                     else:
                         entries.append(_Obj(x, approx_size(x)))

@@ -14,8 +14,9 @@ from __future__ import annotations
 
 import abc
 from collections.abc import Mapping, Sequence
+from typing import Any
 
-from ..columns import Column
+Column = Any  # a tensor (rows first) or a list of per-row values; see streamrl.columns
 
 __all__ = ["DataPlane", "Transport"]
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
-from ..columns import Column
+from .base import Column
 from ..controller import Controller
 from ..service import ControllerService
 from ..storage import StorageUnit

@@ -1,0 +1,500 @@
+"""The Ray transport: the controller and the storage units as Ray actors.
+
+Layout:
+
+* one **controller actor** (async, ``num_cpus=0``) runs the same
+  :class:`~streamrl.service.ControllerService` as the embedded transport. It sees only
+  metadata, plus the small fields filters read;
+* ``num_shards`` **storage-unit actors** (threaded, ``num_cpus=0``), spread over the
+  cluster's nodes (``SPREAD`` by default; pin them with ``unit_options``);
+* clients (the driver, any task or actor that got the queue) talk to both directly. Bytes
+  go client -> storage unit on ``put`` and storage unit -> client on ``materialize``,
+  never through the controller.
+
+Data path (chosen by measurement, see ``docs/benchmarks.md``): columns are encoded by
+:mod:`streamrl.codec` into frames; tensor frames travel as numpy ``uint8`` views, which
+Ray writes into its shared-memory object store without pickling (one copy) and hands to
+the storage unit as zero-copy views that the unit keeps; nothing is copied there. A read
+returns views of the kept frames, which Ray copies once into a new object that the reader
+maps without copying. So: one copy per direction on one node, and Ray's socket transfer
+between nodes. (Ray's default torch path pickles tensors byte by byte, at a tenth of the
+speed.) Each micro-batch costs one call per storage unit holding its rows, issued
+concurrently.
+
+Failures: a storage unit that dies loses its rows: reads of them raise
+:class:`~streamrl.errors.RowsLost` naming the rows and the unit, the controller drops them
+(``stats().dropped_by["lost"]``) and places new rows on the living units. A dead
+controller makes every call raise :class:`~streamrl.errors.TransportError` at once. A
+client that dies holding a lease: its rows go back after ``lease_timeout``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import os
+import sys
+import threading
+import uuid
+from collections import OrderedDict
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import numpy as np
+import ray
+
+from ..controller import Controller, DropReason, FilterSpec
+from ..errors import RowsLost, TransportError, rows_preview
+from ..service import ControllerService
+from ..wire import WireTensor
+from .base import Column, DataPlane, Transport
+
+__all__ = ["RayTransport", "ControllerActor", "StorageActor"]
+
+log = logging.getLogger("streamrl")
+
+
+# ---------------------------------------------------------------------- wire format
+#
+# The actors import neither torch nor tensordict (they start several times faster on a
+# loaded machine): storage units keep WireTensors and encoded bytes. Converting to and
+# from torch happens in the client, which has torch anyway.
+
+
+def _to_wire(cols: Mapping[str, Column]) -> dict[str, Any]:
+    """Client side: tensors -> WireTensor (a view of their bytes, no copy when
+    contiguous); per-row tensors of a list -> WireTensor each; other objects -> bytes."""
+    import torch
+
+    from .. import codec
+
+    def wt(t):
+        dtype, shape, buf = codec.tensor_to_raw(t)
+        return WireTensor(dtype, t.element_size(), shape, buf)
+
+    out: dict[str, Any] = {}
+    for name, col in cols.items():
+        if isinstance(col, torch.Tensor):
+            out[name] = wt(col)
+        else:
+            out[name] = [wt(x) if isinstance(x, torch.Tensor)
+                         else codec.pack(codec.encode(x, name=f"{name}[{i}]"))
+                         for i, x in enumerate(col)]
+    return out
+
+
+def _from_wire(pieces: Mapping[str, list]) -> dict[str, list[Column]]:
+    """Client side: storage pieces -> tensors (views of the received buffers) / objects."""
+    from .. import codec
+
+    def obj(x):
+        if isinstance(x, WireTensor):
+            return codec.tensor_from_raw(x.dtype, x.shape[1:], x.buf)
+        return codec.decode(codec.unpack(x))
+
+    out: dict[str, list[Column]] = {}
+    for f, plist in pieces.items():
+        out[f] = [codec.tensor_from_raw(p.dtype, p.shape, p.buf) if isinstance(p, WireTensor)
+                  else [obj(x) for x in p] for p in plist]
+    return out
+
+
+def _unwrap(e: BaseException, what: str) -> BaseException:
+    """Turn Ray's wrappers into streamrl errors."""
+    if isinstance(e, ray.exceptions.RayTaskError):
+        cause = getattr(e, "cause", None)
+        if isinstance(cause, BaseException):
+            return cause
+    if isinstance(e, (ray.exceptions.RayActorError, ray.exceptions.ObjectLostError)):
+        return TransportError(
+            f"the queue's {what} is gone ({type(e).__name__}); the queue cannot be used any "
+            "more: create a new one (or reconnect if it was restarted)")
+    return e
+
+
+# ---------------------------------------------------------------------- actors
+
+
+class _StorageActorImpl:
+    """One storage unit as a (threaded) actor."""
+
+    def __init__(self, index: int):
+        from ..storage import StorageUnit
+
+        self.unit = StorageUnit(index)
+        self.lock = threading.Lock()
+
+    def put(self, parts: list) -> None:
+        with self.lock:
+            for rows, cols in parts:
+                self.unit.put(rows, cols)
+
+    def get(self, rows: list[int], fields: list[str]) -> dict:
+        with self.lock:
+            return self.unit.get(rows, fields)
+
+    def delete(self, rows: list[int]) -> tuple[int, int]:
+        with self.lock:
+            return self.unit.delete(rows)
+
+    def stats(self) -> tuple[int, int]:
+        with self.lock:
+            return self.unit.stats()
+
+    def node_id(self) -> str:
+        return ray.get_runtime_context().get_node_id()
+
+    def ping(self) -> bool:
+        return True
+
+
+StorageActor = ray.remote(num_cpus=0, max_concurrency=4)(_StorageActorImpl)
+
+
+class RayDataPlane(DataPlane):
+    """Storage-unit actors, called concurrently, one call per unit per request."""
+
+    def __init__(self, units: Sequence[Any]):
+        self.units = list(units)
+        self.num_shards = len(self.units)
+        self.on_lost: Callable[[int], None] | None = None
+
+    async def _call(self, shard: int, ref, rows: Sequence[int] = ()):
+        try:
+            return await ref
+        except (ray.exceptions.RayActorError, ray.exceptions.ObjectLostError) as e:
+            if self.on_lost is not None:
+                self.on_lost(shard)
+            raise RowsLost(
+                f"storage unit {shard} is gone ({type(e).__name__}); rows "
+                f"{rows_preview(rows)} it held are lost. The rest of the queue keeps working; "
+                "drop these rows (or clear their partition) and move on", rows, shard) from None
+        except ray.exceptions.RayTaskError as e:
+            raise _unwrap(e, "storage unit") from None
+
+    async def put(self, parts: Sequence[tuple[int, Sequence[int], Mapping[str, Column]]]) -> None:
+        by_shard: dict[int, list] = {}
+        for shard, rows, cols in parts:
+            by_shard.setdefault(shard, []).append((list(rows), _to_wire(cols)))
+        await asyncio.gather(*[
+            self._call(s, self.units[s].put.remote(p), [r for rows, _ in p for r in rows])
+            for s, p in by_shard.items()])
+
+    async def get(self, parts: Sequence[tuple[int, Sequence[int], Sequence[str]]]
+                  ) -> list[dict[str, list[Column]]]:
+        outs = await asyncio.gather(*[
+            self._call(s, self.units[s].get.remote(list(rows), list(fields)), rows)
+            for s, rows, fields in parts])
+        return [_from_wire(o) for o in outs]
+
+    async def delete(self, parts: Mapping[int, Sequence[int]]) -> None:
+        res = await asyncio.gather(*[
+            self._call(s, self.units[s].delete.remote(list(rows)), rows)
+            for s, rows in parts.items()], return_exceptions=True)
+        for r in res:
+            if isinstance(r, BaseException) and not isinstance(r, RowsLost):
+                raise r
+
+    async def unit_stats(self) -> list[tuple[int, int]]:
+        res = await asyncio.gather(*[self._call(s, u.stats.remote()) for s, u in enumerate(self.units)],
+                                   return_exceptions=True)
+        return [(0, 0) if isinstance(r, BaseException) else r for r in res]
+
+
+class _ControllerActorImpl:
+    """The controller service as an async actor."""
+
+    def __init__(self, config: dict, units: list):
+        ctl = Controller(**config)
+        self.data = RayDataPlane(units)
+        self.svc = ControllerService(ctl, self.data)
+        self.data.on_lost = self._lost
+        self.units = units
+        self.dead: set[int] = set()
+        self._inflight: dict[str, asyncio.Task] = {}
+        self._recent: OrderedDict[str, int] = OrderedDict()
+
+    def _lost(self, shard: int) -> None:
+        if shard in self.dead:
+            return
+        self.dead.add(shard)
+        ctl = self.svc.ctl
+        ctl.dead_shards.add(shard)
+        lost = [r for r in ctl.rows.values() if r.shard == shard]
+        ctl._drop_rows(lost, DropReason.LOST)
+        ctl.deletes.pop(shard, None)  # nothing to delete on a dead unit
+        log.error("streamrl: storage unit %d died; %d rows lost", shard, len(lost))
+        asyncio.get_running_loop().create_task(self.svc._after())
+
+    async def report_lost(self, shard: int) -> None:
+        self._lost(shard)
+
+    def handles(self) -> list:
+        return self.units
+
+    async def allocate(self, *a, **kw):
+        return await self.svc.allocate(*a, **kw)
+
+    async def begin_write(self, *a, **kw):
+        return await self.svc.begin_write(*a, **kw)
+
+    async def commit(self, *a, **kw):
+        return await self.svc.commit(*a, **kw)
+
+    async def abort(self, token):
+        return await self.svc.abort(token)
+
+    async def take(self, req, timeout, rid: str):
+        self._inflight[rid] = asyncio.current_task()
+        try:
+            d = await self.svc.take(req, timeout)
+        finally:
+            self._inflight.pop(rid, None)
+        if d is not None:
+            self._recent[rid] = d.lease
+            while len(self._recent) > 4096:
+                self._recent.popitem(last=False)
+        return d
+
+    async def cancel_take(self, rid: str) -> None:
+        """The client gave up waiting: stop the take, or give back what it got."""
+        task = self._inflight.pop(rid, None)
+        if task is not None:
+            task.cancel()
+        lease = self._recent.pop(rid, None)
+        if lease:
+            await self.svc.release([lease])
+
+    async def ack(self, lease_ids):
+        return await self.svc.ack(lease_ids)
+
+    async def release(self, lease_ids):
+        return await self.svc.release(lease_ids)
+
+    async def lease_rows(self, lease_ids):
+        return await self.svc.lease_rows(lease_ids)
+
+    async def drop(self, rows):
+        return await self.svc.drop(rows)
+
+    async def clear(self, partition):
+        return await self.svc.clear(partition)
+
+    async def seal(self, partition):
+        return await self.svc.seal(partition)
+
+    async def declare(self, partition, consumers):
+        return await self.svc.declare(partition, consumers)
+
+    async def set_version(self, version):
+        return await self.svc.set_version(version)
+
+    async def close(self):
+        return await self.svc.close()
+
+    async def add_filter(self, fn_blob: bytes, spec: FilterSpec):
+        fn = ray.cloudpickle.loads(fn_blob)
+        return await self.svc.add_filter(fn, spec)
+
+    async def stats(self):
+        units = await self.data.unit_stats()
+        for i, u in enumerate(self.units):
+            if i not in self.dead:
+                try:
+                    await u.ping.remote()
+                except (ray.exceptions.RayActorError, ray.exceptions.ObjectLostError):
+                    self._lost(i)
+        st = await self.svc.stats(with_units=False)
+        st.unit_rows = [u[0] for u in units]
+        st.unit_bytes = [u[1] for u in units]
+        return st
+
+    async def leaked(self):
+        return await self.svc.leaked()
+
+    async def ensure_tags(self, fields):
+        return await self.svc.ensure_tags(fields)
+
+    def ping(self) -> bool:
+        return True
+
+
+ControllerActor = ray.remote(num_cpus=0)(_ControllerActorImpl)
+
+
+# ---------------------------------------------------------------------- client side
+
+
+class RayControl:
+    """The controller actor, seen as a control plane (the service's async API)."""
+
+    def __init__(self, actor):
+        self.actor = actor
+
+    async def _call(self, method: str, *args, **kwargs):
+        try:
+            return await getattr(self.actor, method).remote(*args, **kwargs)
+        except (ray.exceptions.RayTaskError, ray.exceptions.RayActorError,
+                ray.exceptions.ObjectLostError) as e:
+            raise _unwrap(e, "controller actor") from None
+
+    def __getattr__(self, method: str):
+        if method.startswith("_"):
+            raise AttributeError(method)
+
+        async def call(*args, **kwargs):
+            return await self._call(method, *args, **kwargs)
+
+        call.__name__ = method
+        return call
+
+    async def take(self, req, timeout=None):
+        rid = uuid.uuid4().hex
+        ref = self.actor.take.remote(req, timeout, rid)
+        try:
+            return await ref
+        except asyncio.CancelledError:
+            self.actor.cancel_take.remote(rid)  # stop it, or give back what it got
+            raise
+        except (ray.exceptions.RayTaskError, ray.exceptions.RayActorError,
+                ray.exceptions.ObjectLostError) as e:
+            raise _unwrap(e, "controller actor") from None
+
+    async def add_filter(self, fn, spec):
+        return await self._call("add_filter", _pickle_by_value(fn), spec)
+
+
+def _pickle_by_value(fn) -> bytes:
+    """Pickle a filter so it loads in the controller actor even when its module (a
+    script, a test file) is not importable there."""
+    import ray.cloudpickle as cp
+
+    mod = sys.modules.get(getattr(fn, "__module__", None) or "")
+    path = getattr(mod, "__file__", None) or ""
+    by_value = mod is not None and mod.__name__ != "__main__" and not (
+        "site-packages" in path or "dist-packages" in path or mod.__name__.startswith("streamrl"))
+    if by_value:
+        cp.register_pickle_by_value(mod)
+    try:
+        return cp.dumps(fn)
+    finally:
+        if by_value:
+            cp.unregister_pickle_by_value(mod)
+
+
+_name_ids = itertools.count()
+
+
+class RayTransport(Transport):
+    """Controller and storage units as Ray actors (see the module docstring).
+
+    Built by ``StreamQueue(transport="ray", ...)``; the queue object pickles into a handle
+    that works in any Ray task or actor; :meth:`streamrl.StreamQueue.connect` attaches to
+    a named queue from another driver.
+    """
+
+    name = "ray"
+
+    def __init__(self, controller, units: list, *, owner: bool):
+        self._controller = controller
+        self._units = units
+        self._control = RayControl(controller)
+        self._data = RayDataPlane(units)
+        self._data.on_lost = self._report_lost
+        self._owner = owner
+
+    def _report_lost(self, shard: int) -> None:
+        self._controller.report_lost.remote(shard)
+
+    @classmethod
+    def create(cls, *, capacity: int, capacity_bytes: int | None, num_shards: int,
+               lease_timeout: float, max_staleness: int | None, max_lead: int | None,
+               consumers: Sequence[str] | None, name: str | None = None,
+               namespace: str | None = None, unit_options: dict | Sequence[dict] | None = None,
+               controller_options: dict | None = None, detached: bool = False) -> "RayTransport":
+        """Start the actors. ``unit_options`` (one dict for all units, or one per unit) and
+        ``controller_options`` are passed to ``.options()`` (for example
+        ``{"resources": {"node:10.0.0.2": 0.001}}`` to pin a unit to a node).
+        ``detached=True`` keeps the actors alive after this driver exits (named queues)."""
+        if not ray.is_initialized():
+            ray.init(ignore_reinit_error=True, include_dashboard=False,
+                     address=os.environ.get("RAY_ADDRESS"))
+        config = dict(capacity=capacity, capacity_bytes=capacity_bytes, num_shards=num_shards,
+                      lease_timeout=lease_timeout, max_staleness=max_staleness,
+                      max_lead=max_lead, consumers=consumers)
+        Controller(**config)  # validate here, so errors are raised in the caller
+        if isinstance(unit_options, Mapping) or unit_options is None:
+            per_unit = [dict(unit_options or {}) for _ in range(num_shards)]
+        else:
+            per_unit = [dict(o) for o in unit_options]
+            if len(per_unit) != num_shards:
+                from ..errors import InvalidArgument
+
+                raise InvalidArgument(
+                    f"unit_options has {len(per_unit)} entries for {num_shards} shards; give one "
+                    "dict for all units or one per unit")
+        common: dict[str, Any] = {}
+        if namespace:
+            common["namespace"] = namespace
+        if detached:
+            common["lifetime"] = "detached"
+        units = []
+        for i, opts in enumerate(per_unit):
+            o = {"scheduling_strategy": "SPREAD", **common, **opts}
+            if name:
+                o.setdefault("name", f"{name}.unit{i}")
+            units.append(StorageActor.options(**o).remote(i))
+        copts = {**common, **(controller_options or {})}
+        if name:
+            copts.setdefault("name", name)
+        controller = ControllerActor.options(**copts).remote(config, units)
+        t = cls(controller, units, owner=True)
+        ray.get(controller.ping.remote())  # surface start-up errors here
+        return t
+
+    @classmethod
+    def connect(cls, name: str, namespace: str | None = None) -> "RayTransport":
+        try:
+            controller = ray.get_actor(name, namespace=namespace)
+        except ValueError:
+            raise TransportError(
+                f"no streamrl queue named {name!r} in this Ray cluster"
+                + (f" (namespace {namespace!r})" if namespace else "")
+                + "; create it with StreamQueue(transport='ray', name=...) first") from None
+        units = ray.get(controller.handles.remote())
+        return cls(controller, units, owner=False)
+
+    @property
+    def handle(self) -> tuple:
+        return (self._controller, self._units)
+
+    @classmethod
+    def from_handle(cls, handle: tuple) -> "RayTransport":
+        controller, units = handle
+        return cls(controller, units, owner=False)
+
+    @property
+    def control(self) -> RayControl:
+        return self._control
+
+    @property
+    def data(self) -> RayDataPlane:
+        return self._data
+
+    def node_ids(self) -> list[str]:
+        """The node each storage unit runs on (for placement checks)."""
+        return ray.get([u.node_id.remote() for u in self._units])
+
+    def release_nowait(self, lease_ids: Sequence[int]) -> None:
+        self._controller.release.remote(list(lease_ids))
+
+    async def shutdown(self) -> None:
+        if not self._owner:
+            return
+        self._owner = False
+        for a in [self._controller, *self._units]:
+            try:
+                ray.kill(a)
+            except Exception:  # already gone
+                pass

@@ -1,0 +1,67 @@
+"""Torch-free row data, for the storage units of distributed transports.
+
+A storage-unit actor never needs to understand tensors: it keeps bytes and hands slices
+of them back. :class:`WireTensor` is a tensor seen that way: a dtype name, a shape and a
+flat numpy ``uint8`` buffer (which Ray moves through its object store without pickling).
+It has just the tensor surface a :class:`~streamrl.storage.StorageUnit` uses
+(``shape``, ``element_size``, ``numel``, row slices, ``unsqueeze(0)``), so the same unit
+code stores torch tensors (embedded) or wire tensors (Ray), and the unit's process never
+imports torch. Python objects travel as ``bytes`` (encoded by :mod:`streamrl.codec`).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import numpy as np
+
+__all__ = ["WireTensor"]
+
+
+class WireTensor:
+    """Rows of one tensor as raw bytes: ``dtype`` name, ``shape`` (rows first),
+    ``itemsize`` and a flat C-contiguous ``uint8`` buffer of ``numel * itemsize`` bytes."""
+
+    __slots__ = ("dtype", "itemsize", "shape", "buf")
+
+    def __init__(self, dtype: str, itemsize: int, shape: tuple[int, ...], buf: np.ndarray):
+        self.dtype = dtype
+        self.itemsize = itemsize
+        self.shape = tuple(shape)
+        self.buf = buf
+
+    def __reduce__(self):
+        return (WireTensor, (self.dtype, self.itemsize, self.shape, self.buf))
+
+    def __repr__(self) -> str:
+        return f"WireTensor({self.dtype}, shape={self.shape})"
+
+    def __len__(self) -> int:
+        return self.shape[0]
+
+    def element_size(self) -> int:
+        return self.itemsize
+
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel() * self.itemsize
+
+    def unsqueeze(self, dim: int) -> "WireTensor":
+        if dim != 0:
+            raise ValueError("WireTensor only adds a leading row dimension")
+        return WireTensor(self.dtype, self.itemsize, (1,) + self.shape, self.buf)
+
+    def __getitem__(self, idx: Any) -> "WireTensor":
+        if not isinstance(idx, slice):
+            raise TypeError("WireTensor supports row slices only")
+        start, stop, step = idx.indices(self.shape[0])
+        if step != 1:
+            raise ValueError("WireTensor supports contiguous row slices only")
+        stop = max(start, stop)
+        row = self.itemsize * math.prod(self.shape[1:])
+        return WireTensor(self.dtype, self.itemsize, (stop - start,) + self.shape[1:],
+                          self.buf[start * row:stop * row])
