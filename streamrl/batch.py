@@ -444,7 +444,7 @@ class RowRemoteBatch(RemoteBatch):
         if need:
             if self._cache.probe is None:
                 raise SchemaError(f"cannot tell the dtype and shape of {need} for a batch of "
-                                   "0 rows that never had rows; materialize a non-empty batch")
+                                  "0 rows that never had rows; materialize a non-empty batch")
             rows, shards = self._cache.probe
             got = await self._q._fetch(rows, shards, need)
             for f in need:

@@ -20,6 +20,7 @@ from typing import Any, Union
 import numpy as np
 import torch
 from tensordict import NonTensorData, NonTensorStack, TensorDict, TensorDictBase
+from tensordict.base import _is_leaf_nontensor
 
 from .errors import InvalidArgument, SchemaError
 from .storage import approx_size
@@ -73,7 +74,8 @@ def to_columns(data: Any) -> tuple[dict[str, Column], int]:
 
 def _td_items(td: TensorDictBase) -> list[tuple[str, Any]]:
     out = []
-    for key in td.keys(include_nested=True, leaves_only=True):
+    # non-tensor stacks are leaves too (tensordict would otherwise skip them)
+    for key in td.keys(include_nested=True, leaves_only=True, is_leaf=_is_leaf_nontensor):
         name = key if isinstance(key, str) else ".".join(key)
         v = td.get(key)
         if isinstance(v, (NonTensorStack, NonTensorData)):

@@ -26,8 +26,13 @@ def ray_session():
     import ray
 
     if not ray.is_initialized():
-        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False,
-                 object_store_memory=1 << 30, namespace="streamrl-tests")
+        here = os.path.dirname(os.path.abspath(__file__))
+        # workers import actor classes defined in test files: put tests/ on their path
+        path = os.pathsep.join([here, os.path.dirname(here), os.environ.get("PYTHONPATH", "")])
+        ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False,
+                 object_store_memory=1 << 30, namespace="streamrl-tests",
+                 _node_ip_address="127.0.0.1",  # tests talk to loopback only
+                 runtime_env={"env_vars": {"PYTHONPATH": path}})
     yield ray
     ray.shutdown()
 

@@ -1,0 +1,226 @@
+"""Ray-only behaviour: actors as producers and consumers, handles, named queues, several
+nodes, and failures (a storage unit or the controller dying, a consumer dying)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import anyio
+import pytest
+import torch
+
+import streamrl
+from streamrl.errors import RowsLost, TransportError
+
+ray = pytest.importorskip("ray")
+pytestmark = [pytest.mark.ray, pytest.mark.timeout(120)]
+
+
+@pytest.fixture
+async def rq(ray_session):
+    made = []
+
+    def make(**kw):
+        kw.setdefault("capacity", 4096)
+        kw.setdefault("num_shards", 2)
+        q = streamrl.StreamQueue(transport="ray", **kw)
+        made.append(q)
+        return q
+
+    yield make
+    for q in made:
+        try:
+            await q.close()
+        except Exception:
+            pass
+        await q.shutdown()
+
+
+@ray.remote(num_cpus=0)
+class AsyncProducer:
+    async def run(self, q, n, start):
+        for i in range(start, start + n, 8):
+            await q.put({"idx": torch.arange(i, i + 8),
+                         "x": torch.arange(i, i + 8, dtype=torch.float64).unsqueeze(1) * torch.ones(1, 1000),
+                         "bf": torch.full((8, 3), i, dtype=torch.bfloat16),
+                         "chat": [{"turn": j, "text": "é" * (j % 5)} for j in range(i, i + 8)]},
+                        partition="p")
+        return n
+
+
+@ray.remote(num_cpus=0)
+class SyncConsumer:
+    """A plain (synchronous) actor using the blocking twin."""
+
+    def run(self, q):
+        from streamrl.sync import StreamQueue
+
+        sq = StreamQueue.wrap(q)
+        seen = []
+        try:
+            for mb in sq.stream("train", ["idx", "x", "bf", "chat"], 16, partition="p", timeout=60):
+                td = mb.materialize()
+                idx = td["idx"]
+                assert torch.equal(td["x"], idx.double().unsqueeze(1) * torch.ones(1, 1000))
+                assert td["bf"].dtype == torch.bfloat16
+                assert [c["turn"] for c in td["chat"]] == idx.tolist()
+                seen.extend(idx.tolist())
+        finally:
+            sq.shutdown()
+        return seen
+
+
+async def test_actors_produce_and_consume_byte_for_byte(rq):
+    q = rq(num_shards=3)
+    producers = [AsyncProducer.remote() for _ in range(2)]
+    consumer = SyncConsumer.remote()
+    got = consumer.run.remote(q)
+    await producers[0].run.remote(q, 64, 0)
+    await producers[1].run.remote(q, 64, 1000)
+    await q.seal("p")
+    seen = await got
+    assert sorted(seen) == list(range(64)) + list(range(1000, 1064))
+    st = await q.stats()
+    assert st.tasks["train"].acked == 128 and sum(st.unit_rows) == 128
+
+
+@ray.remote(num_cpus=0)
+def consume_in_task(q, n):
+    import asyncio
+
+    async def main():
+        out = []
+        async for mb in q.stream("task", ["idx"], 4, partition="p"):
+            out.extend((await mb.materialize())["idx"].tolist())
+            if len(out) >= n:
+                break
+        return out
+
+    return asyncio.run(main())
+
+
+async def test_queue_handle_works_in_a_task_and_by_name(rq):
+    q = rq(name="named-q")
+    await q.put({"idx": torch.arange(8)}, partition="p")
+    await q.seal("p")
+    assert sorted(await consume_in_task.remote(q, 8)) == list(range(8))
+    other = streamrl.StreamQueue.connect("named-q")
+    st = await other.stats()
+    assert st.put == 8
+    await other.shutdown()  # not the owner: the queue lives on
+    assert (await q.stats()).put == 8
+    with pytest.raises(TransportError):
+        streamrl.StreamQueue.connect("no-such-queue")
+
+
+async def test_storage_unit_death_loses_only_its_rows(rq):
+    q = rq(num_shards=2)
+    a = await q.put({"idx": torch.arange(4)}, partition="p")
+    b = await q.put({"idx": torch.arange(4, 8)}, partition="p")
+    shards = set(a.shards) | set(b.shards)
+    assert shards == {0, 1}
+    victim = q._transport._units[0]
+    ray.kill(victim)
+    mb = await q.get("t", ["idx"], 8, partition="p")
+    with anyio.fail_after(30):
+        with pytest.raises(RowsLost) as e:
+            await mb.materialize()
+    assert e.value.unit == 0 and set(e.value.rows) == {r for r, s in zip(mb.rows, mb.shards) if s == 0}
+    survivors = mb[[i for i, s in enumerate(mb.shards) if s == 1]]
+    td = await survivors.materialize()
+    assert len(td) == 4
+    with anyio.fail_after(30):
+        while (await q.stats()).dropped_by.get("lost", 0) != 4:
+            await anyio.sleep(0.05)
+    c = await q.put({"idx": torch.arange(100, 104)}, partition="p")  # new rows avoid the dead unit
+    assert set(c.shards) == {1}
+
+
+async def test_controller_death_fails_fast(rq):
+    q = rq()
+    await q.put({"x": torch.ones(2)})
+    ray.kill(q._transport._controller)
+    with anyio.fail_after(30):
+        with pytest.raises(TransportError):
+            await q.put({"x": torch.ones(2)})
+        with pytest.raises(TransportError):
+            await q.get("t", ["x"], 2)
+
+
+@ray.remote(num_cpus=0)
+class LeaseHolder:
+    async def hold(self, q):
+        mb = await q.get("t", ["x"], 4, partition="p")
+        return mb.rows
+
+
+async def test_dead_consumer_lease_returns_after_timeout(rq):
+    q = rq(lease_timeout=1.0)
+    await q.put({"x": torch.arange(4)}, partition="p")
+    holder = LeaseHolder.remote()
+    rows = await holder.hold.remote(q)
+    ray.kill(holder)
+    with anyio.fail_after(30):
+        mb = await q.get("t", ["x"], 4, partition="p", timeout=20)
+    assert sorted(mb.rows) == sorted(rows)
+    assert (await q.stats()).tasks["t"].expired == 4
+
+
+MULTINODE = textwrap.dedent("""
+    import asyncio, torch, ray, streamrl
+    from ray.cluster_utils import Cluster
+
+    @ray.remote(num_cpus=0, resources={"nodeC": 0.01})
+    def consume(q):
+        async def main():
+            mb = await q.get("t", ["x", "idx"], 96, partition="p", timeout=60)
+            td = await mb.materialize()
+            assert torch.equal(td["x"], td["idx"].float().unsqueeze(1).repeat(1, 4096))
+            return sorted(td["idx"].tolist())
+        return asyncio.run(main())
+
+    async def main():
+        q = streamrl.StreamQueue(transport="ray", num_shards=3, unit_options=[
+            {"resources": {"nodeA": 0.01}}, {"resources": {"nodeB": 0.01}},
+            {"resources": {"nodeC": 0.01}}])
+        nodes = q._transport.node_ids()
+        assert len(set(nodes)) == 3, nodes
+        for i in range(0, 96, 32):
+            idx = torch.arange(i, i + 32)
+            await q.put({"idx": idx, "x": idx.float().unsqueeze(1).repeat(1, 4096)}, partition="p")
+        got = ray.get(consume.remote(q))
+        assert got == list(range(96)), got
+        await q.close()
+        await q.shutdown()
+        print("MULTINODE-OK", len(set(nodes)))
+
+    lo = "127.0.0.1"  # keep all traffic on loopback
+    cluster = Cluster(initialize_head=True, head_node_args={
+        "num_cpus": 1, "resources": {"nodeA": 1}, "node_ip_address": lo})
+    try:
+        cluster.add_node(num_cpus=1, resources={"nodeB": 1}, node_ip_address=lo)
+        cluster.add_node(num_cpus=1, resources={"nodeC": 1}, node_ip_address=lo)
+        ray.init(address=cluster.address, include_dashboard=False, log_to_driver=False,
+                 _node_ip_address=lo)
+        cluster.wait_for_nodes()
+        asyncio.run(main())
+    finally:
+        ray.shutdown()
+        cluster.shutdown()
+""")
+
+
+@pytest.mark.slow
+def test_multinode_cluster_moves_data_between_nodes(tmp_path):
+    """Three Ray nodes on this machine (ray.cluster_utils): units on different nodes, a
+    consumer on a third reads rows from all of them. Runs in its own process because a
+    process can join only one Ray cluster."""
+    script = tmp_path / "multinode.py"
+    script.write_text(MULTINODE)
+    env = {**os.environ, "RAY_ADDRESS": ""}
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                         timeout=240, env=env)
+    assert "MULTINODE-OK 3" in out.stdout, out.stdout[-2000:] + out.stderr[-4000:]

@@ -1,0 +1,300 @@
+"""The blocking twin, :class:`streamrl.sync.StreamQueue`: the same semantics as the async
+queue, from the main thread and from many threads at once; blocking calls wake when they
+should (room made, queue closed), nothing hangs (every wait here is bounded), and misuse
+(a blocking call on the queue's own loop thread, use after shutdown) fails clearly."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import torch
+
+from streamrl.errors import EndOfStream, QueueClosed, QueueFull, RowsDropped, StreamTimeout
+from streamrl.sync import StreamQueue as SyncQueue
+from streamrl.sync import SyncBatch, SyncStream
+
+pytestmark = pytest.mark.timeout(60)
+
+JOIN = 20.0  # seconds any thread of a test may take; far above what a healthy run needs
+
+
+def rows_of(n: int, start: int = 0) -> dict:
+    ids = torch.arange(start, start + n)
+    return {"idx": ids, "x": ids.float().unsqueeze(1).repeat(1, 3)}
+
+
+@pytest.fixture
+def make_queue():
+    made: list[SyncQueue] = []
+
+    def make(**kw) -> SyncQueue:
+        kw.setdefault("capacity", 64)
+        kw.setdefault("num_shards", 2)
+        q = SyncQueue(**kw)
+        made.append(q)
+        return q
+
+    yield make
+    for q in made:
+        q.close()
+        q.shutdown()
+
+
+class Worker(threading.Thread):
+    """A daemon thread that records its result or exception."""
+
+    def __init__(self, fn, *args):
+        super().__init__(daemon=True)
+        self.fn, self.args = fn, args
+        self.result = None
+        self.error: BaseException | None = None
+        self.done = threading.Event()
+
+    def run(self):
+        try:
+            self.result = self.fn(*self.args)
+        except BaseException as e:  # noqa: BLE001 - reported by the test
+            self.error = e
+        finally:
+            self.done.set()
+
+    def finish(self, timeout: float = JOIN):
+        assert self.done.wait(timeout), f"{self.fn.__name__} did not finish in {timeout}s"
+        self.join(timeout)
+        return self
+
+
+def wait_until(pred, timeout: float = 5.0, what: str = "condition") -> None:
+    deadline = time.monotonic() + timeout
+    while not pred():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.01)
+
+
+# ---------------------------------------------------------------- main thread
+
+
+def test_put_get_stream_ack_drop_clear_stats_from_main_thread(make_queue):
+    q = make_queue(capacity=16)
+    rows = q.put(rows_of(8), partition="p")
+    assert isinstance(rows, SyncBatch) and len(rows) == 8
+    q.put({"y": torch.arange(8) * 10}, rows=rows)  # a later field of the same rows
+    st = q.stats()
+    assert st.rows == 8 and st.bytes == 8 * (8 + 12 + 8) and st.put == 8
+
+    mb = q.get("t", ["idx", "x", "y"], batch_size=3, partition="p", timeout=5)
+    assert isinstance(mb, SyncBatch) and len(mb) == 3 and mb.leased
+    td = mb.materialize()
+    idx = td["idx"]
+    assert torch.equal(td["x"], idx.float().unsqueeze(1).repeat(1, 3))
+    assert torch.equal(td["y"], idx * 10)
+    # views are wrapped and blocking too
+    assert torch.equal(mb[1:]["y"].materialize(), idx[1:] * 10)
+    assert [len(p) for p in mb.split(2)] == [2, 1]
+    assert isinstance(mb.split(2)[0], SyncBatch)
+    mb.write({"z": idx.float()})
+    assert torch.equal(mb.materialize(["z"])["z"], idx.float())
+    mb.ack()
+    assert not mb.leased
+    assert q.stats().tasks["t"].acked == 3
+
+    # the rest through a blocking stream (a plain iterator): every row once in all
+    q.seal("p")
+    it = q.stream("t", ["idx"], batch_size=2, partition="p", timeout=5)
+    assert isinstance(it, SyncStream)
+    rest = [b.materialize()["idx"].tolist() for b in it]
+    assert [len(r) for r in rest] == [2, 2, 1]
+    assert sorted(idx.tolist() + sum(rest, [])) == list(range(8))
+    st = q.stats()
+    assert st.tasks["t"].delivered == 8 and st.tasks["t"].acked == 8
+    with pytest.raises(EndOfStream):
+        q.get("t", ["idx"], batch_size=1, partition="p", timeout=5)
+
+    # drop by batch and by ids, then clear the rest
+    assert q.drop(rows[:2]) == 2
+    ids = rows.rows
+    assert q.drop(ids[2:3]) == 1
+    st = q.stats()
+    assert st.rows == 5 and st.dropped == 3
+    with pytest.raises(RowsDropped):
+        rows[:2].materialize(["idx"])
+    assert q.clear("p") == 5
+    st = q.stats()
+    assert st.rows == 0 and st.bytes == 0
+
+    # put_nowait raises instead of waiting; put with a timeout gives up
+    q.put(rows_of(16, 100), partition="full")
+    with pytest.raises(QueueFull):
+        q.put_nowait(rows_of(1, 200), partition="full")
+    with pytest.raises(StreamTimeout):
+        q.put(rows_of(1, 200), partition="full", timeout=0.2)
+    assert q.stats().rows == 16
+
+
+def test_with_stream_acks_on_clean_exit_and_releases_on_exception(make_queue):
+    q = make_queue()
+    q.put(rows_of(6), partition="p")
+    q.seal("p")
+
+    with q.stream("t", ["idx"], batch_size=2, partition="p", timeout=5) as it:
+        first = next(it)
+        acked_ids = first.materialize()["idx"].tolist()
+        assert first.leased
+    assert not first.leased
+    assert q.stats().tasks["t"].acked == 2
+
+    with pytest.raises(RuntimeError, match="boom"):
+        with q.stream("t", ["idx"], batch_size=2, partition="p", timeout=5) as it:
+            second = next(it)
+            released_ids = second.materialize()["idx"].tolist()
+            raise RuntimeError("boom")
+    assert not second.leased
+    st = q.stats()
+    assert st.tasks["t"].acked == 2 and st.leases == 0
+
+    # released rows are delivered again, acknowledged ones never
+    rest = []
+    for b in q.stream("t", ["idx"], batch_size=4, partition="p", timeout=5):
+        rest.extend(b.materialize()["idx"].tolist())
+    assert sorted(rest) == sorted(set(range(6)) - set(acked_ids))
+    assert set(released_ids) <= set(rest)
+    assert q.stats().tasks["t"].acked == 6
+
+
+# ---------------------------------------------------------------- threads
+
+
+def test_one_queue_from_four_threads_delivers_exactly_once(make_queue):
+    # capacity far below the rows put: producers block until consumers' acks drop rows
+    q = make_queue(capacity=16, num_shards=3, consumers=["train"])
+    per_producer, chunk = 60, 5
+
+    def producer(base):
+        for a in range(base, base + per_producer, chunk):
+            q.put(rows_of(chunk, a), partition="p", timeout=JOIN)
+
+    def check(td):
+        assert torch.equal(td["x"], td["idx"].float().unsqueeze(1).repeat(1, 3))
+        return td["idx"].tolist()
+
+    def stream_consumer():
+        seen = []
+        for b in q.stream("train", ["idx", "x"], batch_size=7, partition="p", timeout=JOIN):
+            seen.extend(check(b.materialize()))
+        return seen
+
+    def get_consumer():
+        seen = []
+        while True:
+            try:
+                b = q.get("train", ["idx", "x"], batch_size=4, partition="p", timeout=JOIN)
+            except EndOfStream:
+                return seen
+            seen.extend(check(b.materialize()))
+            b.ack()
+
+    producers = [Worker(producer, 0), Worker(producer, 1000)]
+    consumers = [Worker(stream_consumer), Worker(get_consumer)]
+    for t in producers + consumers:
+        t.start()
+    for t in producers:
+        t.finish()
+        assert t.error is None, repr(t.error)
+    q.seal("p")
+    for t in consumers:
+        t.finish()
+        assert t.error is None, repr(t.error)
+
+    seen = consumers[0].result + consumers[1].result
+    expected = list(range(per_producer)) + list(range(1000, 1000 + per_producer))
+    assert len(seen) == len(expected)  # none twice
+    assert sorted(seen) == expected  # none lost
+    assert consumers[0].result and consumers[1].result  # both threads took part
+    st = q.stats()
+    assert st.tasks["train"].acked == 2 * per_producer
+    assert st.rows == 0 and st.bytes == 0  # consumer-set cleanup freed everything
+
+
+def test_producer_blocked_on_full_queue_is_released_by_a_drop(make_queue):
+    q = make_queue(capacity=4)
+    q.put(rows_of(4), partition="p")
+    with pytest.raises(QueueFull):
+        q.put_nowait(rows_of(1, 50), partition="p")
+
+    producer = Worker(lambda: q.put(rows_of(2, 10), partition="p", timeout=JOIN))
+    producer.start()
+    wait_until(lambda: q.stats().waiting_puts == 1, what="the producer to wait for room")
+    assert not producer.done.wait(0.2), "put returned although the queue is full"
+
+    mb = q.get("t", ["idx"], batch_size=2, partition="p", timeout=5)
+    mb.drop()
+    producer.finish()
+    assert producer.error is None, repr(producer.error)
+    assert isinstance(producer.result, SyncBatch) and len(producer.result) == 2
+    st = q.stats()
+    assert st.rows == 4 and st.waiting_puts == 0
+
+
+def test_close_wakes_threads_blocked_in_get_stream_and_put(make_queue):
+    q = make_queue(capacity=2)
+    q.put(rows_of(2), partition="full")
+
+    getter = Worker(lambda: q.get("t", ["never"], batch_size=1, timeout=JOIN))
+    streamer = Worker(lambda: [len(b) for b in q.stream("s", ["never"], batch_size=1, timeout=JOIN)])
+    putter = Worker(lambda: q.put(rows_of(1, 9), partition="full", timeout=JOIN))
+    for t in (getter, streamer, putter):
+        t.start()
+    wait_until(lambda: q.stats().waiting_puts == 1, what="the put to wait")
+    time.sleep(0.2)
+    assert not any(t.done.is_set() for t in (getter, streamer, putter)), "a waiter returned early"
+
+    q.close()
+    for t in (getter, streamer, putter):
+        t.finish(10)
+    assert isinstance(getter.error, EndOfStream), repr(getter.error)
+    assert streamer.error is None and streamer.result == []  # the stream just ends
+    assert isinstance(putter.error, QueueClosed), repr(putter.error)
+    # close is idempotent, and data already held stays readable until shutdown
+    q.close()
+    assert q.stats().closed and q.stats().rows == 2
+
+
+def test_blocking_call_on_the_queues_own_loop_thread_raises(make_queue):
+    q = make_queue()
+    mb = q.put(rows_of(2), partition="p")
+    loop = q._portal.portal  # run plain (sync) functions on the queue's event-loop thread
+    assert loop.call(threading.get_ident) == q._portal.thread_ident != threading.get_ident()
+    for call in (q.stats, lambda: q.put(rows_of(1)), mb.materialize):
+        with pytest.raises(RuntimeError, match="queue's own event loop thread"):
+            loop.call(call)
+    # the queue is unharmed
+    assert q.stats().rows == 2
+    assert mb.materialize()["idx"].tolist() == [0, 1]
+
+
+def test_shutdown_is_idempotent_and_stops_the_loop_thread():
+    q = SyncQueue(capacity=8, num_shards=2)
+    q.put(rows_of(3), partition="p")
+    ident = q._portal.thread_ident
+    assert ident in {t.ident for t in threading.enumerate()}
+    q.shutdown()
+    q.shutdown()
+    wait_until(lambda: ident not in {t.ident for t in threading.enumerate()},
+               what="the loop thread to stop")
+    assert q.close() == {}  # close after shutdown: nothing to do, no error
+    with pytest.raises(QueueClosed, match="shut down"):
+        q.stats()
+    with pytest.raises(QueueClosed):
+        q.put(rows_of(1), partition="p")
+
+    # as a context manager: closed and shut down on exit; shutdown again is a no-op
+    with SyncQueue(capacity=8) as q2:
+        q2.put(rows_of(2), partition="p")
+        ident2 = q2._portal.thread_ident
+    wait_until(lambda: ident2 not in {t.ident for t in threading.enumerate()},
+               what="the loop thread to stop")
+    q2.shutdown()
+    with pytest.raises(QueueClosed):
+        q2.get("t", ["idx"], batch_size=1, timeout=1)
