@@ -6,6 +6,9 @@ import os
 
 import pytest
 
+# Tests talk to loopback only; without this Ray resolves 127.0.0.1 to the host's address.
+os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+
 import streamrl
 
 TRANSPORTS = ["embedded"]

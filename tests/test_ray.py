@@ -199,12 +199,12 @@ MULTINODE = textwrap.dedent("""
 
     lo = "127.0.0.1"  # keep all traffic on loopback
     cluster = Cluster(initialize_head=True, head_node_args={
-        "num_cpus": 1, "resources": {"nodeA": 1}, "node_ip_address": lo})
+        "num_cpus": 1, "resources": {"nodeA": 1}, "node_ip_address": lo,
+        "include_dashboard": False})
     try:
         cluster.add_node(num_cpus=1, resources={"nodeB": 1}, node_ip_address=lo)
         cluster.add_node(num_cpus=1, resources={"nodeC": 1}, node_ip_address=lo)
-        ray.init(address=cluster.address, include_dashboard=False, log_to_driver=False,
-                 _node_ip_address=lo)
+        ray.init(address=cluster.address, log_to_driver=False, _node_ip_address=lo)
         cluster.wait_for_nodes()
         asyncio.run(main())
     finally:
@@ -220,7 +220,8 @@ def test_multinode_cluster_moves_data_between_nodes(tmp_path):
     process can join only one Ray cluster."""
     script = tmp_path / "multinode.py"
     script.write_text(MULTINODE)
-    env = {**os.environ, "RAY_ADDRESS": ""}
+    # loopback only: Ray resolves 127.0.0.1 to the host's IP unless told not to
+    env = {**os.environ, "RAY_ADDRESS": "", "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
     out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
                          timeout=240, env=env)
     assert "MULTINODE-OK 3" in out.stdout, out.stdout[-2000:] + out.stderr[-4000:]
