@@ -306,6 +306,8 @@ class Controller:
         self.closed = False
         self.rows: dict[int, Row] = {}
         self.parts: dict[str, Partition] = {}
+        # sealed partitions whose last row left: forgotten (streams over them end at once)
+        self.retired: set[str] = set()
         self.bytes_held = 0
         self.reserved_bytes = 0
         self._ids = itertools.count()
@@ -393,6 +395,8 @@ class Controller:
 
     def seal(self, partition: str) -> None:
         """No new rows will be added to ``partition``; streams over it end once drained."""
+        if partition in self.retired:
+            return
         p = self._part(partition)
         if not p.sealed:
             p.sealed = True
@@ -404,6 +408,26 @@ class Controller:
                     for (pname, key) in list(self._filter_ready.get(spec.name, {})):
                         if pname == p.name:
                             self._maybe_filter_job(spec, p, key)
+            self._maybe_retire(p)
+
+    def _maybe_retire(self, p: Partition) -> None:
+        """Forget a sealed partition once its last row has left, so that a long run with
+        a partition per step keeps no state per finished step."""
+        if not p.sealed or p.rows or self.parts.get(p.name) is not p:
+            return
+        del self.parts[p.name]
+        self.retired.add(p.name)
+        self.changed.add(p.name)
+        self.woken.update(k for k, sub in self.subs.items() if sub.partition == p.name)
+        for key in [k for k, sub in self.subs.items() if sub.partition == p.name]:
+            sub = self.subs.pop(key)
+            self._subs_by_task[sub.task].remove(sub)
+            self._dispatchers = {k: d for k, d in self._dispatchers.items() if k[:5] != key}
+        self._subs_by_part.pop(p.name, None)
+        self._cands.clear()
+        for buckets in self._filter_ready.values():
+            for k in [k for k in buckets if k[0] == p.name]:
+                del buckets[k]
 
     def close(self) -> None:
         """Refuse new rows; every stream drains what is deliverable now and ends."""
@@ -461,8 +485,8 @@ class Controller:
             raise QueueFull(
                 f"rows of version {version} are more than max_lead={self.max_lead} versions "
                 f"ahead of the trainer (version {self.version}); wait (use put) or set_version")
-        p = self._part(partition)
-        if p.sealed:
+        p = None if partition in self.retired else self._part(partition)
+        if p is None or p.sealed:
             raise InvalidArgument(
                 f"partition {partition!r} is sealed; put new rows into another partition "
                 "(a sealed partition only takes new fields of its existing rows)")
@@ -662,6 +686,9 @@ class Controller:
     def _sub(self, req: Request) -> _Sub:
         key = req.sub_key()
         sub = self.subs.get(key)
+        if sub is None and req.partition in self.retired:
+            # a finished partition: an empty, unregistered subscription (it has ended)
+            return _Sub(key, 0, self._bit(self._tbits, req.task))
         if sub is None:
             for f in self.tags_needed(req):
                 self.tag_fields.add(f)
@@ -797,6 +824,8 @@ class Controller:
             return True
         if sub.partition is None:
             return False
+        if sub.partition in self.retired:
+            return True
         p = self.parts.get(sub.partition)
         return p is not None and p.sealed and p.remaining(sub.task) == len(sub.avail)
 
@@ -805,6 +834,8 @@ class Controller:
             return True
         if sub.partition is None:
             return False
+        if sub.partition in self.retired:
+            return True
         p = self.parts.get(sub.partition)
         return p is not None and p.sealed and p.remaining(sub.task) == 0
 
@@ -879,8 +910,12 @@ class Controller:
         common = set(objs[0].fields) if objs else set()
         for row in objs[1:]:
             common.intersection_update(row.fields)
+        part = sub.partition
+        if part is None and objs:
+            names = {r.part.name for r in objs}
+            part = names.pop() if len(names) == 1 else None
         return Delivery(lid, req.task, list(rids), [r.shard for r in objs],
-                        [r.version for r in objs], req.fields, sub.partition, rank, dispatch,
+                        [r.version for r in objs], req.fields, part, rank, dispatch,
                         tuple(sorted(common)))
 
     # ------------------------------------------------------------------ DP dispatch
@@ -1074,7 +1109,8 @@ class Controller:
         return len(objs)
 
     def clear(self, partition: str) -> int:
-        """Drop every row of ``partition``; the partition stays (sealed or not)."""
+        """Drop every row of ``partition``. An unsealed partition stays open for new
+        rows; a sealed one is forgotten (as it is when its last row leaves)."""
         p = self.parts.get(partition)
         if p is None:
             return 0
@@ -1126,6 +1162,7 @@ class Controller:
             self.changed.add(p.name)
             if p.sealed or self.closed:  # end and group-completeness conditions moved
                 self._wake_part(p.name)
+            self._maybe_retire(p)
 
     def _with_groups(self, objs: list[Row]) -> list[Row]:
         """``objs`` plus every row sharing a group key (any registered group tag) with

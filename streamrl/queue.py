@@ -321,6 +321,12 @@ class StreamQueue:
         the iterator being garbage-collected, or the lease outliving ``lease_timeout``.
         (A bare ``async for`` cannot tell ``break`` from an exception; both release.)
 
+        Rows can leave the queue while leased: a filter rejecting them, staleness
+        (``set_version`` with ``max_staleness``), ``drop`` or ``clear`` by someone else. The
+        lease then shrinks; materializing or writing those rows raises
+        :class:`~streamrl.errors.RowsDropped` (its ``rows`` say which), so roles that
+        write results back should catch it and skip those rows.
+
         Returns:
             A :class:`Stream` (async iterator and async context manager).
         """
@@ -392,6 +398,19 @@ class StreamQueue:
         rows now too old are dropped (whole groups together); returns how many. Producers
         paced by ``max_lead`` are released."""
         return await self._control.set_version(version)
+
+    async def wait_version(self, version: int, *, timeout: float | None = None) -> int:
+        """Wait until the trainer's policy version (:meth:`set_version`) reaches
+        ``version``; returns the current version. Rollout workers use it to pace
+        themselves on the weights they need (for example: play step ``k`` with weights of
+        at least ``k - max_staleness``), so that no rollout is generated only to be dropped
+        as stale.
+
+        Raises:
+            StreamTimeout: not reached within ``timeout`` seconds.
+            QueueClosed: the queue closed meanwhile.
+        """
+        return await self._control.wait_version(version, timeout)
 
     async def add_filter(self, fn: Callable, *, fields: Sequence[str] | None = None,
                          group_by: str | None = None, group_size: int | None = None,

@@ -113,6 +113,8 @@ class ControllerService:
         if self.ctl.closed:
             for ev in self._space_q.values():
                 ev.set()
+            for ev in self._pace_waiters:
+                ev.set()
 
     async def _wait(self, ev: anyio.Event, deadline: float | None) -> bool:
         """Wait for ``ev`` until ``deadline`` or the next lease deadline; True if set."""
@@ -179,6 +181,24 @@ class ControllerService:
             if self._space_q:
                 next(iter(self._space_q.values())).set()
             await self._after()
+
+    async def wait_version(self, version: int, timeout: float | None = None) -> int:
+        """Wait until the current policy version is at least ``version``; returns it."""
+        ctl = self.ctl
+        deadline = None if timeout is None else ctl.clock() + timeout
+        while ctl.version < version:
+            if ctl.closed:
+                raise QueueClosed(f"the queue closed while waiting for version {version}")
+            ev = anyio.Event()
+            self._pace_waiters.add(ev)
+            try:
+                if not await self._wait(ev, deadline) and _past(ctl, deadline):
+                    raise StreamTimeout(
+                        f"waited {timeout}s for policy version {version} (now {ctl.version}); "
+                        "the trainer calls set_version as it advances")
+            finally:
+                self._pace_waiters.discard(ev)
+        return ctl.version
 
     async def begin_write(self, rows: Sequence[int], fields: Sequence[str], *,
                           overwrite: bool = False) -> WriteToken:

@@ -277,3 +277,41 @@ async def test_lifecycle_bad_input(make_queue):
         await q.add_filter(lambda td: True, fields=["x"], name="dup")
     with pytest.raises(InvalidArgument):
         await q.get("t", ["x"], 2, dp_size=2, dp_rank=5)
+
+
+async def test_finished_partitions_are_forgotten(make_queue):
+    q = make_queue(consumers=["t"])
+    for k in range(20):
+        await q.put({"x": torch.ones(2)}, partition=f"step-{k}")
+        await q.seal(f"step-{k}")
+        async for mb in q.stream("t", ["x"], 2, partition=f"step-{k}"):
+            assert mb.partition == f"step-{k}"
+    st = await q.stats()
+    assert st.partitions == {} and st.rows == 0
+    # a finished partition stays finished: streams end, puts are refused
+    assert [mb async for mb in q.stream("t", ["x"], 2, partition="step-3")] == []
+    with pytest.raises(InvalidArgument):
+        await q.put({"x": torch.ones(1)}, partition="step-3")
+    mb = await q.put({"x": torch.ones(1)}, partition="live")
+    got = await q.get("t", ["x"], 1, timeout=5)  # partition=None: the batch still names it
+    assert got.partition == "live"
+
+
+async def test_wait_version_paces_workers(make_queue):
+    q = make_queue()
+    assert await q.wait_version(0, timeout=1) == 0
+    with pytest.raises(StreamTimeout):
+        await q.wait_version(2, timeout=0.1)
+    async with anyio.create_task_group() as tg:
+        got = []
+
+        async def worker():
+            got.append(await q.wait_version(2, timeout=10))
+
+        tg.start_soon(worker)
+        await anyio.sleep(0.05)
+        await q.set_version(1)
+        await anyio.sleep(0.05)
+        assert got == []
+        await q.set_version(3)
+    assert got == [3]
