@@ -522,21 +522,18 @@ class Controller:
         return m
 
     def _place(self, n: int) -> list[int]:
-        """Spread ``n`` rows over the living shards in contiguous chunks, rotating the
-        first shard."""
+        """The storage unit of each of ``n`` new rows: all rows of one put go to one
+        living unit, the next put to the next unit. A put's rows then stay one segment,
+        so a batch that is a run of one put is read as one piece (no join copy); load
+        spreads over units across puts (producers put many small batches)."""
         live = [s for s in range(self.num_shards) if s not in self.dead_shards]
         if not live:
             from .errors import TransportError
 
             raise TransportError("every storage unit of this queue is gone; create a new queue")
-        k = min(len(live), n)
-        start = self._next_shard % len(live)
-        self._next_shard = (start + k) % len(live)
-        out: list[int] = []
-        base, extra = divmod(n, k)
-        for i in range(k):
-            out.extend([live[(start + i) % len(live)]] * (base + (1 if i < extra else 0)))
-        return out
+        shard = live[self._next_shard % len(live)]
+        self._next_shard = (self._next_shard + 1) % len(live)
+        return [shard] * n
 
     # ------------------------------------------------------------------ writes
 

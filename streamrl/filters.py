@@ -123,7 +123,10 @@ class predicate(Filter):
             mask with one entry per row (or one bool for all).
 
     Keyword Args:
-        group_by, group_size: judge whole groups (``fn`` then sees one group's column).
+        group_by: judge whole groups keyed by this field (``fn`` then sees one group's
+            column).
+        group_size: rows per group; the group is judged when that many are ready
+            (``None``: when its partition is sealed). Needs ``group_by``.
         name: the name counted in ``stats().filtered_by``.
 
     Examples:

@@ -294,18 +294,21 @@ class StreamQueue:
                 of any partition, until the queue is closed.
             timeout: seconds to wait for each batch before raising
                 :class:`~streamrl.errors.StreamTimeout` (``None``: wait for ever).
-            group_by, group_size: deliver whole groups only (rows sharing the value of the
-                field ``group_by``): a group is complete when ``group_size`` of its rows are
-                ready, or -- without ``group_size``, or for a short last group -- when its
-                partition is sealed and all its rows are ready. ``batch_size`` must be a
-                multiple of ``group_size``.
+            group_by: deliver whole groups only (rows sharing the value of the field
+                ``group_by``), never a group split across batches.
+            group_size: rows per group: a group is complete when ``group_size`` of its
+                rows are ready, or -- without ``group_size``, or for a short last group --
+                when its partition is sealed and all its rows are ready. ``batch_size``
+                must be a multiple of ``group_size``.
             drop_last: at the end of a sealed partition, do not deliver a short last batch
                 (its rows stay unconsumed by this task).
             max_staleness: drop rows whose version is older than ``version - max_staleness``
                 instead of delivering them.
-            dp_rank, dp_size: data-parallel dispatch: each dispatch takes ``dp_size *
-                batch_size`` rows and gives every rank an equal share (whole groups when
-                grouped); rank ``r`` gets share ``r`` of each dispatch.
+            dp_rank: this consumer's data-parallel rank (``0 <= dp_rank < dp_size``);
+                rank ``r`` gets share ``r`` of each dispatch.
+            dp_size: data-parallel dispatch over ``dp_size`` ranks: each dispatch takes
+                ``dp_size * batch_size`` rows and gives every rank an equal share (whole
+                groups when grouped).
             balance_by: a per-row length field; shares are balanced on its totals.
             dp_remainder: what to do with a last dispatch that does not split evenly:
                 ``"error"`` (raise :class:`~streamrl.errors.DispatchError`), ``"drop"``

@@ -27,12 +27,13 @@ def req(task="t", fields=("x",), bs=4, **kw):
     return Request(task, tuple(fields), bs, **kw)
 
 
-def test_rows_spread_over_shards_in_contiguous_chunks():
-    c = Controller(100, num_shards=4)
-    tok = c.allocate("p", 10, ("x",))
-    assert tok.shards == [0, 0, 0, 1, 1, 1, 2, 2, 3, 3]
-    assert c.allocate("p", 1, ("x",)).shards == [0]  # rotates
-    assert c.allocate("p", 1, ("x",)).shards == [1]
+def test_each_put_goes_to_one_shard_and_puts_rotate():
+    c = Controller(100, num_shards=3)
+    assert c.allocate("p", 10, ("x",)).shards == [0] * 10
+    assert c.allocate("p", 1, ("x",)).shards == [1]  # rotates
+    assert c.allocate("p", 2, ("x",)).shards == [2, 2]
+    c.dead_shards.add(0)
+    assert {c.allocate("p", 1, ("x",)).shards[0] for _ in range(4)} == {1, 2}
 
 
 def test_take_needs_every_field_and_is_fifo():
@@ -128,11 +129,12 @@ def test_rows_dropped_during_write_are_reported_for_storage_cleanup():
 
 def test_drop_frees_bytes_and_queues_deletes():
     c = Controller(100, num_shards=2)
-    rows, _ = put(c, 4, nbytes=10)
+    rows, _ = put(c, 2, nbytes=10)
+    more, _ = put(c, 2, nbytes=10)  # the next put goes to the other shard
     assert c.bytes_held == 40
-    c.drop(rows[:3])
+    c.drop(rows + more[:1])
     deletes = c.drain()[0]
-    assert deletes == {0: rows[:2], 1: rows[2:3]}
+    assert deletes == {0: rows, 1: more[:1]}
     assert c.bytes_held == 10 and c.c_bytes_freed == 30
 
 

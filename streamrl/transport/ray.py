@@ -145,11 +145,29 @@ class _StorageActorImpl:
     def node_id(self) -> str:
         return ray.get_runtime_context().get_node_id()
 
+    def memory(self) -> dict[str, int]:
+        """This process's memory (bytes): ``VmRSS``, ``VmHWM`` (peak RSS), ``RssAnon``
+        (private) and ``RssShmem`` (mapped object-store pages), from /proc (Linux)."""
+        return _proc_memory()
+
     def ping(self) -> bool:
         return True
 
 
 StorageActor = ray.remote(num_cpus=0, max_concurrency=4)(_StorageActorImpl)
+
+
+def _proc_memory() -> dict[str, int]:
+    out: dict[str, int] = {}
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                k, _, v = line.partition(":")
+                if k in ("VmRSS", "VmHWM", "RssAnon", "RssShmem"):
+                    out[k] = int(v.split()[0]) * 1024
+    except OSError:  # not Linux
+        pass
+    return out
 
 
 class RayDataPlane(DataPlane):
