@@ -60,13 +60,39 @@ class ControllerService:
         self._filter_failures: deque[str] = deque(maxlen=16)
         self._waits: deque[float] = deque(maxlen=10000)
         self._tags_ready: dict[str, anyio.Event] = {}  # tag field -> backfill done
+        self._deferred: deque[list[int]] = deque()  # releases queued by finalizers
+        self._loop = None  # the event loop this service runs in (set on first use)
 
     # ------------------------------------------------------------------ plumbing
+
+    def defer_release(self, lease_ids: Sequence[int]) -> None:
+        """Queue a release from any thread or finalizer; the loop applies it soon."""
+        self._deferred.append(list(lease_ids))
+        loop = self._loop
+        if loop is not None and not loop.is_closed():
+            try:
+                loop.call_soon_threadsafe(self._apply_deferred)
+            except RuntimeError:  # the loop is shutting down
+                pass
+
+    def _apply_deferred(self) -> None:
+        while self._deferred:
+            self.ctl.release(self._deferred.popleft())
+        deletes, jobs, woken, changed, freed = self.ctl.drain()
+        self.ctl.deletes.update(deletes)  # storage work stays for the next queue call
+        self.ctl.filter_jobs.extend(jobs)
+        self._wake(woken, changed, freed)
 
     async def _after(self, raise_filter_errors: bool = False) -> None:
         """Drain the controller's outboxes: wake waiters, delete from storage, run filters.
         Filter failures are raised (``raise_filter_errors``) or logged; either way the
         rows concerned are dropped and counted."""
+        if self._loop is None:
+            import asyncio
+
+            self._loop = asyncio.get_running_loop()
+        if self._deferred:
+            self._apply_deferred()
         errors: list[FilterError] = []
         while True:
             deletes, jobs, woken, changed, freed = self.ctl.drain()
@@ -282,6 +308,8 @@ class ControllerService:
         deadline = None if timeout is None else start + timeout
         key = req.sub_key()
         while True:
+            if self._deferred:
+                self._apply_deferred()
             res = ctl.take(req)
             if res is END:
                 await self._after()

@@ -58,14 +58,7 @@ class EmbeddedTransport(Transport):
         return self._data
 
     def release_nowait(self, lease_ids: Sequence[int]) -> None:
-        ctl = self._service.ctl
-        ctl.release(lease_ids)
-        # wake waiters now; storage work (if any) happens on the next queue call
-        _deletes, jobs, woken, changed, freed = ctl.drain()
-        ctl.deletes.update(_deletes)
-        ctl.filter_jobs.extend(jobs)
-        try:
-            self._service._wake(woken, changed, freed)
-        except RuntimeError:  # no event loop here (finalizer in another thread)
-            ctl.woken |= woken
-            ctl.changed |= changed
+        """Release leases from a finalizer. Finalizers can run in the middle of a
+        controller call (the cyclic GC runs at any allocation) or in another thread, so
+        the release is queued and applied by the event loop as a callback of its own."""
+        self._service.defer_release(lease_ids)
