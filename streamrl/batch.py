@@ -158,7 +158,7 @@ class RowRemoteBatch(RemoteBatch):
     """
 
     __slots__ = ("_q", "_rows", "_shards", "_versions", "_fields", "_known", "_cache", "_lease",
-                 "_task", "_partition", "_scalar", "__weakref__")
+                 "_task", "_partition", "_scalar", "nbytes", "__weakref__")
 
     def __init__(self, queue: "StreamQueue", rows: Sequence[int] | np.ndarray,
                  shards: Sequence[int] | np.ndarray, fields: Iterable[str], *,
@@ -178,6 +178,9 @@ class RowRemoteBatch(RemoteBatch):
         self._task = task
         self._partition = partition
         self._scalar = scalar
+        #: For a batch as delivered by ``get``/``stream``: bytes of its requested fields, as
+        #: put (known without fetching anything). ``None`` for views and other batches.
+        self.nbytes: int | None = None
 
     # ------------------------------------------------------------------ metadata
 
@@ -517,7 +520,7 @@ class RowRemoteBatch(RemoteBatch):
     def __getstate__(self):
         return {"q": self._q, "rows": self._rows, "shards": self._shards,
                 "versions": self._versions, "fields": self._fields, "known": self._known, "leases": self._lease.ids,
-                "open": self._lease.open, "task": self._task, "partition": self._partition,
+                "open": self._lease.open, "nbytes": self.nbytes, "task": self._task, "partition": self._partition,
                 "scalar": self._scalar, "probe": self._cache.probe}
 
     def __setstate__(self, st):
@@ -529,6 +532,7 @@ class RowRemoteBatch(RemoteBatch):
         self._lease = _Lease(st["leases"])
         self._lease.open = st["open"]
         self._task, self._partition, self._scalar = st["task"], st["partition"], st["scalar"]
+        self.nbytes = st.get("nbytes")
 
 
 class ColumnRemoteBatch(RemoteBatch):

@@ -151,6 +151,7 @@ class Delivery:
     dp_rank: int = 0
     dispatch: int | None = None
     known: tuple[str, ...] = ()  # every field written on all rows of the batch
+    nbytes: int = 0  # bytes of the asked-for fields of these rows, as put
 
 
 @dataclass(frozen=True)
@@ -304,6 +305,7 @@ class Controller:
 
         self.version = 0
         self.closed = False
+        self.sealed_all = False  # seal() of the whole queue: no new rows anywhere
         self.rows: dict[int, Row] = {}
         self.parts: dict[str, Partition] = {}
         # sealed partitions whose last row left: forgotten (streams over them end at once)
@@ -392,6 +394,20 @@ class Controller:
         if p.cmask:
             done = [r for r in p.rows.values() if r.acked & p.cmask == p.cmask and not r.leased]
             self._drop_rows(done, DropReason.CONSUMED)
+
+    def seal_all(self) -> None:
+        """No new rows anywhere (new fields of existing rows are still accepted): every
+        partition is sealed, and streams over all partitions end once drained."""
+        if self.sealed_all:
+            return
+        self.sealed_all = True
+        for name in list(self.parts):
+            self.seal(name)
+        self.changed.add(None)
+        self.woken.update(self.subs)
+
+    def _remaining_all(self, task: str) -> int:
+        return len(self.rows) - sum(p.acked.get(task, 0) for p in self.parts.values())
 
     def seal(self, partition: str) -> None:
         """No new rows will be added to ``partition``; streams over it end once drained."""
@@ -485,6 +501,10 @@ class Controller:
             raise QueueFull(
                 f"rows of version {version} are more than max_lead={self.max_lead} versions "
                 f"ahead of the trainer (version {self.version}); wait (use put) or set_version")
+        if self.sealed_all:
+            raise InvalidArgument(
+                "the queue is sealed (seal() without a partition): no new rows; new fields of "
+                "existing rows are still accepted")
         p = None if partition in self.retired else self._part(partition)
         if p is None or p.sealed:
             raise InvalidArgument(
@@ -820,7 +840,7 @@ class Controller:
         if self.closed:
             return True
         if sub.partition is None:
-            return False
+            return self.sealed_all and self._remaining_all(sub.task) == len(sub.avail)
         if sub.partition in self.retired:
             return True
         p = self.parts.get(sub.partition)
@@ -830,7 +850,7 @@ class Controller:
         if self.closed and not sub.avail:
             return True
         if sub.partition is None:
-            return False
+            return self.sealed_all and self._remaining_all(sub.task) == 0
         if sub.partition in self.retired:
             return True
         p = self.parts.get(sub.partition)
@@ -911,9 +931,10 @@ class Controller:
         if part is None and objs:
             names = {r.part.name for r in objs}
             part = names.pop() if len(names) == 1 else None
+        nbytes = sum(r.fields.get(f, 0) for r in objs for f in req.fields)
         return Delivery(lid, req.task, list(rids), [r.shard for r in objs],
                         [r.version for r in objs], req.fields, part, rank, dispatch,
-                        tuple(sorted(common)))
+                        tuple(sorted(common)), nbytes)
 
     # ------------------------------------------------------------------ DP dispatch
 

@@ -43,6 +43,9 @@ class StreamQueue:
     Keyword Args:
         capacity_bytes: most bytes held at once (``None``: rows bound only). New rows are
             admitted only while their bytes fit; fields written to admitted rows always are.
+            Rows that leave early (filtered, stale, dropped) free their room at once, so
+            producers can run further ahead than the consumers' pace; pace them by version
+            (``max_lead``, :meth:`wait_version`) when that matters.
         transport: ``"embedded"`` (default: everything in this process and event loop) or
             ``"ray"`` (controller and storage units as Ray actors; see the deployment docs).
         lease_timeout: seconds a delivered batch stays leased without ``ack`` before its
@@ -205,6 +208,11 @@ class StreamQueue:
             tok = await ctl.allocate(part, n, names, nbytes=sum(sum(v) for v in nbytes.values()),
                                      version=version, timeout=timeout, nowait=nowait)
         else:
+            if version is not None:
+                raise InvalidArgument(
+                    "version is stamped on new rows only (when they are put); writing fields "
+                    "to existing rows keeps their version. Put the rows with the version of "
+                    "the policy that produced them")
             if isinstance(rows, ColumnRemoteBatch):
                 rows = rows.batch
             if isinstance(rows, RowRemoteBatch):
@@ -341,9 +349,11 @@ class StreamQueue:
         return Stream(self, req, timeout)
 
     def _delivered(self, d: Delivery) -> RowRemoteBatch:
-        return RowRemoteBatch(self, d.rows, d.shards, d.fields, versions=d.versions,
-                              leases=(d.lease,), task=d.task, partition=d.partition,
-                              known=d.known)
+        mb = RowRemoteBatch(self, d.rows, d.shards, d.fields, versions=d.versions,
+                            leases=(d.lease,), task=d.task, partition=d.partition,
+                            known=d.known)
+        mb.nbytes = d.nbytes
+        return mb
 
     async def _fetch(self, rows: np.ndarray, shards: np.ndarray, fields: list[str]
                      ) -> dict[str, Column]:
@@ -385,10 +395,14 @@ class StreamQueue:
         """Drop every row of ``partition``. Returns rows dropped."""
         return await self._control.clear(partition)
 
-    async def seal(self, partition: str) -> None:
+    async def seal(self, partition: str | None = None) -> None:
         """Declare that no new rows will be added to ``partition``: streams over it end
         once every row is delivered to their task (or dropped), and a short last batch may
-        go out. New fields of its existing rows are still accepted."""
+        go out. New fields of its existing rows are still accepted.
+
+        Without a partition, seal the whole queue: no new rows anywhere, and streams over
+        all partitions (``partition=None``) end once drained, while later pipeline stages
+        can still write their fields (unlike :meth:`close`)."""
         await self._control.seal(partition)
 
     async def declare(self, partition: str, consumers: Sequence[str] | None) -> None:

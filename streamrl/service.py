@@ -365,8 +365,11 @@ class ControllerService:
         await self._after()
         return n
 
-    async def seal(self, partition: str) -> None:
-        self.ctl.seal(partition)
+    async def seal(self, partition: str | None) -> None:
+        if partition is None:
+            self.ctl.seal_all()
+        else:
+            self.ctl.seal(partition)
         await self._after()
 
     async def declare(self, partition: str, consumers: Sequence[str] | None) -> None:
@@ -449,7 +452,8 @@ class ControllerService:
         units = await self.data.unit_stats() if with_units else []
         waits = sorted(self._waits)
         return Stats(
-            rows=len(ctl.rows), bytes=ctl.bytes_held, capacity=ctl.capacity,
+            rows=len(ctl.rows), bytes=ctl.bytes_held + ctl.reserved_bytes,
+            bytes_in_flight=ctl.reserved_bytes, capacity=ctl.capacity,
             capacity_bytes=ctl.capacity_bytes, version=ctl.version,
             put=ctl.c_put, bytes_put=ctl.c_bytes_put, bytes_freed=ctl.c_bytes_freed,
             dropped=sum(ctl.c_dropped.values()), dropped_by=dict(ctl.c_dropped),

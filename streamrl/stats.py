@@ -27,7 +27,9 @@ class Stats:
 
     Attributes:
         rows: rows held now (admitted, not dropped).
-        bytes: bytes held now, as accounted by the controller.
+        bytes: bytes held now, as accounted by the controller: written bytes plus the
+            bytes reserved by puts in flight (``bytes_in_flight``), so that ``rows`` and
+            ``bytes`` describe the same rows.
         capacity, capacity_bytes: the bounds.
         version: the current policy version.
         put: rows ever admitted; ``bytes_put`` their bytes.
@@ -54,6 +56,7 @@ class Stats:
 
     rows: int = 0
     bytes: int = 0
+    bytes_in_flight: int = 0
     capacity: int = 0
     capacity_bytes: int | None = None
     version: int = 0

@@ -584,3 +584,27 @@ async def test_remote_batch_pickles_small_without_cache(make_queue):
     assert back.rows == mb.rows and len(back._cache.fields) == 0
     td = await back.materialize()
     assert td["x"].shape == (256, 4096)
+
+
+async def test_seal_without_partition_lets_later_stages_finish(make_queue):
+    q = make_queue()
+    await q.put({"x": torch.arange(4)}, partition="a")
+    await q.put({"x": torch.arange(4, 6)}, partition="b")
+    await q.seal()  # no new rows anywhere; fields still welcome
+    with pytest.raises(InvalidArgument):
+        await q.put({"x": torch.ones(1)}, partition="c")
+    async for mb in q.stream("stage1", ["x"], 4):  # partition=None: ends once drained
+        await mb.write({"y": (await mb.materialize())["x"] * 2})
+    got = []
+    async for mb in q.stream("stage2", ["y"], 4):
+        got.extend((await mb.materialize())["y"].tolist())
+    assert sorted(got) == [0, 2, 4, 6, 8, 10]
+
+
+async def test_delivered_batch_knows_its_bytes_and_version_only_on_new_rows(make_queue):
+    q = make_queue()
+    rows = await q.put({"x": torch.zeros(4, 8), "y": torch.zeros(4)}, partition="p", version=0)
+    mb = await q.get("t", ["x"], 4, partition="p")
+    assert mb.nbytes == 4 * 8 * 4  # only the asked-for field, without fetching
+    with pytest.raises(InvalidArgument):
+        await q.put({"z": torch.ones(4)}, rows=rows, version=3)

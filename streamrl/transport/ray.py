@@ -308,6 +308,9 @@ class _ControllerActorImpl:
     async def set_version(self, version):
         return await self.svc.set_version(version)
 
+    async def wait_version(self, version, timeout=None):
+        return await self.svc.wait_version(version, timeout)
+
     async def close(self):
         return await self.svc.close()
 
