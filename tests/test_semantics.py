@@ -387,11 +387,16 @@ async def test_waiting_puts_are_served_in_order(make_queue):
         await q.put(rows_of(n), partition="p")
         order.append(tag)
 
+    async def waiting(n):
+        with anyio.fail_after(10):
+            while (await q.stats()).waiting_puts != n:
+                await anyio.sleep(0.01)
+
     async with anyio.create_task_group() as tg:
         tg.start_soon(put, "big", 3)
-        await anyio.sleep(0.05)
+        await waiting(1)
         tg.start_soon(put, "small", 1)
-        await anyio.sleep(0.05)
+        await waiting(2)
         mb = await q.get("t", ["idx"], 1, partition="p")
         await mb.drop()  # room for one: the small put must not overtake the big one
         await anyio.sleep(0.05)
