@@ -23,7 +23,6 @@ local fields first, then fetch from the queue; ``commit`` writes local fields ba
 from __future__ import annotations
 
 import abc
-import warnings
 from collections.abc import Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -31,8 +30,8 @@ import numpy as np
 import torch
 from tensordict import TensorDict, TensorDictBase
 
-from .columns import Column, assemble, take_rows, to_columns, to_tensordict
-from .errors import InvalidArgument, LeaseExpired, RowsDropped, SchemaError, UnknownField, rows_preview
+from .columns import Column, take_rows, to_columns, to_tensordict
+from .errors import InvalidArgument, RowsDropped, SchemaError, UnknownField, rows_preview
 
 if TYPE_CHECKING:
     from .queue import StreamQueue
@@ -689,7 +688,3 @@ def _count(repeats: int) -> int:
     if not isinstance(repeats, int) or repeats < 0:
         raise InvalidArgument(f"repeats must be an int >= 0, got {repeats!r}")
     return repeats
-
-
-def warn_expired(e: LeaseExpired) -> None:
-    warnings.warn(f"streamrl: {e}", RuntimeWarning, stacklevel=3)

@@ -31,7 +31,7 @@ import math
 import time
 from collections import OrderedDict, deque
 from collections.abc import Callable, Hashable, Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from .errors import (
     DispatchError,
@@ -200,7 +200,7 @@ class _Sub:
     """One request shape and its index of deliverable rows."""
 
     __slots__ = ("key", "task", "fields", "partition", "group_by", "group_size", "avail",
-                 "buckets", "complete", "gating", "last_used", "tbit")
+                 "buckets", "complete", "gating", "tbit")
 
     def __init__(self, key: tuple, gating: int, tbit: int):
         self.key = key
@@ -719,7 +719,6 @@ class Controller:
             for row in rows:
                 if self._eligible(row, sub):
                     self._add(sub, row)
-        sub.last_used = self.clock()
         return sub
 
     def _gating(self, fields: frozenset[str]) -> int:
@@ -1185,7 +1184,7 @@ class Controller:
     def _with_groups(self, objs: list[Row]) -> list[Row]:
         """``objs`` plus every row sharing a group key (any registered group tag) with
         one of them, so groups leave together."""
-        keys = {f for s in self.subs.values() if s.group_by for f in (s.group_by,)}
+        keys = {s.group_by for s in self.subs.values() if s.group_by}
         keys |= {s.group_by for s in self.filters.values() if s.group_by}
         if not keys:
             return objs

@@ -16,8 +16,7 @@ from tensordict import TensorDictBase
 from .batch import ColumnRemoteBatch, RemoteBatch, RowRemoteBatch
 from .columns import Column, assemble, row_nbytes, tag_values, take_rows, to_columns
 from .controller import Controller, Delivery, FilterSpec, Request, validate_request
-from .errors import (EndOfStream, InvalidArgument, LeaseExpired, SchemaError, StreamRLError,
-                     TransportError)
+from .errors import (EndOfStream, InvalidArgument, LeaseExpired, SchemaError, TransportError)
 from .stats import Stats
 
 __all__ = ["StreamQueue", "Stream", "DEFAULT_PARTITION"]

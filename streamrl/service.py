@@ -23,10 +23,8 @@ from __future__ import annotations
 import inspect
 import logging
 import math
-import time
 from collections import OrderedDict, deque
 from collections.abc import Callable, Hashable, Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
 import anyio

@@ -41,7 +41,6 @@ from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-import numpy as np
 import ray
 
 from ..controller import Controller, DropReason, FilterSpec
