@@ -185,6 +185,7 @@ class RowRemoteBatch(RemoteBatch):
 
     @property
     def rows(self) -> list[int]:
+        """Row ids, in batch order."""
         return self._rows.tolist()
 
     @property
@@ -211,10 +212,12 @@ class RowRemoteBatch(RemoteBatch):
 
     @property
     def task(self) -> str | None:
+        """The task the batch was delivered to (``None`` for batches from ``put``)."""
         return self._task
 
     @property
     def partition(self) -> str | None:
+        """The partition of the rows, when they share one (``None`` otherwise)."""
         return self._partition
 
     @property
@@ -224,10 +227,12 @@ class RowRemoteBatch(RemoteBatch):
 
     @property
     def lease_ids(self) -> tuple[int, ...]:
+        """The leases this batch acknowledges (several after ``concat``)."""
         return self._lease.ids
 
     @property
     def queue(self) -> "StreamQueue":
+        """The queue the rows belong to."""
         return self._q
 
     def __len__(self) -> int:
@@ -235,6 +240,7 @@ class RowRemoteBatch(RemoteBatch):
 
     @property
     def batch_size(self) -> torch.Size:
+        """Like ``TensorDict.batch_size``: ``[len(self)]``, or ``[]`` for an int-index view."""
         return torch.Size([]) if self._scalar else torch.Size([len(self._rows)])
 
     def __repr__(self) -> str:

@@ -127,7 +127,8 @@ class predicate(Filter):
             column).
         group_size: rows per group; the group is judged when that many are ready
             (``None``: when its partition is sealed). Needs ``group_by``.
-        name: the name counted in ``stats().filtered_by``.
+        name: the name counted in ``stats().filtered_by`` (default
+            ``"predicate:<field>"``).
 
     Examples:
         >>> keep_finished = predicate("finished", lambda col: col)

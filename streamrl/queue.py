@@ -331,6 +331,12 @@ class StreamQueue:
         the iterator being garbage-collected, or the lease outliving ``lease_timeout``.
         (A bare ``async for`` cannot tell ``break`` from an exception; both release.)
 
+        Ends and short batches: on a sealed partition, the last (short) batch goes out
+        only once every other row of the partition is settled for this task (acknowledged
+        or dropped), because a released lease would bring rows back. DP ranks
+        (``dp_size > 1``) must iterate concurrently (one coroutine, thread or process per
+        rank): a rank's next dispatch waits for rows that other ranks still hold.
+
         Rows can leave the queue while leased: a filter rejecting them, staleness
         (``set_version`` with ``max_staleness``), ``drop`` or ``clear`` by someone else. The
         lease then shrinks; materializing or writing those rows raises

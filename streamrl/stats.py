@@ -28,30 +28,39 @@ class Stats:
     Attributes:
         rows: rows held now (admitted, not dropped).
         bytes: bytes held now, as accounted by the controller: written bytes plus the
-            bytes reserved by puts in flight (``bytes_in_flight``), so that ``rows`` and
-            ``bytes`` describe the same rows.
-        capacity, capacity_bytes: the bounds.
+            bytes reserved by puts in flight, so that ``rows`` and ``bytes`` describe the
+            same rows.
+        bytes_in_flight: bytes reserved by puts whose data is still on its way.
+        capacity: the bound on rows.
+        capacity_bytes: the bound on bytes (``None``: none).
         version: the current policy version.
-        put: rows ever admitted; ``bytes_put`` their bytes.
-        dropped: rows that left the queue; ``dropped_by`` per reason (``dropped``,
-            ``cleared``, ``filtered``, ``filter_error``, ``stale``, ``consumed``,
-            ``dp_remainder``, ``lost``); ``bytes_freed`` their bytes.
-        filtered: rows rejected by filters; ``filtered_by`` per filter name.
-        filter_errors: rows dropped because their filter raised; the messages of the last
-            failures are in ``last_filter_errors``.
+        put: rows ever admitted.
+        bytes_put: bytes ever written.
+        bytes_freed: bytes of rows that left the queue.
+        dropped: rows that left the queue.
+        dropped_by: rows that left, per reason: ``dropped``, ``cleared``, ``filtered``,
+            ``filter_error``, ``stale``, ``consumed``, ``dp_remainder``, ``lost``.
+        filtered: rows rejected by filters.
+        filtered_by: rows rejected, per filter name.
+        filter_errors: rows dropped because their filter raised.
         filter_pending: per filter, rows it has not judged yet (a filter over a field that
             is never written shows its rows here).
-        stale: rows dropped for staleness. ``consumed``: rows dropped because every
-            declared consumer acknowledged them.
-        delivered: rows handed out over all tasks; ``tasks``: per-task :class:`TaskStats`.
+        stale: rows dropped for staleness.
+        consumed: rows dropped because every declared consumer acknowledged them.
+        delivered: rows handed out, over all tasks (redeliveries included).
+        tasks: per-task :class:`TaskStats`.
         partitions: per partition, rows held by state (``waiting``, ``ready``, ``leased``,
             ``consumed``) and whether it is ``sealed``.
         leaked: rows held in sealed partitions that no task will take any more (should be
             0 at the end of a run).
-        leases: open leases. ``waiting_puts``: producers waiting for room or pacing.
-        wait_p50, wait_p99: seconds consumers waited for a batch (recent 10k takes).
-        unit_rows, unit_bytes: rows and bytes each storage unit reports holding itself.
+        leases: open leases.
+        waiting_puts: producers waiting for room or for version pacing.
+        wait_p50: median seconds consumers waited for a batch (recent 10k takes).
+        wait_p99: 99th percentile of the same.
+        unit_rows: rows each storage unit reports holding itself.
+        unit_bytes: bytes each storage unit reports holding itself.
         closed: whether the queue is closed.
+        last_filter_errors: messages of the last filter failures.
     """
 
     rows: int = 0

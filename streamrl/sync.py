@@ -105,20 +105,25 @@ class SyncBatch:
         return self._portal.call(self.remote.materialize, fields, copy=copy)
 
     def write(self, data, *, overwrite: bool = False) -> "SyncBatch":
+        """Blocking :meth:`RowRemoteBatch.write`."""
         self._portal.call(self.remote.write, data, overwrite=overwrite)
         return self
 
     def ack(self) -> None:
+        """Blocking :meth:`RowRemoteBatch.ack`."""
         self._portal.call(self.remote.ack)
 
     def release(self) -> None:
+        """Blocking :meth:`RowRemoteBatch.release`."""
         self._portal.call(self.remote.release)
 
     def drop(self) -> None:
+        """Blocking :meth:`RowRemoteBatch.drop`."""
         self._portal.call(self.remote.drop)
 
     @staticmethod
     def concat(batches: Sequence["SyncBatch"]) -> "SyncBatch":
+        """:meth:`RowRemoteBatch.concat` of blocking batches."""
         return SyncBatch(RowRemoteBatch.concat([b.remote for b in batches]), batches[0]._portal)
 
 
@@ -239,6 +244,7 @@ class StreamQueue:
         return SyncBatch(self._call("put", data, partition, rows, **kw), self._portal)
 
     def put_nowait(self, data, partition: str | None = None, **kw) -> SyncBatch:
+        """Blocking :meth:`streamrl.StreamQueue.put_nowait`."""
         return SyncBatch(self._call("put_nowait", data, partition, **kw), self._portal)
 
     def get(self, task: str, fields: Sequence[str], batch_size: int, **kw) -> SyncBatch:
@@ -250,29 +256,41 @@ class StreamQueue:
         return SyncStream(self._q.stream(task, fields, batch_size, **kw), self._portal)
 
     def drop(self, rows) -> int:
+        """Blocking :meth:`streamrl.StreamQueue.drop`."""
         if isinstance(rows, SyncBatch):
             rows = rows.remote
         return self._call("drop", rows)
 
     def clear(self, partition: str) -> int:
+        """Blocking :meth:`streamrl.StreamQueue.clear`."""
         return self._call("clear", partition)
 
-    def seal(self, partition: str) -> None:
+    def seal(self, partition: str | None = None) -> None:
+        """Blocking :meth:`streamrl.StreamQueue.seal`."""
         self._call("seal", partition)
 
     def declare(self, partition: str, consumers) -> None:
+        """Blocking :meth:`streamrl.StreamQueue.declare`."""
         self._call("declare", partition, consumers)
 
     def set_version(self, version: int) -> int:
+        """Blocking :meth:`streamrl.StreamQueue.set_version`."""
         return self._call("set_version", version)
 
+    def wait_version(self, version: int, *, timeout: float | None = None) -> int:
+        """Blocking :meth:`streamrl.StreamQueue.wait_version`."""
+        return self._call("wait_version", version, timeout=timeout)
+
     def add_filter(self, fn: Callable, **kw) -> str:
+        """Blocking :meth:`streamrl.StreamQueue.add_filter`."""
         return self._call("add_filter", fn, **kw)
 
     def stats(self):
+        """Blocking :meth:`streamrl.StreamQueue.stats`."""
         return self._call("stats")
 
     def leaked(self) -> int:
+        """Blocking :meth:`streamrl.StreamQueue.leaked`."""
         return self._call("leaked")
 
     def close(self) -> dict[str, int]:
