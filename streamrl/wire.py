@@ -21,21 +21,27 @@ __all__ = ["WireTensor"]
 
 class WireTensor:
     """Rows of one tensor as raw bytes: ``dtype`` name, ``shape`` (rows first),
-    ``itemsize`` and a flat C-contiguous ``uint8`` buffer of ``numel * itemsize`` bytes."""
+    ``itemsize``, and the bytes: either ``buf``, a flat C-contiguous ``uint8`` array of
+    ``numel * itemsize`` bytes, or ``ref``, an opaque handle (a Ray object reference) of
+    such an array with the rows starting ``offset`` bytes in. Slicing rows never copies."""
 
-    __slots__ = ("dtype", "itemsize", "shape", "buf")
+    __slots__ = ("dtype", "itemsize", "shape", "buf", "ref", "offset")
 
-    def __init__(self, dtype: str, itemsize: int, shape: tuple[int, ...], buf: np.ndarray):
+    def __init__(self, dtype: str, itemsize: int, shape: tuple[int, ...],
+                 buf: np.ndarray | None, ref: Any = None, offset: int = 0):
         self.dtype = dtype
         self.itemsize = itemsize
         self.shape = tuple(shape)
         self.buf = buf
+        self.ref = ref
+        self.offset = offset
 
     def __reduce__(self):
-        return (WireTensor, (self.dtype, self.itemsize, self.shape, self.buf))
+        return (WireTensor, (self.dtype, self.itemsize, self.shape, self.buf, self.ref, self.offset))
 
     def __repr__(self) -> str:
-        return f"WireTensor({self.dtype}, shape={self.shape})"
+        where = "inline" if self.ref is None else "by reference"
+        return f"WireTensor({self.dtype}, shape={self.shape}, {where})"
 
     def __len__(self) -> int:
         return self.shape[0]
@@ -50,10 +56,15 @@ class WireTensor:
     def nbytes(self) -> int:
         return self.numel() * self.itemsize
 
+    def by_reference(self, ref: Any) -> "WireTensor":
+        """The same rows, with the bytes held as ``ref`` (whose array holds ``buf``)."""
+        return WireTensor(self.dtype, self.itemsize, self.shape, None, ref, 0)
+
     def unsqueeze(self, dim: int) -> "WireTensor":
         if dim != 0:
             raise ValueError("WireTensor only adds a leading row dimension")
-        return WireTensor(self.dtype, self.itemsize, (1,) + self.shape, self.buf)
+        return WireTensor(self.dtype, self.itemsize, (1,) + self.shape, self.buf, self.ref,
+                          self.offset)
 
     def __getitem__(self, idx: Any) -> "WireTensor":
         if not isinstance(idx, slice):
@@ -63,5 +74,15 @@ class WireTensor:
             raise ValueError("WireTensor supports contiguous row slices only")
         stop = max(start, stop)
         row = self.itemsize * math.prod(self.shape[1:])
-        return WireTensor(self.dtype, self.itemsize, (stop - start,) + self.shape[1:],
-                          self.buf[start * row:stop * row])
+        shape = (stop - start,) + self.shape[1:]
+        if self.ref is not None:
+            return WireTensor(self.dtype, self.itemsize, shape, None, self.ref,
+                              self.offset + start * row)
+        return WireTensor(self.dtype, self.itemsize, shape, self.buf[start * row:stop * row])
+
+    def resolve(self, arrays: dict) -> np.ndarray:
+        """The bytes as a flat ``uint8`` array; ``arrays`` maps refs to their arrays."""
+        if self.ref is None:
+            return self.buf
+        arr = arrays[self.ref]
+        return arr[self.offset:self.offset + self.nbytes]

@@ -384,8 +384,8 @@ async def test_waiting_puts_are_served_in_order(make_queue):
     order = []
 
     async def put(tag, n):
-        await q.put(rows_of(n), partition="p")
-        order.append(tag)
+        rows = await q.put(rows_of(n), partition="p")
+        order.append((min(rows.rows), tag))  # row ids are handed out in admission order
 
     async def waiting(n):
         with anyio.fail_after(10):
@@ -403,7 +403,7 @@ async def test_waiting_puts_are_served_in_order(make_queue):
         assert order == []
         mb = await q.get("t", ["idx"], 3, partition="p")
         await mb.drop()
-    assert order == ["big", "small"]
+    assert [tag for _, tag in sorted(order)] == ["big", "small"]
 
 
 # ---------------------------------------------------------------- close

@@ -83,20 +83,38 @@ def _to_wire(cols: Mapping[str, Column]) -> dict[str, Any]:
     return out
 
 
-def _from_wire(pieces: Mapping[str, list]) -> dict[str, list[Column]]:
-    """Client side: storage pieces -> tensors (views of the received buffers) / objects."""
+def _refs_in(pieces: Mapping[str, list]) -> list:
+    """Object references the pieces of a storage read point at."""
+    refs = {}
+    for plist in pieces.values():
+        for p in plist:
+            for x in (p if isinstance(p, list) else (p,)):
+                if isinstance(x, WireTensor) and x.ref is not None:
+                    refs[x.ref] = None
+    return list(refs)
+
+
+def _from_wire(pieces: Mapping[str, list], arrays: dict) -> dict[str, list[Column]]:
+    """Client side: storage pieces -> tensors (views of the object-store buffers, no
+    copy) / objects. ``arrays`` maps the pieces' object references to their arrays."""
     from .. import codec
 
     def obj(x):
         if isinstance(x, WireTensor):
-            return codec.tensor_from_raw(x.dtype, x.shape[1:], x.buf)
+            return codec.tensor_from_raw(x.dtype, x.shape[1:], x.resolve(arrays))
         return codec.decode(codec.unpack(x))
 
     out: dict[str, list[Column]] = {}
     for f, plist in pieces.items():
-        out[f] = [codec.tensor_from_raw(p.dtype, p.shape, p.buf) if isinstance(p, WireTensor)
-                  else [obj(x) for x in p] for p in plist]
+        out[f] = [codec.tensor_from_raw(p.dtype, p.shape, p.resolve(arrays))
+                  if isinstance(p, WireTensor) else [obj(x) for x in p] for p in plist]
     return out
+
+
+#: Tensor data of at least this many bytes in one put is kept by the storage unit as a
+#: Ray object it owns: reads hand out the reference, and a reader on the same node maps
+#: the bytes without a copy. Smaller data travels inline.
+BY_REFERENCE_MIN = 64 * 1024
 
 
 def _unwrap(e: BaseException, what: str) -> BaseException:
@@ -125,9 +143,23 @@ class _StorageActorImpl:
         self.lock = threading.Lock()
 
     def put(self, parts: list) -> None:
+        # Big tensors become objects this unit owns (one copy, here, so the data
+        # outlives its producer); reads then hand out references instead of bytes.
+        owned = []
+        for rows, cols in parts:
+            cols = {f: self._own(c) if isinstance(c, WireTensor) else
+                    [self._own(x) if isinstance(x, WireTensor) else x for x in c]
+                    for f, c in cols.items()}
+            owned.append((rows, cols))
         with self.lock:
-            for rows, cols in parts:
+            for rows, cols in owned:
                 self.unit.put(rows, cols)
+
+    @staticmethod
+    def _own(t: WireTensor) -> WireTensor:
+        if t.buf is None or t.buf.nbytes < BY_REFERENCE_MIN:
+            return t
+        return t.by_reference(ray.put(t.buf))
 
     def get(self, rows: list[int], fields: list[str]) -> dict:
         with self.lock:
@@ -203,7 +235,23 @@ class RayDataPlane(DataPlane):
         outs = await asyncio.gather(*[
             self._call(s, self.units[s].get.remote(list(rows), list(fields)), rows)
             for s, rows, fields in parts])
-        return [_from_wire(o) for o in outs]
+        # fetch the referenced objects (mapped in place on this node, copied once
+        # from another node), all at once
+        refs_by_part = [_refs_in(o) for o in outs]
+        flat = [r for refs in refs_by_part for r in refs]
+        arrays: dict = {}
+        if flat:
+            got = await asyncio.gather(*[
+                self._call(s, self._fetch(refs), rows)
+                for (s, rows, _), refs in zip(parts, refs_by_part) if refs])
+            for d in got:
+                arrays.update(d)
+        return [_from_wire(o, arrays) for o in outs]
+
+    @staticmethod
+    async def _fetch(refs: list) -> dict:
+        vals = await asyncio.gather(*refs)
+        return dict(zip(refs, vals))
 
     async def delete(self, parts: Mapping[int, Sequence[int]]) -> None:
         res = await asyncio.gather(*[
