@@ -11,6 +11,9 @@ one after the other, in one invocation; the table prints medians and ratios. Cas
 
 Systems:
   streamrl      producer actor ``put``s, consumer actor ``get``s + ``materialize``s
+                (storage units own the data: ``ownership="unit"``, the default)
+  streamrl-producer   the same with ``ownership="producer"`` (one copy less per put;
+                rows die with their producer)
   ray-torch     producer actor ``ray.put``s one tensor per field (Ray's default torch
                 pickling); consumer actor ``ray.get``s the fields it reads
   ray-numpy     the same with ``tensor.numpy()`` (Ray's zero-copy numpy path)
@@ -76,7 +79,7 @@ def _ray_init():
     return ray
 
 
-def worker_streamrl(reps: int) -> dict:
+def worker_streamrl(reps: int, ownership: str = "unit") -> dict:
     import asyncio
 
     ray = _ray_init()
@@ -116,7 +119,7 @@ def worker_streamrl(reps: int) -> dict:
             return t
 
     out: dict = {"cases": {}}
-    q = streamrl.StreamQueue(transport="ray", capacity=8192, num_shards=2)
+    q = streamrl.StreamQueue(transport="ray", capacity=8192, num_shards=2, ownership=ownership)
     cons = Consumer.remote()
     for name, case in CASES.items():
         prod = Producer.remote(case)
@@ -370,7 +373,7 @@ def worker_memory(total_gib: float) -> dict:
 # ------------------------------------------------------------------ driver
 
 
-SYSTEMS = ["streamrl", "ray-torch", "ray-numpy", "transferqueue", "shm"]
+SYSTEMS = ["streamrl", "streamrl-producer", "ray-torch", "ray-numpy", "transferqueue", "shm"]
 
 
 def run_worker(system: str, reps: int, extra: list[str]) -> dict:
@@ -400,6 +403,7 @@ def main() -> None:
     a = ap.parse_args()
     if a.worker:
         fn = {"streamrl": lambda: worker_streamrl(a.reps),
+              "streamrl-producer": lambda: worker_streamrl(a.reps, "producer"),
               "ray-torch": lambda: worker_ray(a.reps, numpy=False),
               "ray-numpy": lambda: worker_ray(a.reps, numpy=True),
               "transferqueue": lambda: worker_tq(a.reps),
@@ -421,7 +425,7 @@ def main() -> None:
               "c:32": "(c) 256 x 32 x 16KiB", "c:1": "(c) read 1 of 32",
               "c:2": "(c) read 2 of 32"}
     systems = [s for s in a.systems.split(",") if "cases" in res.get(s, {})]
-    others = [s for s in systems if s != "streamrl"]
+    others = [s for s in systems if not s.startswith("streamrl")]
 
     def e2e(s, k):  # put + read of the same bytes
         case = CASES[k[0]]

@@ -4,6 +4,7 @@ nodes, and failures (a storage unit or the controller dying, a consumer dying)."
 from __future__ import annotations
 
 import os
+import pickle
 import subprocess
 import sys
 import textwrap
@@ -225,3 +226,42 @@ def test_multinode_cluster_moves_data_between_nodes(tmp_path):
     out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
                          timeout=240, env=env)
     assert "MULTINODE-OK 3" in out.stdout, out.stdout[-2000:] + out.stderr[-4000:]
+
+
+@ray.remote(num_cpus=0)
+class BigProducer:
+    async def put(self, q, part):
+        rows = await q.put({"x": torch.arange(64 * 1024, dtype=torch.float32).view(4, -1)},
+                           partition=part)
+        return rows.rows
+
+
+async def test_ownership_unit_outlives_producer_and_producer_mode_does_not(rq):
+    for ownership, survives in (("unit", True), ("producer", False)):
+        q = rq(ownership=ownership)
+        p = BigProducer.remote()
+        await p.put.remote(q, "p")  # 256 KiB: held by reference in the object store
+        ray.kill(p)
+        with anyio.fail_after(30):  # wait until the producer is really gone
+            while True:
+                try:
+                    await p.put.remote(q, "other")
+                except ray.exceptions.RayActorError:
+                    break
+                await anyio.sleep(0.1)
+        mb = await q.get("t", ["x"], 4, partition="p", timeout=30)
+        with anyio.fail_after(60):
+            if survives:
+                td = await mb.materialize()
+                assert td["x"][3, -1].item() == 64 * 1024 - 1
+            else:  # Ray learns of the owner's death asynchronously: poll (fresh views)
+                with pytest.raises(RowsLost):
+                    while True:
+                        await pickle.loads(pickle.dumps(mb)).materialize()
+                        await anyio.sleep(0.2)
+                st = await q.stats()
+                while st.dropped_by.get("lost") != 4:
+                    await anyio.sleep(0.05)
+                    st = await q.stats()
+    with pytest.raises(streamrl.errors.InvalidArgument):
+        rq(ownership="nobody")

@@ -61,16 +61,21 @@ log = logging.getLogger("streamrl")
 # from torch happens in the client, which has torch anyway.
 
 
-def _to_wire(cols: Mapping[str, Column]) -> dict[str, Any]:
+def _to_wire(cols: Mapping[str, Column], by_reference: bool = False) -> dict[str, Any]:
     """Client side: tensors -> WireTensor (a view of their bytes, no copy when
-    contiguous); per-row tensors of a list -> WireTensor each; other objects -> bytes."""
+    contiguous); per-row tensors of a list -> WireTensor each; other objects -> bytes.
+    With ``by_reference``, big tensors are put in the object store here (owned by this
+    process) and only their references travel."""
     import torch
 
     from .. import codec
 
     def wt(t):
         dtype, shape, buf = codec.tensor_to_raw(t)
-        return WireTensor(dtype, t.element_size(), shape, buf)
+        w = WireTensor(dtype, t.element_size(), shape, buf)
+        if by_reference and buf.nbytes >= BY_REFERENCE_MIN:
+            w = w.by_reference(ray.put(buf))
+        return w
 
     out: dict[str, Any] = {}
     for name, col in cols.items():
@@ -204,10 +209,12 @@ def _proc_memory() -> dict[str, int]:
 class RayDataPlane(DataPlane):
     """Storage-unit actors, called concurrently, one call per unit per request."""
 
-    def __init__(self, units: Sequence[Any]):
+    def __init__(self, units: Sequence[Any], ownership: str = "unit"):
         self.units = list(units)
         self.num_shards = len(self.units)
-        self.on_lost: Callable[[int], None] | None = None
+        self.ownership = ownership
+        self.on_lost: Callable[[int], None] | None = None  # a unit died
+        self.on_rows_lost: Callable[[list[int]], None] | None = None  # their data died
 
     async def _call(self, shard: int, ref, rows: Sequence[int] = ()):
         try:
@@ -225,7 +232,8 @@ class RayDataPlane(DataPlane):
     async def put(self, parts: Sequence[tuple[int, Sequence[int], Mapping[str, Column]]]) -> None:
         by_shard: dict[int, list] = {}
         for shard, rows, cols in parts:
-            by_shard.setdefault(shard, []).append((list(rows), _to_wire(cols)))
+            by_shard.setdefault(shard, []).append(
+                (list(rows), _to_wire(cols, by_reference=self.ownership == "producer")))
         await asyncio.gather(*[
             self._call(s, self.units[s].put.remote(p), [r for rows, _ in p for r in rows])
             for s, p in by_shard.items()])
@@ -238,19 +246,26 @@ class RayDataPlane(DataPlane):
         # fetch the referenced objects (mapped in place on this node, copied once
         # from another node), all at once
         refs_by_part = [_refs_in(o) for o in outs]
-        flat = [r for refs in refs_by_part for r in refs]
         arrays: dict = {}
-        if flat:
-            got = await asyncio.gather(*[
-                self._call(s, self._fetch(refs), rows)
-                for (s, rows, _), refs in zip(parts, refs_by_part) if refs])
-            for d in got:
-                arrays.update(d)
+        got = await asyncio.gather(*[self._fetch(refs, rows)
+                                     for (_, rows, _), refs in zip(parts, refs_by_part) if refs])
+        for d in got:
+            arrays.update(d)
         return [_from_wire(o, arrays) for o in outs]
 
-    @staticmethod
-    async def _fetch(refs: list) -> dict:
-        vals = await asyncio.gather(*refs)
+    async def _fetch(self, refs: list, rows: Sequence[int]) -> dict:
+        try:
+            vals = await asyncio.gather(*refs)
+        except (ray.exceptions.ObjectLostError, ray.exceptions.RayActorError) as e:
+            # the unit answered, so the process that owned the objects is gone: with
+            # ownership="producer", the producer of these rows
+            if self.on_rows_lost is not None:
+                self.on_rows_lost(list(rows))
+            raise RowsLost(
+                f"the data of rows {rows_preview(rows)} is gone ({type(e).__name__}): the "
+                "process that owned it died (with ownership='producer', their producer). "
+                "Drop these rows and move on; use ownership='unit' for data that must "
+                "outlive its producer", rows) from None
         return dict(zip(refs, vals))
 
     async def delete(self, parts: Mapping[int, Sequence[int]]) -> None:
@@ -270,11 +285,13 @@ class RayDataPlane(DataPlane):
 class _ControllerActorImpl:
     """The controller service as an async actor."""
 
-    def __init__(self, config: dict, units: list):
+    def __init__(self, config: dict, units: list, ownership: str = "unit"):
+        self.ownership = ownership
         ctl = Controller(**config)
         self.data = RayDataPlane(units)
         self.svc = ControllerService(ctl, self.data)
         self.data.on_lost = self._lost
+        self.data.on_rows_lost = self._rows_lost
         self.units = units
         self.dead: set[int] = set()
         self._inflight: dict[str, asyncio.Task] = {}
@@ -295,8 +312,17 @@ class _ControllerActorImpl:
     async def report_lost(self, shard: int) -> None:
         self._lost(shard)
 
-    def handles(self) -> list:
-        return self.units
+    def _rows_lost(self, rows: list[int]) -> None:
+        self.svc.ctl.drop(rows, DropReason.LOST)
+        asyncio.get_running_loop().create_task(self.svc._after())
+
+    async def report_lost_rows(self, rows: list[int]) -> None:
+        """Rows whose data died with its owner (``ownership="producer"``)."""
+        self.svc.ctl.drop(rows, DropReason.LOST)
+        await self.svc._after()
+
+    def handles(self) -> tuple[list, str]:
+        return self.units, self.ownership
 
     async def allocate(self, *a, **kw):
         return await self.svc.allocate(*a, **kw)
@@ -464,27 +490,45 @@ class RayTransport(Transport):
 
     name = "ray"
 
-    def __init__(self, controller, units: list, *, owner: bool):
+    def __init__(self, controller, units: list, *, owner: bool, ownership: str = "unit"):
         self._controller = controller
         self._units = units
+        self._ownership = ownership
         self._control = RayControl(controller)
-        self._data = RayDataPlane(units)
+        self._data = RayDataPlane(units, ownership)
         self._data.on_lost = self._report_lost
+        self._data.on_rows_lost = self._report_lost_rows
         self._owner = owner
 
     def _report_lost(self, shard: int) -> None:
         self._controller.report_lost.remote(shard)
+
+    def _report_lost_rows(self, rows: list[int]) -> None:
+        self._controller.report_lost_rows.remote(rows)
 
     @classmethod
     def create(cls, *, capacity: int, capacity_bytes: int | None, num_shards: int,
                lease_timeout: float, max_staleness: int | None, max_lead: int | None,
                consumers: Sequence[str] | None, name: str | None = None,
                namespace: str | None = None, unit_options: dict | Sequence[dict] | None = None,
-               controller_options: dict | None = None, detached: bool = False) -> "RayTransport":
+               controller_options: dict | None = None, detached: bool = False,
+               ownership: str = "unit") -> "RayTransport":
         """Start the actors. ``unit_options`` (one dict for all units, or one per unit) and
         ``controller_options`` are passed to ``.options()`` (for example
         ``{"resources": {"node:10.0.0.2": 0.001}}`` to pin a unit to a node).
-        ``detached=True`` keeps the actors alive after this driver exits (named queues)."""
+        ``detached=True`` keeps the actors alive after this driver exits (named queues).
+
+        ``ownership`` says who owns the object-store copy of big tensors:
+
+        * ``"unit"`` (default): the storage unit copies them into objects it owns, so rows
+          outlive the producer that put them (two copies per put, none per read);
+        * ``"producer"``: the producer's process owns them (one copy per put, none per
+          read), but its rows are lost (:class:`~streamrl.errors.RowsLost`) if that process
+          dies before they are consumed. For producers that live as long as the queue."""
+        if ownership not in ("unit", "producer"):
+            from ..errors import InvalidArgument
+
+            raise InvalidArgument(f"ownership must be 'unit' or 'producer', got {ownership!r}")
         if not ray.is_initialized():
             ray.init(ignore_reinit_error=True, include_dashboard=False,
                      address=os.environ.get("RAY_ADDRESS"))
@@ -516,8 +560,8 @@ class RayTransport(Transport):
         copts = {**common, **(controller_options or {})}
         if name:
             copts.setdefault("name", name)
-        controller = ControllerActor.options(**copts).remote(config, units)
-        t = cls(controller, units, owner=True)
+        controller = ControllerActor.options(**copts).remote(config, units, ownership)
+        t = cls(controller, units, owner=True, ownership=ownership)
         ray.get(controller.ping.remote())  # surface start-up errors here
         return t
 
@@ -530,17 +574,17 @@ class RayTransport(Transport):
                 f"no streamrl queue named {name!r} in this Ray cluster"
                 + (f" (namespace {namespace!r})" if namespace else "")
                 + "; create it with StreamQueue(transport='ray', name=...) first") from None
-        units = ray.get(controller.handles.remote())
-        return cls(controller, units, owner=False)
+        units, ownership = ray.get(controller.handles.remote())
+        return cls(controller, units, owner=False, ownership=ownership)
 
     @property
     def handle(self) -> tuple:
-        return (self._controller, self._units)
+        return (self._controller, self._units, self._ownership)
 
     @classmethod
     def from_handle(cls, handle: tuple) -> "RayTransport":
-        controller, units = handle
-        return cls(controller, units, owner=False)
+        controller, units, ownership = handle
+        return cls(controller, units, owner=False, ownership=ownership)
 
     @property
     def control(self) -> RayControl:
