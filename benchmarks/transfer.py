@@ -303,7 +303,7 @@ def worker_shm(reps: int) -> dict:
     return out
 
 
-def worker_memory(total_gib: float) -> dict:
+def worker_memory(total_gib: float, ownership: str = "unit") -> dict:
     """Stream ``total_gib`` through a queue bounded at 256 MiB; peak memory per process."""
     import asyncio
 
@@ -343,21 +343,32 @@ def worker_memory(total_gib: float) -> dict:
                 td = await mb.materialize()
                 n += td["x"].nbytes
                 del td
+                await asyncio.sleep(0.05)  # a slow trainer: the queue fills to its bound
                 await mb.drop()
             return base, mem(), n
 
     cap = 256 * MiB
-    q = streamrl.StreamQueue(transport="ray", capacity=100_000, capacity_bytes=cap, num_shards=2)
+    q = streamrl.StreamQueue(transport="ray", capacity=100_000, capacity_bytes=cap, num_shards=2,
+                             ownership=ownership)
     total = int(total_gib * GiB)
     units = q._transport._units
     p, c = Producer.remote(), Consumer.remote()
-    peak_held = 0
+    import re
+
+    from ray._private.internal_api import memory_summary
+
+    def plasma_mib() -> int:  # live bytes in the object store (what the data occupies)
+        m = re.search(r"Plasma memory usage (\d+) MiB", memory_summary(stats_only=True))
+        return int(m.group(1)) if m else 0
+
+    peak_held = peak_plasma = 0
     cref = c.run.remote(q)
     pref = p.run.remote(q, total)
     while True:
         done, _ = ray.wait([cref], timeout=0.2)
         st = asyncio.run(q.stats())
         peak_held = max(peak_held, st.bytes, sum(st.unit_bytes))
+        peak_plasma = max(peak_plasma, plasma_mib())
         if done:
             break
     (pb, pe), (cb, ce, n) = ray.get(pref), ray.get(cref)
@@ -366,6 +377,7 @@ def worker_memory(total_gib: float) -> dict:
     asyncio.run(q.shutdown())
     ray.shutdown()
     return {"streamed": n, "capacity_bytes": cap, "peak_bytes_held": peak_held,
+            "peak_object_store_mib": peak_plasma,
             "producer": {"base": pb, "end": pe}, "consumer": {"base": cb, "end": ce},
             "units": unit_mem}
 
@@ -399,6 +411,7 @@ def main() -> None:
     ap.add_argument("--systems", default=",".join(SYSTEMS))
     ap.add_argument("--memory-gib", type=float, default=4.0)
     ap.add_argument("--json", default=None)
+    ap.add_argument("--ownership", default="unit", help="ownership of the memory run's queue")
     ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.worker:
@@ -408,7 +421,7 @@ def main() -> None:
               "ray-numpy": lambda: worker_ray(a.reps, numpy=True),
               "transferqueue": lambda: worker_tq(a.reps),
               "shm": lambda: worker_shm(a.reps),
-              "memory": lambda: worker_memory(a.memory_gib)}[a.worker]
+              "memory": lambda: worker_memory(a.memory_gib, a.ownership)}[a.worker]
         print(json.dumps(fn()))
         return
     reps = 2 if a.quick else a.reps
@@ -419,7 +432,8 @@ def main() -> None:
         print(f"  running {s} ...", flush=True)
         res[s] = run_worker(s, reps, [])
     print("  running memory ...", flush=True)
-    res["memory"] = run_worker("memory", reps, ["--memory-gib", str(mem_gib)])
+    res["memory"] = run_worker("memory", reps, ["--memory-gib", str(mem_gib),
+                                                "--ownership", a.ownership])
 
     labels = {"a:2": "(a) 1024 x 64KiB +int", "b:1": "(b) 256 x 1MiB",
               "c:32": "(c) 256 x 32 x 16KiB", "c:1": "(c) read 1 of 32",
@@ -470,7 +484,9 @@ def main() -> None:
 
         print(f"\nmemory: streamed {m['streamed'] / GiB:.1f} GiB through capacity_bytes="
               f"{m['capacity_bytes'] / MiB:.0f} MiB; peak held {m['peak_bytes_held'] / MiB:.0f} MiB "
-              f"({m['peak_bytes_held'] / m['capacity_bytes']:.0%} of capacity)")
+              f"({m['peak_bytes_held'] / m['capacity_bytes']:.0%} of capacity); peak object-store "
+              f"use {m['peak_object_store_mib']} MiB "
+              f"({m['peak_object_store_mib'] * MiB / m['capacity_bytes']:.0%} of capacity)")
         for who in ("producer", "consumer"):
             d = m[who]
             print(f"  {who}: peak RSS {d['end']['maxrss'] / MiB:.0f} MiB (baseline "
