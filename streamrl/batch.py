@@ -559,10 +559,12 @@ class ColumnRemoteBatch(RemoteBatch):
 
     @property
     def field(self) -> str:
+        """The field (column) this view reads."""
         return self._field
 
     @property
     def rows(self) -> list[int]:
+        """Row ids, in batch order."""
         return self._batch.rows
 
     @property

@@ -134,6 +134,7 @@ class Request:
     lease_timeout: float | None = None
 
     def sub_key(self) -> tuple:
+        """The subscription this request belongs to (requests differing only in batch size, timeouts or DP options share one)."""
         return (self.task, frozenset(self.fields), self.partition, self.group_by, self.group_size)
 
 
@@ -1113,6 +1114,7 @@ class Controller:
         return n
 
     def lease_rows(self, lease_id: int) -> list[int] | None:
+        """Rows still held under a lease, or ``None`` once it ended."""
         lease = self.leases.get(lease_id)
         return None if lease is None else list(lease.rows)
 
@@ -1399,6 +1401,7 @@ class Controller:
         return out
 
     def held_by_partition(self) -> dict[str, int]:
+        """Rows held per partition (partitions holding none are left out)."""
         return {p.name: len(p.rows) for p in self.parts.values() if p.rows}
 
 

@@ -96,6 +96,7 @@ class max_length(Filter):
         self.name = name
 
     def lengths(self, col: Any) -> torch.Tensor:
+        """The length of each row of ``col`` (see the class docstring)."""
         if isinstance(col, torch.Tensor):
             if col.is_nested:
                 return torch.tensor([t.shape[0] for t in col.unbind()])

@@ -137,6 +137,7 @@ class StreamQueue:
 
     @property
     def num_shards(self) -> int:
+        """The number of storage units."""
         return self._data.num_shards
 
     def __reduce__(self):

@@ -226,6 +226,7 @@ class ControllerService:
 
     async def begin_write(self, rows: Sequence[int], fields: Sequence[str], *,
                           overwrite: bool = False) -> WriteToken:
+        """Admit a write of new fields to existing rows (see :meth:`Controller.begin_write`)."""
         if self.ctl.closed:
             raise QueueClosed("the queue is closed; no fields can be written any more")
         return self.ctl.begin_write(rows, fields, overwrite=overwrite)
@@ -244,6 +245,7 @@ class ControllerService:
         return res
 
     async def abort(self, token: WriteToken | int) -> None:
+        """Forget a failed write and delete whatever it stored."""
         parts = self.ctl.abort(token)
         if parts:
             await self.data.delete(parts)
@@ -335,12 +337,14 @@ class ControllerService:
                 _discard(self._part_waiters, req.partition, ev)
 
     async def ack(self, lease_ids: Sequence[int]) -> None:
+        """Acknowledge leases (see :meth:`Controller.ack`)."""
         try:
             self.ctl.ack(lease_ids)
         finally:
             await self._after()
 
     async def release(self, lease_ids: Sequence[int]) -> None:
+        """Give leases back unacknowledged: their rows are delivered again."""
         self.ctl.release(lease_ids)
         await self._after()
 
@@ -354,16 +358,19 @@ class ControllerService:
     # ------------------------------------------------------------------ lifecycle
 
     async def drop(self, rows: Sequence[int]) -> int:
+        """Drop rows for good; returns how many were held."""
         n = self.ctl.drop(rows)
         await self._after()
         return n
 
     async def clear(self, partition: str) -> int:
+        """Drop every row of a partition; returns how many."""
         n = self.ctl.clear(partition)
         await self._after()
         return n
 
     async def seal(self, partition: str | None) -> None:
+        """Seal a partition (or, with ``None``, the whole queue)."""
         if partition is None:
             self.ctl.seal_all()
         else:
@@ -371,10 +378,12 @@ class ControllerService:
         await self._after()
 
     async def declare(self, partition: str, consumers: Sequence[str] | None) -> None:
+        """Set the consumers whose acknowledgement drops a row of the partition."""
         self.ctl.declare(partition, consumers)
         await self._after()
 
     async def set_version(self, version: int) -> int:
+        """Advance the policy version; returns rows dropped as stale."""
         n = self.ctl.set_version(version)
         await self._after()
         return n
@@ -391,6 +400,7 @@ class ControllerService:
     # ------------------------------------------------------------------ filters
 
     async def add_filter(self, fn: Callable, spec: FilterSpec) -> None:
+        """Register a filter function and judge the rows it applies to."""
         if not callable(fn):
             raise InvalidArgument(f"a filter must be callable, got {type(fn).__name__}")
         if spec.group_by:
@@ -438,6 +448,7 @@ class ControllerService:
     # ------------------------------------------------------------------ stats
 
     async def stats(self, with_units: bool = True) -> Stats:
+        """A :class:`~streamrl.stats.Stats` snapshot (``with_units``: ask the storage units too)."""
         ctl = self.ctl
         ctl.expire()
         await self._after()
@@ -467,6 +478,7 @@ class ControllerService:
             closed=ctl.closed, last_filter_errors=list(self._filter_failures))
 
     async def leaked(self) -> dict[str, int]:
+        """Leaked rows per sealed partition (see :meth:`Controller.leaked`)."""
         return self.ctl.leaked()
 
 

@@ -47,13 +47,16 @@ class WireTensor:
         return self.shape[0]
 
     def element_size(self) -> int:
+        """Bytes per element, as ``torch.Tensor.element_size``."""
         return self.itemsize
 
     def numel(self) -> int:
+        """Number of elements, as ``torch.Tensor.numel``."""
         return math.prod(self.shape)
 
     @property
     def nbytes(self) -> int:
+        """Bytes of these rows."""
         return self.numel() * self.itemsize
 
     def by_reference(self, ref: Any) -> "WireTensor":
@@ -61,6 +64,7 @@ class WireTensor:
         return WireTensor(self.dtype, self.itemsize, self.shape, None, ref, 0)
 
     def unsqueeze(self, dim: int) -> "WireTensor":
+        """Add a leading row dimension (``dim`` must be 0)."""
         if dim != 0:
             raise ValueError("WireTensor only adds a leading row dimension")
         return WireTensor(self.dtype, self.itemsize, (1,) + self.shape, self.buf, self.ref,

@@ -613,3 +613,41 @@ async def test_delivered_batch_knows_its_bytes_and_version_only_on_new_rows(make
     assert mb.nbytes == 4 * 8 * 4  # only the asked-for field, without fetching
     with pytest.raises(InvalidArgument):
         await q.put({"z": torch.ones(4)}, rows=rows, version=3)
+
+
+async def test_batch_proxy_overlays_local_fields(make_queue):
+    from streamrl import BatchProxy
+
+    q = make_queue()
+    await q.put({"x": torch.arange(4), "y": torch.ones(4)}, partition="p")
+    mb = await q.get("t", ["x", "y"], 4, partition="p")
+    proxy = BatchProxy(mb)
+    proxy["adv"] = torch.full((4,), 2.0)
+    proxy["y"] = torch.zeros(4)  # shadows the remote y, locally
+    assert torch.equal(proxy["adv"], torch.full((4,), 2.0))
+    with pytest.raises(KeyError):
+        proxy["x"]  # remote: needs await proxy.get
+    assert torch.equal(await proxy.get("x"), (await mb.materialize(["x"]))["x"])
+    td = await proxy.materialize(["x", "y", "adv"])
+    assert td["y"].sum() == 0 and td["adv"].sum() == 8
+    with pytest.raises(SchemaError):
+        proxy["bad"] = torch.ones(3)
+    await proxy.commit(["adv"])
+    again = await q.get("u", ["adv"], 4, partition="p", timeout=5)
+    assert (await again.materialize())["adv"].sum() == 8
+    assert (await q.get("v", ["y"], 4, partition="p")).rows  # remote y untouched
+    assert (await (await q.get("w", ["y"], 4, partition="p")).materialize())["y"].sum() == 4
+
+
+async def test_unencodable_object_is_refused_and_queue_stays_consistent(make_queue, transport):
+    from streamrl.errors import EncodeError
+
+    q = make_queue()
+    if transport == "embedded":
+        pytest.skip("the embedded transport stores objects as they are, without encoding")
+    with pytest.raises(EncodeError):
+        await q.put({"f": [lambda: 1, lambda: 2]}, partition="p")
+    st = await q.stats()
+    assert st.rows == 0 and st.bytes == 0 and sum(st.unit_rows) == 0
+    await q.put({"f": ["ok", "fine"]}, partition="p")
+    assert (await q.stats()).rows == 2

@@ -25,18 +25,22 @@ class LocalDataPlane(DataPlane):
         self.num_shards = len(self.units)
 
     async def put(self, parts: Sequence[tuple[int, Sequence[int], Mapping[str, Column]]]) -> None:
+        """Store columns on their units (no copy)."""
         for shard, rows, cols in parts:
             self.units[shard].put(rows, cols)
 
     async def get(self, parts: Sequence[tuple[int, Sequence[int], Sequence[str]]]
                   ) -> list[dict[str, list[Column]]]:
+        """Read pieces (views) from the units."""
         return [self.units[s].get(rows, fields) for s, rows, fields in parts]
 
     async def delete(self, parts: Mapping[int, Sequence[int]]) -> None:
+        """Forget rows on their units."""
         for shard, rows in parts.items():
             self.units[shard].delete(rows)
 
     async def unit_stats(self) -> list[tuple[int, int]]:
+        """(rows, bytes) held by each unit."""
         return [u.stats() for u in self.units]
 
 
@@ -51,10 +55,12 @@ class EmbeddedTransport(Transport):
 
     @property
     def control(self) -> ControllerService:
+        """The controller service itself."""
         return self._service
 
     @property
     def data(self) -> LocalDataPlane:
+        """The in-process storage units."""
         return self._data
 
     def release_nowait(self, lease_ids: Sequence[int]) -> None:

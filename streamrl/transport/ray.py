@@ -579,6 +579,7 @@ class RayTransport(Transport):
 
     @property
     def handle(self) -> tuple:
+        """What a pickled queue carries: the actor handles and the ownership mode."""
         return (self._controller, self._units, self._ownership)
 
     @classmethod
@@ -588,10 +589,12 @@ class RayTransport(Transport):
 
     @property
     def control(self) -> RayControl:
+        """The controller actor, as a control plane."""
         return self._control
 
     @property
     def data(self) -> RayDataPlane:
+        """The storage-unit actors, as a data plane."""
         return self._data
 
     def node_ids(self) -> list[str]:
@@ -599,9 +602,11 @@ class RayTransport(Transport):
         return ray.get([u.node_id.remote() for u in self._units])
 
     def release_nowait(self, lease_ids: Sequence[int]) -> None:
+        """Release leases without waiting (a fire-and-forget actor call)."""
         self._controller.release.remote(list(lease_ids))
 
     async def shutdown(self) -> None:
+        """Kill the actors, if this process created them (handles and connected queues leave them running)."""
         if not self._owner:
             return
         self._owner = False
