@@ -174,18 +174,13 @@ class ControllerService:
             await self._after()
             return tok
         deadline = None if timeout is None else ctl.clock() + timeout
-        # version pacing: wait while this producer is too far ahead of the trainer
-        while ctl.admission(n, nbytes, version) == "ahead":
-            ev = anyio.Event()
-            self._pace_waiters.add(ev)
-            try:
-                if not await self._wait(ev, deadline) and _past(ctl, deadline):
-                    raise StreamTimeout(
-                        f"put waited {timeout}s for the trainer to reach version "
-                        f"{version - (ctl.max_lead or 0)} (now {ctl.version}); call set_version as "
-                        "training advances, or raise max_lead")
-            finally:
-                self._pace_waiters.discard(ev)
+        if ctl.admission(n, nbytes, version) == "ahead":
+            # version pacing: wait until this producer is no longer too far ahead
+            await self._until_version(
+                version - ctl.max_lead, deadline,
+                f"put waited {timeout}s for the trainer to reach version "
+                f"{version - ctl.max_lead}; call set_version as training advances, or raise "
+                "max_lead")
         # capacity: first come, first served
         me = object()
         self._space_q[me] = anyio.Event()
@@ -208,8 +203,15 @@ class ControllerService:
 
     async def wait_version(self, version: int, timeout: float | None = None) -> int:
         """Wait until the current policy version is at least ``version``; returns it."""
+        deadline = None if timeout is None else self.ctl.clock() + timeout
+        await self._until_version(version, deadline,
+                                  f"waited {timeout}s for policy version {version}; the trainer "
+                                  "calls set_version as it advances")
+        return self.ctl.version
+
+    async def _until_version(self, version: int, deadline: float | None, timeout_msg: str) -> None:
+        """Wait (woken by set_version and close) until the version reaches ``version``."""
         ctl = self.ctl
-        deadline = None if timeout is None else ctl.clock() + timeout
         while ctl.version < version:
             if ctl.closed:
                 raise QueueClosed(f"the queue closed while waiting for version {version}")
@@ -217,12 +219,9 @@ class ControllerService:
             self._pace_waiters.add(ev)
             try:
                 if not await self._wait(ev, deadline) and _past(ctl, deadline):
-                    raise StreamTimeout(
-                        f"waited {timeout}s for policy version {version} (now {ctl.version}); "
-                        "the trainer calls set_version as it advances")
+                    raise StreamTimeout(f"{timeout_msg} (version now {ctl.version})")
             finally:
                 self._pace_waiters.discard(ev)
-        return ctl.version
 
     async def begin_write(self, rows: Sequence[int], fields: Sequence[str], *,
                           overwrite: bool = False) -> WriteToken:

@@ -17,27 +17,14 @@ import streamrl
 from streamrl.errors import RowsLost, TransportError
 
 ray = pytest.importorskip("ray")
-pytestmark = [pytest.mark.ray, pytest.mark.timeout(120)]
+# the shared make_queue fixture, on the Ray transport only
+pytestmark = [pytest.mark.ray, pytest.mark.timeout(120),
+              pytest.mark.parametrize("transport", ["ray"], indirect=True)]
 
 
 @pytest.fixture
-async def rq(ray_session):
-    made = []
-
-    def make(**kw):
-        kw.setdefault("capacity", 4096)
-        kw.setdefault("num_shards", 2)
-        q = streamrl.StreamQueue(transport="ray", **kw)
-        made.append(q)
-        return q
-
-    yield make
-    for q in made:
-        try:
-            await q.close()
-        except Exception:
-            pass
-        await q.shutdown()
+def rq(make_queue):
+    return make_queue
 
 
 @ray.remote(num_cpus=0)
@@ -215,7 +202,7 @@ MULTINODE = textwrap.dedent("""
 
 
 @pytest.mark.slow
-def test_multinode_cluster_moves_data_between_nodes(tmp_path):
+def test_multinode_cluster_moves_data_between_nodes(tmp_path, transport):
     """Three Ray nodes on this machine (ray.cluster_utils): units on different nodes, a
     consumer on a third reads rows from all of them. Runs in its own process because a
     process can join only one Ray cluster."""
