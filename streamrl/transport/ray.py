@@ -11,15 +11,17 @@ Layout:
   go client -> storage unit on ``put`` and storage unit -> client on ``materialize``,
   never through the controller.
 
-Data path (chosen by measurement, see ``docs/benchmarks.md``): columns are encoded by
-:mod:`streamrl.codec` into frames; tensor frames travel as numpy ``uint8`` views, which
-Ray writes into its shared-memory object store without pickling (one copy) and hands to
-the storage unit as zero-copy views that the unit keeps; nothing is copied there. A read
-returns views of the kept frames, which Ray copies once into a new object that the reader
-maps without copying. So: one copy per direction on one node, and Ray's socket transfer
-between nodes. (Ray's default torch path pickles tensors byte by byte, at a tenth of the
-speed.) Each micro-batch costs one call per storage unit holding its rows, issued
-concurrently.
+Data path (chosen by measurement, see ``docs/benchmarks.md``): tensors travel as raw
+bytes (:class:`~streamrl.wire.WireTensor`: dtype name, shape, a numpy ``uint8`` view),
+which Ray writes into its shared-memory object store without pickling. With the default
+``ownership="unit"``, a storage unit copies tensors of at least ``BY_REFERENCE_MIN``
+bytes into objects it owns, so rows outlive their producer; with
+``ownership="producer"`` the producer's process owns them (one copy less, but they die
+with it). Either way a read returns object references, which a reader on the same node
+maps without copying (another node gets them by Ray's object transfer). Python objects
+travel inline as codec bytes. (Ray's default torch path pickles tensors byte by byte,
+at a tenth of the speed.) Each micro-batch costs one call per storage unit holding its
+rows, issued concurrently.
 
 Failures: a storage unit that dies loses its rows: reads of them raise
 :class:`~streamrl.errors.RowsLost` naming the rows and the unit, the controller drops them
