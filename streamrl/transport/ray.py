@@ -43,6 +43,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+import anyio
 import ray
 
 from ..controller import Controller, DropReason, FilterSpec
@@ -257,7 +258,9 @@ class RayDataPlane(DataPlane):
 
     async def _fetch(self, refs: list, rows: Sequence[int]) -> dict:
         try:
-            vals = await asyncio.gather(*refs)
+            # one batched ray.get (on a worker thread, so the loop keeps running) is ~10x
+            # faster than awaiting many references one by one
+            vals = await anyio.to_thread.run_sync(ray.get, refs)
         except (ray.exceptions.ObjectLostError, ray.exceptions.RayActorError) as e:
             # the unit answered, so the process that owned the objects is gone: with
             # ownership="producer", the producer of these rows
