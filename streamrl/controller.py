@@ -834,27 +834,23 @@ class Controller:
             return rows
         return self._lease(sub, req, rows)
 
+    def _owed(self, sub: _Sub) -> int | None:
+        """Rows the task still owes in the subscription's scope once no new rows can come
+        (its partition, or the whole queue, is sealed); ``None`` while more may come."""
+        if sub.partition is None:
+            return self._remaining_all(sub.task) if self.sealed_all else None
+        if sub.partition in self.retired:
+            return 0
+        p = self.parts.get(sub.partition)
+        return p.remaining(sub.task) if p is not None and p.sealed else None
+
     def _tail(self, sub: _Sub) -> bool:
         """True when every row the task still owes is deliverable now (nothing to wait
         for), so a short final batch may go out."""
-        if self.closed:
-            return True
-        if sub.partition is None:
-            return self.sealed_all and self._remaining_all(sub.task) == len(sub.avail)
-        if sub.partition in self.retired:
-            return True
-        p = self.parts.get(sub.partition)
-        return p is not None and p.sealed and p.remaining(sub.task) == len(sub.avail)
+        return self.closed or self._owed(sub) == len(sub.avail)
 
     def _ended(self, sub: _Sub) -> bool:
-        if self.closed and not sub.avail:
-            return True
-        if sub.partition is None:
-            return self.sealed_all and self._remaining_all(sub.task) == 0
-        if sub.partition in self.retired:
-            return True
-        p = self.parts.get(sub.partition)
-        return p is not None and p.sealed and p.remaining(sub.task) == 0
+        return (self.closed and not sub.avail) or self._owed(sub) == 0
 
     def _select(self, sub: _Sub, req: Request, size: int) -> list[int] | _End | None:
         """Pick (without leasing) up to ``size`` rows, or None/END."""
