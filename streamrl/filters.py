@@ -109,9 +109,7 @@ class max_length(Filter):
         return torch.tensor([len(x) for x in col])
 
     def __call__(self, td: TensorDictBase) -> torch.Tensor:
-        col = td.get(self.field)
-        if not isinstance(col, torch.Tensor):
-            col = list(col.tolist()) if hasattr(col, "tolist") else list(col)
+        col = _column(td, self.field)
         return self.lengths(col) <= self.limit
 
 
@@ -148,7 +146,13 @@ class predicate(Filter):
         self.name = name or f"predicate:{field}"
 
     def __call__(self, td: TensorDictBase) -> Any:
-        col = td.get(self.field)
-        if not isinstance(col, torch.Tensor):
-            col = list(col.tolist()) if hasattr(col, "tolist") else list(col)
+        col = _column(td, self.field)
         return self.fn(col)
+
+
+def _column(td: TensorDictBase, field: str) -> Any:
+    """A field of the TensorDict a filter gets: the tensor, or a list of Python objects."""
+    col = td.get(field)
+    if isinstance(col, torch.Tensor):
+        return col
+    return list(col.tolist()) if hasattr(col, "tolist") else list(col)
