@@ -21,9 +21,12 @@ __all__ = ["WireTensor"]
 
 class WireTensor:
     """Rows of one tensor as raw bytes: ``dtype`` name, ``shape`` (rows first),
-    ``itemsize``, and the bytes: either ``buf``, a flat C-contiguous ``uint8`` array of
-    ``numel * itemsize`` bytes, or ``ref``, an opaque handle (a Ray object reference) of
-    such an array with the rows starting ``offset`` bytes in. Slicing rows never copies."""
+    ``itemsize``, and the bytes: either inline, ``buf`` a flat C-contiguous ``uint8`` array
+    of ``numel * itemsize`` bytes, or by reference, ``ref`` an opaque handle (a Ray object
+    reference) of a flat ``uint8`` array with the rows starting ``offset`` bytes in. A
+    reference may come with a local copy of that whole array (``buf``, see
+    :meth:`pinned`), which is what a storage unit keeps so the rows outlive the
+    reference's owner. Slicing rows never copies."""
 
     __slots__ = ("dtype", "itemsize", "shape", "buf", "ref", "offset")
 
@@ -63,6 +66,27 @@ class WireTensor:
         """The same rows, with the bytes held as ``ref`` (whose array holds ``buf``)."""
         return WireTensor(self.dtype, self.itemsize, self.shape, None, ref, 0)
 
+    def pinned(self, array: np.ndarray) -> "WireTensor":
+        """The same reference, plus ``array``: a local view of the whole referenced array
+        (what keeps the bytes readable here if the reference's owner dies)."""
+        return WireTensor(self.dtype, self.itemsize, self.shape, array, self.ref, self.offset)
+
+    def stripped(self) -> "WireTensor":
+        """The reference alone (what readers are sent; they map the object themselves)."""
+        if self.ref is None or self.buf is None:
+            return self
+        return WireTensor(self.dtype, self.itemsize, self.shape, None, self.ref, self.offset)
+
+    def inlined(self) -> "WireTensor | None":
+        """The rows' bytes inline (a view of the local copy), or ``None`` when only the
+        reference is held here."""
+        if self.ref is None:
+            return self
+        if self.buf is None:
+            return None
+        return WireTensor(self.dtype, self.itemsize, self.shape,
+                          self.buf[self.offset:self.offset + self.nbytes])
+
     def unsqueeze(self, dim: int) -> "WireTensor":
         """Add a leading row dimension (``dim`` must be 0)."""
         if dim != 0:
@@ -80,7 +104,7 @@ class WireTensor:
         row = self.itemsize * math.prod(self.shape[1:])
         shape = (stop - start,) + self.shape[1:]
         if self.ref is not None:
-            return WireTensor(self.dtype, self.itemsize, shape, None, self.ref,
+            return WireTensor(self.dtype, self.itemsize, shape, self.buf, self.ref,
                               self.offset + start * row)
         return WireTensor(self.dtype, self.itemsize, shape, self.buf[start * row:stop * row])
 
@@ -88,5 +112,5 @@ class WireTensor:
         """The bytes as a flat ``uint8`` array; ``arrays`` maps refs to their arrays."""
         if self.ref is None:
             return self.buf
-        arr = arrays[self.ref]
+        arr = arrays[self.ref] if self.buf is None else arrays.get(self.ref, self.buf)
         return arr[self.offset:self.offset + self.nbytes]

@@ -252,3 +252,31 @@ async def test_ownership_unit_outlives_producer_and_producer_mode_does_not(rq):
                     st = await q.stats()
     with pytest.raises(streamrl.errors.InvalidArgument):
         rq(ownership="nobody")
+
+
+async def test_reads_fall_back_to_the_bytes_the_unit_kept(rq, monkeypatch):
+    """When the object behind a row cannot be fetched (its owner died and no copy is
+    mapped on this node), a reader gets the bytes the unit kept with
+    ownership="unit", and RowsLost (rows dropped as lost) with ownership="producer"."""
+    from streamrl.transport import ray as ray_transport
+
+    async def owner_gone(self, refs):
+        return None  # what _fetch answers when ray.get raises OwnerDiedError
+
+    monkeypatch.setattr(ray_transport.RayDataPlane, "_fetch", owner_gone)
+    x = torch.randn(8, 4096)  # 16 KiB rows, 128 KiB put: by reference
+    for ownership in ("unit", "producer"):
+        q = rq(ownership=ownership)
+        await q.put({"x": x, "i": torch.arange(8)}, partition="p")
+        mb = await q.get("t", ["x", "i"], 8, partition="p", timeout=30)
+        view = pickle.loads(pickle.dumps(mb))  # nothing cached: reads the queue
+        if ownership == "unit":
+            td = await view.materialize()
+            assert torch.equal(td["x"], x) and td["i"].tolist() == list(range(8))
+            continue
+        with pytest.raises(RowsLost) as e:
+            await view.materialize()
+        assert sorted(e.value.rows) == sorted(mb.rows)
+        with anyio.fail_after(30):
+            while (await q.stats()).dropped_by.get("lost") != 8:
+                await anyio.sleep(0.05)

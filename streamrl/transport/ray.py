@@ -12,16 +12,20 @@ Layout:
   never through the controller.
 
 Data path (chosen by measurement, see ``docs/benchmarks.md``): tensors travel as raw
-bytes (:class:`~streamrl.wire.WireTensor`: dtype name, shape, a numpy ``uint8`` view),
-which Ray writes into its shared-memory object store without pickling. With the default
-``ownership="unit"``, a storage unit copies tensors of at least ``BY_REFERENCE_MIN``
-bytes into objects it owns, so rows outlive their producer; with
-``ownership="producer"`` the producer's process owns them (one copy less, but they die
-with it). Either way a read returns object references, which a reader on the same node
-maps without copying (another node gets them by Ray's object transfer). Python objects
-travel inline as codec bytes. (Ray's default torch path pickles tensors byte by byte,
-at a tenth of the speed.) Each micro-batch costs one call per storage unit holding its
-rows, issued concurrently.
+bytes (:class:`~streamrl.wire.WireTensor`: dtype name, shape, a numpy ``uint8`` view).
+The producer writes each tensor of at least ``BY_REFERENCE_MIN`` bytes into Ray's
+shared-memory object store once (``ray.put`` of the numpy view: one copy, no pickling)
+and sends the storage unit the object reference. With the default ``ownership="unit"``
+the reference is also passed as a top-level argument, so Ray maps the object into the
+unit's process and the unit keeps that view: the bytes stay in the object store while
+the unit holds the rows, even if the producer (the object's owner) dies. Reads return
+the references, which a reader on the same node maps without copying (another node gets
+them by Ray's object transfer); if the owner is gone and the object cannot be fetched,
+the reader asks the unit for the bytes it kept (one copy). With
+``ownership="producer"`` the unit keeps only the reference, and the rows die with their
+producer. Small tensors and Python objects (codec bytes) travel inline. (Ray's default
+torch path pickles tensors byte by byte, at a tenth of the speed.) Each micro-batch
+costs one call per storage unit holding its rows, issued concurrently.
 
 Failures: a storage unit that dies loses its rows: reads of them raise
 :class:`~streamrl.errors.RowsLost` naming the rows and the unit, the controller drops them
@@ -64,11 +68,11 @@ log = logging.getLogger("streamrl")
 # from torch happens in the client, which has torch anyway.
 
 
-def _to_wire(cols: Mapping[str, Column], by_reference: bool = False) -> dict[str, Any]:
+def _to_wire(cols: Mapping[str, Column]) -> dict[str, Any]:
     """Client side: tensors -> WireTensor (a view of their bytes, no copy when
     contiguous); per-row tensors of a list -> WireTensor each; other objects -> bytes.
-    With ``by_reference``, big tensors are put in the object store here (owned by this
-    process) and only their references travel."""
+    Big tensors are put in the object store here (owned by this process: the one copy
+    of a put) and only their references travel."""
     import torch
 
     from .. import codec
@@ -76,7 +80,7 @@ def _to_wire(cols: Mapping[str, Column], by_reference: bool = False) -> dict[str
     def wt(t):
         dtype, shape, buf = codec.tensor_to_raw(t)
         w = WireTensor(dtype, t.element_size(), shape, buf)
-        if by_reference and buf.nbytes >= BY_REFERENCE_MIN:
+        if buf.nbytes >= BY_REFERENCE_MIN:
             w = w.by_reference(ray.put(buf))
         return w
 
@@ -91,15 +95,28 @@ def _to_wire(cols: Mapping[str, Column], by_reference: bool = False) -> dict[str
     return out
 
 
-def _refs_in(pieces: Mapping[str, list]) -> list:
-    """Object references the pieces of a storage read point at."""
+def _refs_in(pieces: Mapping[str, Any]) -> list:
+    """Object references the columns of a put, or the pieces of a read, point at (each
+    once, in a fixed order)."""
     refs = {}
-    for plist in pieces.values():
-        for p in plist:
+    for col in pieces.values():
+        for p in (col if isinstance(col, list) else (col,)):
             for x in (p if isinstance(p, list) else (p,)):
                 if isinstance(x, WireTensor) and x.ref is not None:
                     refs[x.ref] = None
     return list(refs)
+
+
+def _put_refs(parts: Sequence[tuple[list, dict]]) -> list:
+    """Object references of the columns of ``(rows, columns)`` parts."""
+    return list({r: None for _, cols in parts for r in _refs_in(cols)})
+
+
+def _map_pieces(pieces: dict[str, list], fn: Callable) -> dict[str, list]:
+    """Apply ``fn`` to every WireTensor of read pieces."""
+    return {f: [fn(p) if isinstance(p, WireTensor) else
+                [fn(x) if isinstance(x, WireTensor) else x for x in p] for p in plist]
+            for f, plist in pieces.items()}
 
 
 def _from_wire(pieces: Mapping[str, list], arrays: dict) -> dict[str, list[Column]]:
@@ -150,28 +167,42 @@ class _StorageActorImpl:
         self.unit = StorageUnit(index)
         self.lock = threading.Lock()
 
-    def put(self, parts: list) -> None:
-        # Big tensors become objects this unit owns (one copy, here, so the data
-        # outlives its producer); reads then hand out references instead of bytes.
-        owned = []
-        for rows, cols in parts:
-            cols = {f: self._own(c) if isinstance(c, WireTensor) else
-                    [self._own(x) if isinstance(x, WireTensor) else x for x in c]
-                    for f, c in cols.items()}
-            owned.append((rows, cols))
+    def put(self, parts: list, *pinned) -> None:
+        """Store ``(rows, columns)`` parts. ``pinned``: the arrays of the parts' object
+        references (in :func:`_put_refs` order), which Ray mapped into this process
+        (no copy on a node): kept with the rows so their bytes outlive the producer."""
+        if pinned:
+            arrays = dict(zip(_put_refs(parts), pinned))
+
+            def pin(t):
+                return t.pinned(arrays[t.ref]) if t.ref in arrays else t
+
+            parts = [(rows, {f: pin(c) if isinstance(c, WireTensor) else
+                             [pin(x) if isinstance(x, WireTensor) else x for x in c]
+                             for f, c in cols.items()}) for rows, cols in parts]
         with self.lock:
-            for rows, cols in owned:
+            for rows, cols in parts:
                 self.unit.put(rows, cols)
 
-    @staticmethod
-    def _own(t: WireTensor) -> WireTensor:
-        if t.buf is None or t.buf.nbytes < BY_REFERENCE_MIN:
-            return t
-        return t.by_reference(ray.put(t.buf))
-
-    def get(self, rows: list[int], fields: list[str]) -> dict:
+    def get(self, rows: list[int], fields: list[str], inline: bool = False) -> dict:
+        """Pieces of ``fields`` of ``rows``: big tensors as object references, or with
+        ``inline`` (the reader could not fetch those objects: their owner died) as the
+        bytes this unit kept. Raises ``RowsLost`` when it kept none (``ownership="producer"``)."""
         with self.lock:
-            return self.unit.get(rows, fields)
+            pieces = self.unit.get(rows, fields)
+        if not inline:
+            return _map_pieces(pieces, WireTensor.stripped)
+
+        def inl(t):
+            out = t.inlined()
+            if out is None:
+                raise RowsLost(
+                    f"the data of rows {rows_preview(rows)} is gone: the process that owned it "
+                    "died (with ownership='producer', their producer). Drop these rows and "
+                    "move on; use ownership='unit' for data that must outlive its producer",
+                    rows)
+            return out
+        return _map_pieces(pieces, inl)
 
     def delete(self, rows: list[int]) -> tuple[int, int]:
         with self.lock:
@@ -235,10 +266,13 @@ class RayDataPlane(DataPlane):
     async def put(self, parts: Sequence[tuple[int, Sequence[int], Mapping[str, Column]]]) -> None:
         by_shard: dict[int, list] = {}
         for shard, rows, cols in parts:
-            by_shard.setdefault(shard, []).append(
-                (list(rows), _to_wire(cols, by_reference=self.ownership == "producer")))
+            by_shard.setdefault(shard, []).append((list(rows), _to_wire(cols)))
+        # ownership="unit": the references also go as top-level arguments, so Ray maps
+        # the objects into the unit (which keeps them: rows outlive this process)
+        pin = self.ownership == "unit"
         await asyncio.gather(*[
-            self._call(s, self.units[s].put.remote(p), [r for rows, _ in p for r in rows])
+            self._call(s, self.units[s].put.remote(p, *(_put_refs(p) if pin else ())),
+                       [r for rows, _ in p for r in rows])
             for s, p in by_shard.items()])
 
     async def get(self, parts: Sequence[tuple[int, Sequence[int], Sequence[str]]]
@@ -248,29 +282,33 @@ class RayDataPlane(DataPlane):
             for s, rows, fields in parts])
         # fetch the referenced objects (mapped in place on this node, copied once
         # from another node), all at once
-        refs_by_part = [_refs_in(o) for o in outs]
         arrays: dict = {}
-        got = await asyncio.gather(*[self._fetch(refs, rows)
-                                     for (_, rows, _), refs in zip(parts, refs_by_part) if refs])
-        for d in got:
-            arrays.update(d)
+        fetches = [(i, refs) for i, refs in enumerate(_refs_in(o) for o in outs) if refs]
+        got = await asyncio.gather(*[self._fetch(refs) for _, refs in fetches])
+        for (i, _), d in zip(fetches, got):
+            if d is not None:
+                arrays.update(d)
+                continue
+            # the objects' owner (the producer) is gone: read the bytes the unit kept
+            s, rows, fields = parts[i]
+            try:
+                outs[i] = await self._call(
+                    s, self.units[s].get.remote(list(rows), list(fields), True), rows)
+            except RowsLost as e:
+                if e.unit is None and self.on_rows_lost is not None:
+                    self.on_rows_lost(list(rows))
+                raise
         return [_from_wire(o, arrays) for o in outs]
 
-    async def _fetch(self, refs: list, rows: Sequence[int]) -> dict:
+    async def _fetch(self, refs: list) -> dict | None:
+        """The arrays of ``refs`` (mapped in place on this node), or ``None`` when their
+        owner died."""
         try:
             # one batched ray.get (on a worker thread, so the loop keeps running) is ~10x
             # faster than awaiting many references one by one
             vals = await anyio.to_thread.run_sync(ray.get, refs)
-        except (ray.exceptions.ObjectLostError, ray.exceptions.RayActorError) as e:
-            # the unit answered, so the process that owned the objects is gone: with
-            # ownership="producer", the producer of these rows
-            if self.on_rows_lost is not None:
-                self.on_rows_lost(list(rows))
-            raise RowsLost(
-                f"the data of rows {rows_preview(rows)} is gone ({type(e).__name__}): the "
-                "process that owned it died (with ownership='producer', their producer). "
-                "Drop these rows and move on; use ownership='unit' for data that must "
-                "outlive its producer", rows) from None
+        except (ray.exceptions.ObjectLostError, ray.exceptions.RayActorError):
+            return None
         return dict(zip(refs, vals))
 
     async def delete(self, parts: Mapping[int, Sequence[int]]) -> None:
