@@ -95,6 +95,10 @@ def _to_wire(cols: Mapping[str, Column]) -> dict[str, Any]:
     return out
 
 
+class _Wired(dict):
+    """Columns already in wire form (see :meth:`RayDataPlane.prepare`)."""
+
+
 def _refs_in(pieces: Mapping[str, Any]) -> list:
     """Object references the columns of a put, or the pieces of a read, point at (each
     once, in a fixed order)."""
@@ -140,6 +144,11 @@ def _from_wire(pieces: Mapping[str, list], arrays: dict) -> dict[str, list[Colum
 #: Ray object it owns: reads hand out the reference, and a reader on the same node maps
 #: the bytes without a copy. Smaller data travels inline.
 BY_REFERENCE_MIN = 64 * 1024
+
+
+#: Up to this many objects a read awaits them directly (measured: ~0.6 ms for one or two,
+#: against ~1.3 ms for a hop to a worker thread); more go to one batched ``ray.get``.
+_AWAIT_MAX = 4
 
 
 def _unwrap(e: BaseException, what: str) -> BaseException:
@@ -263,10 +272,15 @@ class RayDataPlane(DataPlane):
         except ray.exceptions.RayTaskError as e:
             raise _unwrap(e, "storage unit") from None
 
+    def prepare(self, columns: Mapping[str, Column]) -> "_Wired":
+        """The columns in wire form: big tensors written into the object store now."""
+        return _Wired(_to_wire(columns))
+
     async def put(self, parts: Sequence[tuple[int, Sequence[int], Mapping[str, Column]]]) -> None:
         by_shard: dict[int, list] = {}
         for shard, rows, cols in parts:
-            by_shard.setdefault(shard, []).append((list(rows), _to_wire(cols)))
+            by_shard.setdefault(shard, []).append(
+                (list(rows), dict(cols) if isinstance(cols, _Wired) else _to_wire(cols)))
         # ownership="unit": the references also go as top-level arguments, so Ray maps
         # the objects into the unit (which keeps them: rows outlive this process)
         pin = self.ownership == "unit"
@@ -304,9 +318,12 @@ class RayDataPlane(DataPlane):
         """The arrays of ``refs`` (mapped in place on this node), or ``None`` when their
         owner died."""
         try:
-            # one batched ray.get (on a worker thread, so the loop keeps running) is ~10x
-            # faster than awaiting many references one by one
-            vals = await anyio.to_thread.run_sync(ray.get, refs)
+            if len(refs) <= _AWAIT_MAX:
+                vals = await asyncio.gather(*refs)
+            else:
+                # one batched ray.get (on a worker thread, so the loop keeps running) is
+                # ~10x faster than awaiting many references one by one
+                vals = await anyio.to_thread.run_sync(ray.get, refs)
         except (ray.exceptions.ObjectLostError, ray.exceptions.RayActorError):
             return None
         return dict(zip(refs, vals))
