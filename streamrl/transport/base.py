@@ -26,6 +26,8 @@ class DataPlane(abc.ABC):
     micro-batch spread over shards costs one call per shard, issued concurrently."""
 
     num_shards: int
+    #: whether :meth:`prepare` does anything (the client skips it, and its thread, if not)
+    prepares: bool = False
 
     @abc.abstractmethod
     async def put(self, parts: Sequence[tuple[int, Sequence[int], Mapping[str, Column]]]) -> None:

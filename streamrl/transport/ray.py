@@ -116,11 +116,17 @@ def _put_refs(parts: Sequence[tuple[list, dict]]) -> list:
     return list({r: None for _, cols in parts for r in _refs_in(cols)})
 
 
+def _map_col(col: Any, fn: Callable) -> Any:
+    """Apply ``fn`` to a column in wire form (a WireTensor, or a list of per-row
+    WireTensors and encoded objects), or to one piece of a read."""
+    if isinstance(col, WireTensor):
+        return fn(col)
+    return [fn(x) if isinstance(x, WireTensor) else x for x in col]
+
+
 def _map_pieces(pieces: dict[str, list], fn: Callable) -> dict[str, list]:
     """Apply ``fn`` to every WireTensor of read pieces."""
-    return {f: [fn(p) if isinstance(p, WireTensor) else
-                [fn(x) if isinstance(x, WireTensor) else x for x in p] for p in plist]
-            for f, plist in pieces.items()}
+    return {f: [_map_col(p, fn) for p in plist] for f, plist in pieces.items()}
 
 
 def _from_wire(pieces: Mapping[str, list], arrays: dict) -> dict[str, list[Column]]:
@@ -186,9 +192,8 @@ class _StorageActorImpl:
             def pin(t):
                 return t.pinned(arrays[t.ref]) if t.ref in arrays else t
 
-            parts = [(rows, {f: pin(c) if isinstance(c, WireTensor) else
-                             [pin(x) if isinstance(x, WireTensor) else x for x in c]
-                             for f, c in cols.items()}) for rows, cols in parts]
+            parts = [(rows, {f: _map_col(c, pin) for f, c in cols.items()})
+                     for rows, cols in parts]
         with self.lock:
             for rows, cols in parts:
                 self.unit.put(rows, cols)
@@ -271,6 +276,8 @@ class RayDataPlane(DataPlane):
                 "drop these rows (or clear their partition) and move on", rows, shard) from None
         except ray.exceptions.RayTaskError as e:
             raise _unwrap(e, "storage unit") from None
+
+    prepares = True
 
     def prepare(self, columns: Mapping[str, Column]) -> "_Wired":
         """The columns in wire form: big tensors written into the object store now."""
