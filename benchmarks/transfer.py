@@ -25,7 +25,8 @@ Systems:
 Time = from the producer starting its put to the consumer holding the data, measured by
 the driver around both calls. GB/s = payload bytes / median time.
 
-Also: write-to-consumer wake-up latency on Ray (a consumer blocked in ``get`` resumes
+Also: case (c) read from a consumer on a second Ray node (``ray.cluster_utils``, loopback),
+where reads move bytes; write-to-consumer wake-up latency on Ray (a consumer blocked in ``get`` resumes
 after a producer's one-row put), and peak memory while 4 GiB stream through a queue
 with ``capacity_bytes`` = 256 MiB.
 """
@@ -153,6 +154,68 @@ def worker_streamrl(reps: int, ownership: str = "unit") -> dict:
     asyncio.run(q.shutdown())
     ray.shutdown()
     return out
+
+
+def worker_xnode(reps: int) -> dict:
+    """Case (c) with the consumer on another Ray node (two nodes on this machine, joined
+    over loopback by ``ray.cluster_utils``): reads move bytes between object stores, so
+    field selection shows in the read time."""
+    import asyncio
+
+    import ray
+    from ray.cluster_utils import Cluster
+
+    lo = "127.0.0.1"
+    cluster = Cluster(initialize_head=True, head_node_args={
+        "num_cpus": 1, "resources": {"nodeA": 1}, "node_ip_address": lo,
+        "include_dashboard": False, "object_store_memory": GiB})
+    try:
+        cluster.add_node(num_cpus=1, resources={"nodeB": 1}, node_ip_address=lo,
+                         object_store_memory=GiB)
+        ray.init(address=cluster.address, log_to_driver=False, _node_ip_address=lo)
+        cluster.wait_for_nodes()
+        import torch
+
+        import streamrl
+
+        @ray.remote(num_cpus=0, resources={"nodeA": 0.01})
+        class Producer:
+            def __init__(self, case):
+                torch.set_num_threads(1)
+                self.data = make_data(case)
+
+            async def put(self, q, part):
+                await q.put(self.data, partition=part)
+
+        @ray.remote(num_cpus=0, resources={"nodeB": 0.01})
+        class Consumer:
+            async def get(self, q, part, fields, n):
+                mb = await q.get("bench", fields, n, partition=part, timeout=120)
+                td = await mb.materialize(fields)
+                await mb.drop()
+                return sum(td[f].nbytes for f in fields)
+
+        case = CASES["c"]
+        q = streamrl.StreamQueue(transport="ray", capacity=8192, num_shards=2,
+                                 unit_options={"resources": {"nodeA": 0.01}})
+        prod, cons = Producer.remote(case), Consumer.remote()
+        out: dict = {"cases": {}}
+        for read in case["reads"]:
+            reads = []
+            for r in range(reps + 1):
+                part = f"x-{len(read)}-{r}"
+                ray.get(prod.put.remote(q, part))
+                t0 = time.perf_counter()
+                got = ray.get(cons.get.remote(q, part, read, case["rows"]))
+                if r:
+                    reads.append(time.perf_counter() - t0)
+                assert got == payload(case, read)
+            out["cases"][f"c:{len(read)}"] = {"read": med(reads)}
+        asyncio.run(q.shutdown())
+        return out
+    finally:
+        ray.shutdown()
+        cluster.shutdown()
 
 
 def worker_ray(reps: int, numpy: bool) -> dict:
@@ -421,6 +484,7 @@ def main() -> None:
               "ray-numpy": lambda: worker_ray(a.reps, numpy=True),
               "transferqueue": lambda: worker_tq(a.reps),
               "shm": lambda: worker_shm(a.reps),
+              "xnode": lambda: worker_xnode(a.reps),
               "memory": lambda: worker_memory(a.memory_gib, a.ownership)}[a.worker]
         print(json.dumps(fn()))
         return
@@ -431,6 +495,8 @@ def main() -> None:
     for s in a.systems.split(","):
         print(f"  running {s} ...", flush=True)
         res[s] = run_worker(s, reps, [])
+    print("  running xnode (consumer on a second node) ...", flush=True)
+    res["xnode"] = run_worker("xnode", reps, [])
     print("  running memory ...", flush=True)
     res["memory"] = run_worker("memory", reps, ["--memory-gib", str(mem_gib),
                                                 "--ownership", a.ownership])
@@ -477,6 +543,15 @@ def main() -> None:
               "(target <= 0.10)")
         print(f"wake-up (Ray, one-row put in one actor -> consumer resumes in another): "
               f"p50 {sr['wakeup_ms_p50']:.2f} ms, p90 {sr['wakeup_ms_p90']:.2f} ms")
+    x = res["xnode"]
+    if "cases" in x:
+        c = x["cases"]
+        print(f"\nstreamrl (c), consumer on another node (bytes move between object stores): "
+              f"read 1 / 2 / 32 fields {c['c:1']['read'] * 1e3:.0f} / {c['c:2']['read'] * 1e3:.0f} / "
+              f"{c['c:32']['read'] * 1e3:.0f} ms; 2 of 32 / 32 of 32 = "
+              f"{c['c:2']['read'] / c['c:32']['read']:.2f} (target <= 0.10)")
+    else:
+        print("cross-node run failed:", x.get("error", "")[-800:])
     m = res["memory"]
     if "streamed" in m:
         def grow(d, k):
