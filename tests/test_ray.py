@@ -280,3 +280,9 @@ async def test_reads_fall_back_to_the_bytes_the_unit_kept(rq, monkeypatch):
         with anyio.fail_after(30):
             while (await q.stats()).dropped_by.get("lost") != 8:
                 await anyio.sleep(0.05)
+
+
+async def test_controller_actor_runs_on_uvloop(rq):
+    pytest.importorskip("uvloop")
+    q = rq()
+    assert (await q._transport._controller.event_loop.remote()).startswith("uvloop")

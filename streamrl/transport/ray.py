@@ -477,6 +477,12 @@ class _ControllerActorImpl:
     async def ensure_tags(self, fields):
         return await self.svc.ensure_tags(fields)
 
+    async def event_loop(self) -> str:
+        """The class of the event loop this actor runs on (Ray uses uvloop's when it is
+        installed, unless ``RAY_USE_UVLOOP=0``)."""
+        loop = asyncio.get_running_loop()
+        return f"{type(loop).__module__}.{type(loop).__name__}"
+
     def ping(self) -> bool:
         return True
 
