@@ -211,7 +211,9 @@ class StreamQueue:
             alloc = ctl.allocate(part, n, names, nbytes=total, version=version,
                                  timeout=timeout, nowait=nowait)
             room_rows, room_bytes = self._room
-            if self._data.prepares and room_rows >= n and (room_bytes is None or room_bytes >= total):
+            early = self._data.prepare_min_bytes
+            if (early is not None and total >= early and room_rows >= n
+                    and (room_bytes is None or room_bytes >= total)):
                 # the queue had room for this put after our last one: prepare the data
                 # (on Ray: the copy into the object store) while admission is in flight.
                 # When it has no room, the copy waits for admission, so a waiting put holds

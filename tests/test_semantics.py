@@ -651,10 +651,10 @@ async def test_unencodable_object_is_refused_and_queue_stays_consistent(make_que
     assert st.rows == 0 and st.bytes == 0 and sum(st.unit_rows) == 0
     await q.put({"f": ["ok", "fine"]}, partition="p")
     assert (await q.stats()).rows == 2
-    # the queue had room after that put, so the next one encodes while it is admitted:
-    # the failure must still undo the admission
+    # the queue had room after that put, so the next big one encodes while it is
+    # admitted: the failure must still undo the admission
     with pytest.raises(EncodeError):
-        await q.put({"f": [lambda: 1, lambda: 2]}, partition="p")
+        await q.put({"f": [lambda: 1, lambda: 2], "x": torch.zeros(2, 16384)}, partition="p")
     st = await q.stats()
     assert st.rows == 2 and st.bytes == st.bytes_put - st.bytes_freed and sum(st.unit_rows) == 2
     assert st.bytes_in_flight == 0

@@ -26,8 +26,9 @@ class DataPlane(abc.ABC):
     micro-batch spread over shards costs one call per shard, issued concurrently."""
 
     num_shards: int
-    #: whether :meth:`prepare` does anything (the client skips it, and its thread, if not)
-    prepares: bool = False
+    #: puts of at least this many bytes are worth :meth:`prepare` (``None``: none are;
+    #: the client then skips it and its worker thread)
+    prepare_min_bytes: int | None = None
 
     @abc.abstractmethod
     async def put(self, parts: Sequence[tuple[int, Sequence[int], Mapping[str, Column]]]) -> None:

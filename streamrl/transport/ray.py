@@ -277,7 +277,7 @@ class RayDataPlane(DataPlane):
         except ray.exceptions.RayTaskError as e:
             raise _unwrap(e, "storage unit") from None
 
-    prepares = True
+    prepare_min_bytes = BY_REFERENCE_MIN  # smaller puts have nothing to copy early
 
     def prepare(self, columns: Mapping[str, Column]) -> "_Wired":
         """The columns in wire form: big tensors written into the object store now."""
