@@ -356,6 +356,28 @@ async def test_backpressure_bounds_rows_under_fast_producer(make_queue):
     assert st.put == total and st.rows == 0 and peak > cap // 2
 
 
+async def test_put_cancelled_while_waiting_for_room_admits_nothing(make_queue):
+    """A producer cancelled while its put waits for room leaves nothing behind: no rows
+    admitted later on its behalf, no capacity held."""
+    q = make_queue(capacity=4)
+    first = await q.put(rows_of(4), partition="p")
+    with anyio.move_on_after(0.5):
+        await q.put(rows_of(4, 4), partition="p")  # full: waits, then is cancelled
+    await q.drop(first)
+    with anyio.fail_after(30):
+        while True:  # the cancellation may take a moment to reach a remote controller
+            st = await q.stats()
+            if st.rows == 0 and st.waiting_puts == 0:
+                break
+            await anyio.sleep(0.05)
+    await anyio.sleep(0.3)  # a late admission would show up now
+    st = await q.stats()
+    assert st.rows == 0 and st.bytes == 0 and st.bytes_in_flight == 0
+    await q.put_nowait(rows_of(4, 8), partition="p")  # the whole capacity is free
+    await q.seal("p")
+    assert len(await q.get("t", ["idx"], 4, partition="p", timeout=10)) == 4
+
+
 async def test_capacity_bytes_bounds_admission(make_queue):
     q = make_queue(capacity=1000, capacity_bytes=4096)
     await q.put({"x": torch.zeros(4, 256)})  # 4 KiB: full

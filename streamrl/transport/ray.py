@@ -361,8 +361,8 @@ class _ControllerActorImpl:
         self.data.on_rows_lost = self._rows_lost
         self.units = units
         self.dead: set[int] = set()
-        self._inflight: dict[str, asyncio.Task] = {}
-        self._recent: OrderedDict[str, int] = OrderedDict()
+        self._inflight: dict[str, asyncio.Task] = {}  # calls a client may cancel
+        self._recent: OrderedDict[str, tuple] = OrderedDict()  # (undo, result) of done ones
 
     def _lost(self, shard: int) -> None:
         if shard in self.dead:
@@ -391,11 +391,42 @@ class _ControllerActorImpl:
     def handles(self) -> tuple[list, str]:
         return self.units, self.ownership
 
-    async def allocate(self, *a, **kw):
-        return await self.svc.allocate(*a, **kw)
+    async def _tracked(self, rid: str | None, coro, undo: Callable, key: Callable):
+        """Run a call a client may give up on (see :meth:`cancel`): while it runs it can
+        be cancelled; once done, ``undo(key(result))`` takes its effect back (``key``
+        keeps just the id needed, not the result)."""
+        if rid is None:
+            return await coro
+        self._inflight[rid] = asyncio.current_task()
+        try:
+            res = await coro
+        finally:
+            self._inflight.pop(rid, None)
+        self._recent[rid] = (undo, key(res))
+        while len(self._recent) > 4096:
+            self._recent.popitem(last=False)
+        return res
 
-    async def begin_write(self, *a, **kw):
-        return await self.svc.begin_write(*a, **kw)
+    async def cancel(self, rid: str) -> None:
+        """The client gave up on call ``rid`` (it was cancelled while waiting for the
+        answer): stop the call, or take back what it did (give a lease back, forget an
+        admitted write), so nothing is left behind for a caller that is gone."""
+        task = self._inflight.pop(rid, None)
+        if task is not None:
+            task.cancel()
+            return
+        done = self._recent.pop(rid, None)
+        if done is not None and done[1] is not None:
+            undo, ident = done
+            await undo(ident)
+
+    async def allocate(self, *a, rid: str | None = None, **kw):
+        return await self._tracked(rid, self.svc.allocate(*a, **kw), self.svc.abort,
+                                   lambda tok: tok.id)
+
+    async def begin_write(self, *a, rid: str | None = None, **kw):
+        return await self._tracked(rid, self.svc.begin_write(*a, **kw), self.svc.abort,
+                                   lambda tok: tok.id)
 
     async def commit(self, *a, **kw):
         return await self.svc.commit(*a, **kw)
@@ -403,26 +434,10 @@ class _ControllerActorImpl:
     async def abort(self, token):
         return await self.svc.abort(token)
 
-    async def take(self, req, timeout, rid: str):
-        self._inflight[rid] = asyncio.current_task()
-        try:
-            d = await self.svc.take(req, timeout)
-        finally:
-            self._inflight.pop(rid, None)
-        if d is not None:
-            self._recent[rid] = d.lease
-            while len(self._recent) > 4096:
-                self._recent.popitem(last=False)
-        return d
-
-    async def cancel_take(self, rid: str) -> None:
-        """The client gave up waiting: stop the take, or give back what it got."""
-        task = self._inflight.pop(rid, None)
-        if task is not None:
-            task.cancel()
-        lease = self._recent.pop(rid, None)
-        if lease:
-            await self.svc.release([lease])
+    async def take(self, req, timeout=None, rid: str | None = None):
+        return await self._tracked(rid, self.svc.take(req, timeout),
+                                   lambda lease: self.svc.release([lease]),
+                                   lambda d: None if d is None else d.lease)
 
     async def ack(self, lease_ids):
         return await self.svc.ack(lease_ids)
@@ -516,17 +531,28 @@ class RayControl:
         call.__name__ = method
         return call
 
-    async def take(self, req, timeout=None):
+    async def _cancellable(self, method: str, *args, **kwargs):
+        """A call whose effect must not outlive a caller that gives up: if this await is
+        cancelled, the controller stops the call or takes its effect back."""
         rid = uuid.uuid4().hex
-        ref = self.actor.take.remote(req, timeout, rid)
+        ref = getattr(self.actor, method).remote(*args, rid=rid, **kwargs)
         try:
             return await ref
         except asyncio.CancelledError:
-            self.actor.cancel_take.remote(rid)  # stop it, or give back what it got
+            self.actor.cancel.remote(rid)
             raise
         except (ray.exceptions.RayTaskError, ray.exceptions.RayActorError,
                 ray.exceptions.ObjectLostError) as e:
             raise _unwrap(e, "controller actor") from None
+
+    async def take(self, req, timeout=None):
+        return await self._cancellable("take", req, timeout)
+
+    async def allocate(self, *args, **kwargs):
+        return await self._cancellable("allocate", *args, **kwargs)
+
+    async def begin_write(self, *args, **kwargs):
+        return await self._cancellable("begin_write", *args, **kwargs)
 
     async def add_filter(self, fn, spec):
         return await self._call("add_filter", _pickle_by_value(fn), spec)
