@@ -218,7 +218,7 @@ class StreamQueue:
                 # (on Ray: the copy into the object store) while admission is in flight.
                 # When it has no room, the copy waits for admission, so a waiting put holds
                 # no extra copy.
-                tok, stored, err = await _concurrently(alloc, self._data.prepare, cols)
+                tok, stored, err = await _concurrently(alloc, ctl.abort, self._data.prepare, cols)
                 if err is not None:  # the data cannot be stored: forget the admission
                     with anyio.CancelScope(shield=True):
                         await ctl.abort(tok)
@@ -644,26 +644,34 @@ def _scatter(cols: list[Column], groups: list[np.ndarray], n: int) -> Column:
     return assemble([flat])
 
 
-async def _concurrently(coro, fn, *args):
+async def _concurrently(coro, undo, fn, *args):
     """Await ``coro`` while ``fn(*args)`` runs on a worker thread. Returns ``coro``'s
-    result and ``fn``'s result, or raises the first failure of the two (unwrapped)."""
-    out = err = None
+    result, ``fn``'s result and ``fn``'s exception (or ``None``); raises ``coro``'s
+    failure unwrapped. If this is cancelled once ``coro`` is done, ``undo(result)``
+    takes its effect back."""
+    out = err = first = None
+    done = False
 
     async def run():
         nonlocal out, err
         try:
             out = await anyio.to_thread.run_sync(fn, *args)
-        except Exception as e:  # noqa: BLE001 - re-raised below, after the admission
+        except Exception as e:  # noqa: BLE001 - handed to the caller
             err = e
 
-    async with anyio.create_task_group() as tg:
-        tg.start_soon(run)
-        try:
-            res = await coro
-        except Exception as e:  # noqa: BLE001 - re-raised unwrapped once the thread is done
-            first = e
-        else:
-            first = None
+    try:
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(run)
+            try:
+                res = await coro
+                done = True
+            except Exception as e:  # noqa: BLE001 - re-raised unwrapped once the thread is done
+                first = e
+    except BaseException:
+        if done:
+            with anyio.CancelScope(shield=True):
+                await undo(res)
+        raise
     if first is not None:
         raise first
     return res, out, err

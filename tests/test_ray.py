@@ -286,3 +286,24 @@ async def test_controller_actor_runs_on_uvloop(rq):
     pytest.importorskip("uvloop")
     q = rq()
     assert (await q._transport._controller.event_loop.remote()).startswith("uvloop")
+
+
+async def test_put_cancelled_while_its_data_is_being_copied_admits_nothing(rq, monkeypatch):
+    """A big put copies its data while its rows are being admitted; cancelled after the
+    admission, it takes the admission back."""
+    import time
+
+    q = rq()
+    await q.put({"x": torch.zeros(4, 16384)}, partition="p")  # room afterwards: next copies early
+    data = q._transport._data
+    orig = data.prepare
+
+    def slow_prepare(cols):
+        time.sleep(1.0)
+        return orig(cols)
+
+    monkeypatch.setattr(data, "prepare", slow_prepare)
+    with anyio.move_on_after(0.5):
+        await q.put({"x": torch.zeros(4, 16384)}, partition="p")
+    st = await q.stats()
+    assert st.rows == 4 and st.bytes_in_flight == 0 and st.put == 4
