@@ -595,12 +595,14 @@ class Controller:
         self._tokens[tok.id] = tok
         return tok
 
-    def abort(self, token: int | WriteToken) -> dict[int, list[int]]:
+    def abort(self, token: int | WriteToken) -> tuple[dict[int, list[int]], tuple[str, ...] | None]:
         """Forget a write that failed; new rows it admitted are dropped. Returns the rows
-        (per shard) whose storage may hold partial data of that write."""
+        (per shard) whose storage may hold partial data of that write, and what to delete
+        there: ``None`` for the whole rows (new rows), else the fields the write was
+        adding (existing rows keep the fields they had)."""
         tok = self._tokens.pop(token.id if isinstance(token, WriteToken) else token, None)
         if tok is None:
-            return {}
+            return {}, None
         self.reserved_bytes -= tok.reserved_bytes
         live = [self.rows[r] for r in tok.rows if r in self.rows]
         wmask = self._wmask(tok.fields)
@@ -612,7 +614,7 @@ class Controller:
         out: dict[int, list[int]] = {}
         for r, s in zip(tok.rows, tok.shards):
             out.setdefault(s, []).append(r)
-        return out
+        return out, (None if tok.new_rows else tok.fields)
 
     def commit(self, token: int | WriteToken, nbytes: dict[str, Sequence[int]],
                tags: dict[str, Sequence[Hashable]] | None = None) -> CommitResult:

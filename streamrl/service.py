@@ -245,9 +245,11 @@ class ControllerService:
 
     async def abort(self, token: WriteToken | int) -> None:
         """Forget a failed write and delete whatever it stored."""
-        parts = self.ctl.abort(token)
-        if parts:
+        parts, fields = self.ctl.abort(token)
+        if parts and fields is None:
             await self.data.delete(parts)
+        elif parts:  # a write of new fields to existing rows: their other fields stay
+            await self.data.delete_fields(parts, fields)
         await self._after()
 
     # ------------------------------------------------------------------ tags

@@ -219,6 +219,24 @@ class StorageUnit:
             del self.columns[f]
         return n, before - self.nbytes
 
+    def delete_fields(self, rows: Sequence[int], fields: Sequence[str]) -> int:
+        """Forget ``fields`` of ``rows`` (what a failed write stored); the rows and their
+        other fields stay. Returns bytes freed."""
+        before = self.nbytes
+        for f in fields:
+            store = self.columns.get(f)
+            if store is None:
+                continue
+            for r in rows:
+                e = store.pop(r, None)
+                if e is not None:
+                    self.nbytes -= self._entry_bytes(e)
+                    self._release(e)
+                    self.row_fields[r] -= 1
+            if not store:
+                del self.columns[f]
+        return before - self.nbytes
+
     def fields_of(self, rows: Sequence[int]) -> list[str]:
         """Fields held for every one of ``rows``."""
         return sorted(f for f, st in self.columns.items() if all(r in st for r in rows))

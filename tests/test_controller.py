@@ -270,3 +270,19 @@ def test_request_validation():
                 req(dp_remainder="x")):
         with pytest.raises(InvalidArgument):
             c.validate_request(bad)
+
+
+def test_storage_unit_delete_fields_keeps_rows_and_other_fields():
+    import torch
+
+    from streamrl.errors import UnknownField
+    from streamrl.storage import StorageUnit
+
+    u = StorageUnit(0)
+    u.put([1, 2], {"x": torch.zeros(2, 4), "y": torch.ones(2, 2)})
+    assert u.delete_fields([1, 2], ["y"]) == 2 * 2 * 4
+    assert u.stats() == (2, 2 * 4 * 4) and not u.segments.keys() - {1}
+    assert u.get([2], ["x"])["x"][0].shape == (1, 4)
+    with pytest.raises(UnknownField):
+        u.get([1], ["y"])
+    assert u.delete([1, 2]) == (2, 32) and u.stats() == (0, 0) and not u.segments

@@ -356,6 +356,24 @@ async def test_backpressure_bounds_rows_under_fast_producer(make_queue):
     assert st.put == total and st.rows == 0 and peak > cap // 2
 
 
+async def test_failed_write_of_new_fields_keeps_the_rows_other_fields(make_queue, transport):
+    from streamrl.errors import EncodeError
+
+    if transport == "embedded":
+        pytest.skip("the embedded transport stores objects as they are: such a write cannot fail")
+    q = make_queue()
+    rows = await q.put(rows_of(4), partition="p")
+    with pytest.raises(EncodeError):
+        await q.put({"f": [lambda: 1] * 4}, rows=rows)
+    mb = await q.get("t", ["idx", "x"], 4, partition="p", timeout=10)
+    fresh = pickle.loads(pickle.dumps(mb))  # nothing cached: reads storage
+    assert (await fresh.materialize())["idx"].tolist() == [0, 1, 2, 3]
+    await q.put({"f": ["a", "b", "c", "d"]}, rows=rows)  # the field can be written now
+    assert (await pickle.loads(pickle.dumps(mb)).materialize(["f"]))["f"] == ["a", "b", "c", "d"]
+    st = await q.stats()
+    assert st.rows == 4 and sum(st.unit_rows) == 4 and st.bytes_in_flight == 0
+
+
 async def test_put_cancelled_while_waiting_for_room_admits_nothing(make_queue):
     """A producer cancelled while its put waits for room leaves nothing behind: no rows
     admitted later on its behalf, no capacity held."""

@@ -52,6 +52,10 @@ class DataPlane(abc.ABC):
         """Forget rows: ``{shard: rows}``."""
 
     @abc.abstractmethod
+    async def delete_fields(self, parts: Mapping[int, Sequence[int]], fields: Sequence[str]) -> None:
+        """Forget ``fields`` of rows (``{shard: rows}``), keeping the rows' other fields."""
+
+    @abc.abstractmethod
     async def unit_stats(self) -> list[tuple[int, int]]:
         """(rows, bytes) held by each storage unit, read from the units themselves."""
 

@@ -39,6 +39,11 @@ class LocalDataPlane(DataPlane):
         for shard, rows in parts.items():
             self.units[shard].delete(rows)
 
+    async def delete_fields(self, parts: Mapping[int, Sequence[int]], fields: Sequence[str]) -> None:
+        """Forget fields of rows on their units."""
+        for shard, rows in parts.items():
+            self.units[shard].delete_fields(rows, fields)
+
     async def unit_stats(self) -> list[tuple[int, int]]:
         """(rows, bytes) held by each unit."""
         return [u.stats() for u in self.units]

@@ -222,6 +222,10 @@ class _StorageActorImpl:
         with self.lock:
             return self.unit.delete(rows)
 
+    def delete_fields(self, rows: list[int], fields: list[str]) -> int:
+        with self.lock:
+            return self.unit.delete_fields(rows, fields)
+
     def stats(self) -> tuple[int, int]:
         with self.lock:
             return self.unit.stats()
@@ -338,6 +342,14 @@ class RayDataPlane(DataPlane):
     async def delete(self, parts: Mapping[int, Sequence[int]]) -> None:
         res = await asyncio.gather(*[
             self._call(s, self.units[s].delete.remote(list(rows)), rows)
+            for s, rows in parts.items()], return_exceptions=True)
+        for r in res:
+            if isinstance(r, BaseException) and not isinstance(r, RowsLost):
+                raise r
+
+    async def delete_fields(self, parts: Mapping[int, Sequence[int]], fields: Sequence[str]) -> None:
+        res = await asyncio.gather(*[
+            self._call(s, self.units[s].delete_fields.remote(list(rows), list(fields)), rows)
             for s, rows in parts.items()], return_exceptions=True)
         for r in res:
             if isinstance(r, BaseException) and not isinstance(r, RowsLost):
