@@ -41,6 +41,7 @@ from .errors import (
     QueueClosed,
     QueueFull,
     RowsDropped,
+    StreamTimeout,
     rows_preview,
 )
 
@@ -258,7 +259,9 @@ class Controller:
             reserved when new rows are admitted; fields written later to admitted rows are
             always accepted (blocking them could deadlock a pipeline) and counted.
         num_shards: number of storage units rows are spread over.
-        lease_timeout: seconds a delivered batch stays leased without ``ack``.
+        lease_timeout: seconds a delivered batch stays leased without ``ack``; also how
+            long an admitted write may take to commit before it is aborted (its writer
+            is presumed dead: new rows it admitted are dropped).
         max_staleness: rows whose version is older than ``version - max_staleness`` are
             dropped as stale (``None``: no bound).
         max_lead: admission pacer: new rows stamped with version ``v`` are admitted only
@@ -332,6 +335,9 @@ class Controller:
         self._lease_heap: list[tuple[float, int]] = []
         self._lease_outcome: OrderedDict[int, str] = OrderedDict()
         self._tokens: dict[int, WriteToken] = {}
+        self._token_heap: list[tuple[float, int]] = []  # (deadline, token id)
+        self._expired_tokens: OrderedDict[int, None] = OrderedDict()
+        self.c_writes_expired = 0
         self._dispatchers: dict[tuple, _Dispatcher] = {}
 
         self.tag_fields: set[str] = set()
@@ -537,7 +543,7 @@ class Controller:
                          self.capacity - len(self.rows),
                          None if self.capacity_bytes is None else
                          self.capacity_bytes - self.bytes_held - self.reserved_bytes)
-        self._tokens[tok.id] = tok
+        self._track(tok)
         if self.max_staleness is not None and version < self.version - self.max_staleness:
             # admitted and immediately stale: it will never be delivered
             self._drop_rows([self.rows[r] for r in ids], DropReason.STALE, group=True)
@@ -592,7 +598,7 @@ class Controller:
         for r in objs:
             r.writing |= wmask
         tok = WriteToken(next(self._token_ids), list(rows), [r.shard for r in objs], tuple(fields))
-        self._tokens[tok.id] = tok
+        self._track(tok)
         return tok
 
     def abort(self, token: int | WriteToken) -> tuple[dict[int, list[int]], tuple[str, ...] | None]:
@@ -625,8 +631,15 @@ class Controller:
             nbytes: per field, the bytes of each row (in the token's row order).
             tags: per registered tag field written here, the scalar value of each row.
         """
-        tok = self._tokens.pop(token.id if isinstance(token, WriteToken) else token, None)
+        tid = token.id if isinstance(token, WriteToken) else token
+        tok = self._tokens.pop(tid, None)
         if tok is None:
+            if tid in self._expired_tokens:
+                raise StreamTimeout(
+                    f"this write was admitted more than lease_timeout={self.lease_timeout}s "
+                    "ago without being committed, so it was aborted (its writer was presumed "
+                    "dead; new rows it admitted were dropped). Raise lease_timeout for writes "
+                    "that take that long")
             raise InvalidArgument("unknown or already finished write token")
         self.reserved_bytes -= tok.reserved_bytes
         tags = tags or {}
@@ -1095,20 +1108,37 @@ class Controller:
         if len(self._lease_outcome) > _LEASE_MEMORY:
             self._lease_outcome.popitem(last=False)
 
+    def _track(self, tok: WriteToken) -> None:
+        self._tokens[tok.id] = tok
+        heapq.heappush(self._token_heap, (self.clock() + self.lease_timeout, tok.id))
+
     def next_deadline(self) -> float | None:
-        """The earliest lease deadline (monotonic seconds), for the caller's timer."""
+        """The earliest lease or write deadline (monotonic seconds), for the caller's timer."""
         while self._lease_heap:
             d, lid = self._lease_heap[0]
             lease = self.leases.get(lid)
             if lease is None or lease.deadline != d:
                 heapq.heappop(self._lease_heap)
                 continue
-            return d
-        return None
+            break
+        while self._token_heap and self._token_heap[0][1] not in self._tokens:
+            heapq.heappop(self._token_heap)
+        ends = [h[0][0] for h in (self._lease_heap, self._token_heap) if h]
+        return min(ends) if ends else None
 
     def expire(self, now: float | None = None) -> int:
-        """Release every lease past its deadline; returns how many."""
+        """Release every lease past its deadline (returns how many), and abort every write
+        admitted more than ``lease_timeout`` ago and not committed (its writer is
+        presumed dead: new rows it admitted are dropped)."""
         now = self.clock() if now is None else now
+        while self._token_heap and self._token_heap[0][0] <= now:
+            _, tid = heapq.heappop(self._token_heap)
+            if tid in self._tokens:
+                self.abort(tid)
+                self.c_writes_expired += 1
+                self._expired_tokens[tid] = None
+                if len(self._expired_tokens) > _LEASE_MEMORY:
+                    self._expired_tokens.popitem(last=False)
         n = 0
         while self._lease_heap and self._lease_heap[0][0] <= now:
             d, lid = heapq.heappop(self._lease_heap)

@@ -16,7 +16,8 @@ from tensordict import TensorDictBase
 from .batch import ColumnRemoteBatch, RemoteBatch, RowRemoteBatch
 from .columns import Column, assemble, row_nbytes, tag_values, take_rows, to_columns
 from .controller import Controller, Delivery, FilterSpec, Request, validate_request
-from .errors import (EndOfStream, InvalidArgument, LeaseExpired, SchemaError, TransportError)
+from .errors import (EndOfStream, InvalidArgument, LeaseExpired, SchemaError, StreamTimeout,
+                     TransportError)
 from .stats import Stats
 
 __all__ = ["StreamQueue", "Stream", "DEFAULT_PARTITION"]
@@ -258,7 +259,18 @@ class StreamQueue:
                 await ctl.abort(tok)
             raise
         tags = {f: tag_values(f, cols[f]) for f in names if f in self._tag_fields}
-        res = await ctl.commit(tok, nbytes, tags)
+        try:
+            res = await ctl.commit(tok, nbytes, tags)
+        except StreamTimeout:  # aborted for taking too long: forget what this write stored
+            parts: dict[int, list[int]] = {}
+            for r, s in zip(tok.rows, tok.shards):
+                parts.setdefault(s, []).append(r)
+            with anyio.CancelScope(shield=True):
+                if rows is None:
+                    await self._data.delete(parts)
+                else:
+                    await self._data.delete_fields(parts, names)
+            raise
         self._tag_fields = res.tag_fields
         if target is not None:
             target._learn(cols)

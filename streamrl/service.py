@@ -474,6 +474,7 @@ class ControllerService:
             delivered=sum(ctl.c_delivered.values()), tasks=tasks,
             partitions=ctl.partition_states(), leaked=sum(ctl.leaked().values()),
             leases=len(ctl.leases), waiting_puts=len(self._space_q) + len(self._pace_waiters),
+            writes_expired=ctl.c_writes_expired,
             wait_p50=_pct(waits, 0.5), wait_p99=_pct(waits, 0.99),
             unit_rows=[u[0] for u in units], unit_bytes=[u[1] for u in units],
             closed=ctl.closed, last_filter_errors=list(self._filter_failures))

@@ -55,6 +55,8 @@ class Stats:
             0 at the end of a run).
         leases: open leases.
         waiting_puts: producers waiting for room or for version pacing.
+        writes_expired: admitted writes aborted because they were not committed within
+            ``lease_timeout`` (their writer presumed dead).
         wait_p50: median seconds consumers waited for a batch (recent 10k takes).
         wait_p99: 99th percentile of the same.
         unit_rows: rows each storage unit reports holding itself.
@@ -86,6 +88,7 @@ class Stats:
     leaked: int = 0
     leases: int = 0
     waiting_puts: int = 0
+    writes_expired: int = 0
     wait_p50: float | None = None
     wait_p99: float | None = None
     unit_rows: list[int] = field(default_factory=list)

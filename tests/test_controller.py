@@ -6,7 +6,7 @@ import pytest
 
 from streamrl.controller import END, Controller, FilterSpec, Request, imbalance, _balanced_split
 from streamrl.errors import (DispatchError, DuplicateField, InvalidArgument, LeaseExpired,
-                             QueueClosed, QueueFull, RowsDropped)
+                             QueueClosed, QueueFull, RowsDropped, StreamTimeout)
 
 
 class Clock:
@@ -286,3 +286,20 @@ def test_storage_unit_delete_fields_keeps_rows_and_other_fields():
     with pytest.raises(UnknownField):
         u.get([1], ["y"])
     assert u.delete([1, 2]) == (2, 32) and u.stats() == (0, 0) and not u.segments
+
+
+def test_write_not_committed_within_lease_timeout_is_aborted():
+    """A writer that dies between admission and commit must not hold capacity (or keep
+    a sealed partition from ending) for ever."""
+    now = [0.0]
+    c = Controller(4, lease_timeout=10.0, clock=lambda: now[0])
+    tok = c.allocate("p", 4, ("x",), nbytes=16)
+    assert c.next_deadline() == 10.0
+    c.seal("p")
+    now[0] = 10.5
+    c.expire()
+    assert not c.rows and c.reserved_bytes == 0 and c.c_writes_expired == 1 and c.c_put == 0
+    assert c.take(Request("t", ("x",), 4, partition="p")) is END
+    with pytest.raises(StreamTimeout, match="lease_timeout"):
+        c.commit(tok, {"x": [4] * 4})
+    c.allocate("q", 4, ("x",), nbytes=16)  # the whole capacity is free again

@@ -374,6 +374,24 @@ async def test_failed_write_of_new_fields_keeps_the_rows_other_fields(make_queue
     assert st.rows == 4 and sum(st.unit_rows) == 4 and st.bytes_in_flight == 0
 
 
+async def test_write_of_a_dead_producer_is_aborted_after_lease_timeout(make_queue):
+    """A producer that dies between admission and commit (simulated: admitted, never
+    committed) holds nothing for ever: after lease_timeout its rows are dropped, and a
+    stream over the sealed partition ends instead of hanging."""
+    q = make_queue(capacity=8, lease_timeout=1.0)
+    await q.put(rows_of(4), partition="p")
+    await q._control.allocate("p", 4, ("idx", "x"), nbytes=64)  # ... and the producer dies
+    await q.seal("p")
+    got = []
+    with anyio.fail_after(20):
+        async for mb in q.stream("t", ["idx"], 4, partition="p"):
+            got += (await mb.materialize())["idx"].tolist()
+            await mb.drop()
+    assert got == [0, 1, 2, 3]
+    st = await q.stats()
+    assert st.writes_expired == 1 and st.rows == 0 and st.bytes_in_flight == 0
+
+
 async def test_put_cancelled_while_waiting_for_room_admits_nothing(make_queue):
     """A producer cancelled while its put waits for room leaves nothing behind: no rows
     admitted later on its behalf, no capacity held."""
