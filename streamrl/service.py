@@ -76,8 +76,14 @@ class ControllerService:
     def _apply_deferred(self) -> None:
         while self._deferred:
             self.ctl.release(self._deferred.popleft())
+        self._settle()
+
+    def _settle(self) -> None:
+        """Wake whoever the controller's last changes help, without awaiting anything:
+        storage deletes and filter jobs stay queued for the next queue call."""
         deletes, jobs, woken, changed, freed = self.ctl.drain()
-        self.ctl.deletes.update(deletes)  # storage work stays for the next queue call
+        for shard, rows in deletes.items():
+            self.ctl.deletes.setdefault(shard, []).extend(rows)
         self.ctl.filter_jobs.extend(jobs)
         self._wake(woken, changed, freed)
 
@@ -141,8 +147,16 @@ class ControllerService:
                 ev.set()
 
     async def _wait(self, ev: anyio.Event, deadline: float | None) -> bool:
-        """Wait for ``ev`` until ``deadline`` or the next lease deadline; True if set."""
+        """Wait for ``ev`` until ``deadline`` or the next lease or write deadline; True if
+        set. Leases and writes already past their deadline are expired first (so a waiter
+        whose own checks do not expire them does not wake again at once, for ever)."""
         nxt = self.ctl.next_deadline()
+        if nxt is not None and nxt <= self.ctl.clock():
+            self.ctl.expire()
+            self._settle()
+            if ev.is_set():
+                return True
+            nxt = self.ctl.next_deadline()
         ends = [d for d in (deadline, nxt) if d is not None]
         if not ends:
             await ev.wait()

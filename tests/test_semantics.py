@@ -392,6 +392,17 @@ async def test_write_of_a_dead_producer_is_aborted_after_lease_timeout(make_queu
     assert st.writes_expired == 1 and st.rows == 0 and st.bytes_in_flight == 0
 
 
+async def test_put_waiting_for_room_gets_the_room_of_a_dead_producers_write(make_queue):
+    """Capacity held by a write that never commits comes back after lease_timeout even
+    when only a producer is around to notice (its put is waiting for room)."""
+    q = make_queue(capacity=4, lease_timeout=1.0)
+    await q._control.allocate("p", 4, ("idx", "x"), nbytes=64)  # ... and the producer dies
+    with anyio.fail_after(20):
+        await q.put(rows_of(4), partition="p", timeout=15)
+    st = await q.stats()
+    assert st.rows == 4 and st.writes_expired == 1
+
+
 async def test_put_cancelled_while_waiting_for_room_admits_nothing(make_queue):
     """A producer cancelled while its put waits for room leaves nothing behind: no rows
     admitted later on its behalf, no capacity held."""
