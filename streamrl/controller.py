@@ -351,6 +351,9 @@ class Controller:
 
         # outboxes
         self.deletes: dict[int, list[int]] = {}
+        # ({shard: rows}, fields) a write to existing rows may have stored before it was
+        # aborted for taking too long: the caller deletes those fields from storage
+        self.field_deletes: list[tuple[dict[int, list[int]], tuple[str, ...]]] = []
         self.filter_jobs: list[FilterJob] = []
         self.woken: set[tuple] = set()
         self.changed: set[str | None] = set()
@@ -1134,7 +1137,9 @@ class Controller:
         while self._token_heap and self._token_heap[0][0] <= now:
             _, tid = heapq.heappop(self._token_heap)
             if tid in self._tokens:
-                self.abort(tid)
+                parts, fields = self.abort(tid)  # new rows: dropped (and deleted) here
+                if fields is not None and parts:
+                    self.field_deletes.append((parts, fields))
                 self.c_writes_expired += 1
                 self._expired_tokens[tid] = None
                 if len(self._expired_tokens) > _LEASE_MEMORY:

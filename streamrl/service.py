@@ -98,6 +98,12 @@ class ControllerService:
         if self._deferred:
             self._apply_deferred()
         errors: list[FilterError] = []
+        while self.ctl.field_deletes:  # fields stored by writes that expired
+            parts, fields = self.ctl.field_deletes.pop()
+            try:
+                await self.data.delete_fields(parts, fields)
+            except Exception:  # a dead unit: gone anyway
+                log.exception("streamrl: deleting fields from storage failed")
         while True:
             deletes, jobs, woken, changed, freed = self.ctl.drain()
             self._wake(woken, changed, freed)

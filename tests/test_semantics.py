@@ -392,6 +392,28 @@ async def test_write_of_a_dead_producer_is_aborted_after_lease_timeout(make_queu
     assert st.writes_expired == 1 and st.rows == 0 and st.bytes_in_flight == 0
 
 
+async def test_expired_write_to_existing_rows_frees_what_it_stored(make_queue):
+    """A writer that stored new fields of existing rows and died before committing: after
+    lease_timeout the fields it stored are deleted, the rows keep their other fields."""
+    from streamrl.queue import _split_by_shard
+
+    q = make_queue(lease_timeout=1.0)
+    rows = await q.put(rows_of(4), partition="p")
+    before = (await q.stats()).unit_bytes
+    tok = await q._control.begin_write(rows.rows, ("y",))
+    await q._data.put(_split_by_shard(tok.rows, tok.shards, {"y": torch.ones(4, 8)}))
+    assert (await q.stats()).unit_bytes != before  # stored, never committed: the writer died
+    await anyio.sleep(1.2)
+    with anyio.fail_after(20):
+        while (await q.stats()).unit_bytes != before:
+            await anyio.sleep(0.05)
+    st = await q.stats()
+    assert st.writes_expired == 1 and st.rows == 4
+    mb = await q.get("t", ["idx"], 4, partition="p", timeout=10)
+    assert (await pickle.loads(pickle.dumps(mb)).materialize())["idx"].tolist() == [0, 1, 2, 3]
+    await q.put({"y": torch.zeros(4, 8)}, rows=rows)  # the field can be written again
+
+
 async def test_put_waiting_for_room_gets_the_room_of_a_dead_producers_write(make_queue):
     """Capacity held by a write that never commits comes back after lease_timeout even
     when only a producer is around to notice (its put is waiting for room)."""
