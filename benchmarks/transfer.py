@@ -72,6 +72,30 @@ def med(xs):
 # ------------------------------------------------------------------ workers (subprocesses)
 
 
+class _CaseData:
+    """A producer actor's state: one case's tensors, built once, one torch thread."""
+
+    def __init__(self, case):
+        import torch
+
+        torch.set_num_threads(1)
+        self.data = make_data(case)
+
+
+class _QueueProducer(_CaseData):
+    """The streamrl producer actor (made remote by the workers, with their options)."""
+
+    async def put(self, q, part):
+        await q.put(self.data, partition=part)
+
+    async def put_one(self, q, part):  # for the wake-up measurement
+        import torch
+
+        t = time.time()
+        await q.put({"x": torch.zeros(1)}, partition=part)
+        return t
+
+
 def _ray_init():
     import ray
 
@@ -84,23 +108,9 @@ def worker_streamrl(reps: int, ownership: str = "unit") -> dict:
     import asyncio
 
     ray = _ray_init()
-    import torch
-
     import streamrl
 
-    @ray.remote(num_cpus=0)
-    class Producer:
-        def __init__(self, case):
-            torch.set_num_threads(1)
-            self.data = make_data(case)
-
-        async def put(self, q, part):
-            await q.put(self.data, partition=part)
-
-        async def put_one(self, q, part):
-            t = time.time()
-            await q.put({"x": torch.zeros(1)}, partition=part)
-            return t
+    Producer = ray.remote(num_cpus=0)(_QueueProducer)
 
     @ray.remote(num_cpus=0)
     class Consumer:
@@ -174,18 +184,9 @@ def worker_xnode(reps: int) -> dict:
                          object_store_memory=GiB)
         ray.init(address=cluster.address, log_to_driver=False, _node_ip_address=lo)
         cluster.wait_for_nodes()
-        import torch
-
         import streamrl
 
-        @ray.remote(num_cpus=0, resources={"nodeA": 0.01})
-        class Producer:
-            def __init__(self, case):
-                torch.set_num_threads(1)
-                self.data = make_data(case)
-
-            async def put(self, q, part):
-                await q.put(self.data, partition=part)
+        Producer = ray.remote(num_cpus=0, resources={"nodeA": 0.01})(_QueueProducer)
 
         @ray.remote(num_cpus=0, resources={"nodeB": 0.01})
         class Consumer:
@@ -223,11 +224,7 @@ def worker_ray(reps: int, numpy: bool) -> dict:
     import torch
 
     @ray.remote(num_cpus=0)
-    class Producer:
-        def __init__(self, case):
-            torch.set_num_threads(1)
-            self.data = make_data(case)
-
+    class Producer(_CaseData):
         def put(self):
             # one object per field, so a consumer can fetch only what it reads
             return {f: [ray.put(t.numpy() if numpy else t)] for f, t in self.data.items()}

@@ -340,16 +340,16 @@ class RayDataPlane(DataPlane):
         return dict(zip(refs, vals))
 
     async def delete(self, parts: Mapping[int, Sequence[int]]) -> None:
-        res = await asyncio.gather(*[
-            self._call(s, self.units[s].delete.remote(list(rows)), rows)
-            for s, rows in parts.items()], return_exceptions=True)
-        for r in res:
-            if isinstance(r, BaseException) and not isinstance(r, RowsLost):
-                raise r
+        await self._forget(parts, "delete")
 
     async def delete_fields(self, parts: Mapping[int, Sequence[int]], fields: Sequence[str]) -> None:
+        await self._forget(parts, "delete_fields", list(fields))
+
+    async def _forget(self, parts: Mapping[int, Sequence[int]], method: str, *args) -> None:
+        """``method(rows, *args)`` on the unit of each ``{shard: rows}`` part,
+        concurrently; a dead unit is skipped (what it held is gone anyway)."""
         res = await asyncio.gather(*[
-            self._call(s, self.units[s].delete_fields.remote(list(rows), list(fields)), rows)
+            self._call(s, getattr(self.units[s], method).remote(list(rows), *args), rows)
             for s, rows in parts.items()], return_exceptions=True)
         for r in res:
             if isinstance(r, BaseException) and not isinstance(r, RowsLost):
@@ -520,6 +520,11 @@ ControllerActor = ray.remote(num_cpus=0)(_ControllerActorImpl)
 # ---------------------------------------------------------------------- client side
 
 
+#: Controller calls whose effect is taken back if the caller gives up while waiting
+#: (a take's lease, a write's admission): see ``_ControllerActorImpl.cancel``.
+_CANCELLABLE = frozenset({"take", "allocate", "begin_write"})
+
+
 class RayControl:
     """The controller actor, seen as a control plane (the service's async API)."""
 
@@ -527,8 +532,18 @@ class RayControl:
         self.actor = actor
 
     async def _call(self, method: str, *args, **kwargs):
+        """Call the controller; Ray's errors become streamrl's. A call in
+        ``_CANCELLABLE`` carries a request id: if this await is cancelled, the controller
+        stops the call or takes its effect back, so nothing outlives a caller that gave up."""
+        rid = None
+        if method in _CANCELLABLE:
+            rid = kwargs["rid"] = uuid.uuid4().hex
         try:
             return await getattr(self.actor, method).remote(*args, **kwargs)
+        except asyncio.CancelledError:
+            if rid is not None:
+                self.actor.cancel.remote(rid)
+            raise
         except (ray.exceptions.RayTaskError, ray.exceptions.RayActorError,
                 ray.exceptions.ObjectLostError) as e:
             raise _unwrap(e, "controller actor") from None
@@ -542,29 +557,6 @@ class RayControl:
 
         call.__name__ = method
         return call
-
-    async def _cancellable(self, method: str, *args, **kwargs):
-        """A call whose effect must not outlive a caller that gives up: if this await is
-        cancelled, the controller stops the call or takes its effect back."""
-        rid = uuid.uuid4().hex
-        ref = getattr(self.actor, method).remote(*args, rid=rid, **kwargs)
-        try:
-            return await ref
-        except asyncio.CancelledError:
-            self.actor.cancel.remote(rid)
-            raise
-        except (ray.exceptions.RayTaskError, ray.exceptions.RayActorError,
-                ray.exceptions.ObjectLostError) as e:
-            raise _unwrap(e, "controller actor") from None
-
-    async def take(self, req, timeout=None):
-        return await self._cancellable("take", req, timeout)
-
-    async def allocate(self, *args, **kwargs):
-        return await self._cancellable("allocate", *args, **kwargs)
-
-    async def begin_write(self, *args, **kwargs):
-        return await self._cancellable("begin_write", *args, **kwargs)
 
     async def add_filter(self, fn, spec):
         return await self._call("add_filter", _pickle_by_value(fn), spec)
