@@ -61,8 +61,10 @@ class SyncConsumer:
         return seen
 
 
-async def test_actors_produce_and_consume_byte_for_byte(rq):
-    q = rq(num_shards=3)
+@pytest.mark.parametrize("direct_calls", [True, False], ids=["socket-calls", "ray-calls"])
+async def test_actors_produce_and_consume_byte_for_byte(rq, direct_calls):
+    q = rq(num_shards=3, direct_calls=direct_calls)
+    assert (q._transport.control.rpc is not None) == direct_calls
     producers = [AsyncProducer.remote() for _ in range(2)]
     consumer = SyncConsumer.remote()
     got = consumer.run.remote(q)
@@ -104,6 +106,17 @@ async def test_queue_handle_works_in_a_task_and_by_name(rq):
         streamrl.StreamQueue.connect("no-such-queue")
 
 
+async def _kill(actor) -> None:
+    """Kill an actor and wait until its process is gone: ``ray.kill`` is asynchronous,
+    and the process outlives Ray's word that the actor died by a little; the socket
+    channels keep talking to it until it exits."""
+    pid = await actor.__ray_call__.remote(lambda self: os.getpid())
+    ray.kill(actor)
+    with anyio.fail_after(30):
+        while os.path.exists(f"/proc/{pid}"):
+            await anyio.sleep(0.02)
+
+
 async def test_storage_unit_death_loses_only_its_rows(rq):
     q = rq(num_shards=2)
     a = await q.put({"idx": torch.arange(4)}, partition="p")
@@ -111,7 +124,7 @@ async def test_storage_unit_death_loses_only_its_rows(rq):
     shards = set(a.shards) | set(b.shards)
     assert shards == {0, 1}
     victim = q._transport._units[0]
-    ray.kill(victim)
+    await _kill(victim)
     mb = await q.get("t", ["idx"], 8, partition="p")
     with anyio.fail_after(30):
         with pytest.raises(RowsLost) as e:
@@ -130,7 +143,7 @@ async def test_storage_unit_death_loses_only_its_rows(rq):
 async def test_controller_death_fails_fast(rq):
     q = rq()
     await q.put({"x": torch.ones(2)})
-    ray.kill(q._transport._controller)
+    await _kill(q._transport._controller)
     with anyio.fail_after(30):
         with pytest.raises(TransportError):
             await q.put({"x": torch.ones(2)})
@@ -155,6 +168,32 @@ async def test_dead_consumer_lease_returns_after_timeout(rq):
         mb = await q.get("t", ["x"], 4, partition="p", timeout=20)
     assert sorted(mb.rows) == sorted(rows)
     assert (await q.stats()).tasks["t"].expired == 4
+
+
+@ray.remote(num_cpus=0)
+class Waiter:
+    async def wait(self, q):
+        mb = await q.get("t", ["x"], 4, partition="p")
+        return mb.rows
+
+
+async def test_consumer_that_dies_while_waiting_takes_no_rows(rq):
+    # its take is still waiting in the controller when it dies: the closed connection
+    # cancels it, so the rows put later go to the living consumer at once, not after the
+    # (long) lease timeout
+    q = rq(lease_timeout=600.0)
+    waiter = Waiter.remote()
+    call = waiter.wait.remote(q)
+    ctl = q._transport._controller
+    with anyio.fail_after(60):  # until its take waits in the controller
+        while not await ctl.__ray_call__.remote(lambda self: len(self._inflight)):
+            await anyio.sleep(0.05)
+    await _kill(waiter)
+    await q.put({"x": torch.arange(4)}, partition="p")
+    mb = await q.get("t", ["x"], 4, partition="p", timeout=10)
+    assert len(mb) == 4
+    with pytest.raises(ray.exceptions.RayActorError):
+        await call
 
 
 MULTINODE = textwrap.dedent("""
