@@ -11,9 +11,7 @@ one after the other, in one invocation; the table prints medians and ratios. Cas
 
 Systems:
   streamrl      producer actor ``put``s, consumer actor ``get``s + ``materialize``s
-                (storage units own the data: ``ownership="unit"``, the default)
-  streamrl-producer   the same with ``ownership="producer"`` (one copy less per put;
-                rows die with their producer)
+                (bytes through the storage units' shared-memory arenas)
   ray-torch     producer actor ``ray.put``s one tensor per field (Ray's default torch
                 pickling); consumer actor ``ray.get``s the fields it reads
   ray-numpy     the same with ``tensor.numpy()`` (Ray's zero-copy numpy path)
@@ -104,7 +102,7 @@ def _ray_init():
     return ray
 
 
-def worker_streamrl(reps: int, ownership: str = "unit") -> dict:
+def worker_streamrl(reps: int) -> dict:
     import asyncio
 
     ray = _ray_init()
@@ -130,7 +128,7 @@ def worker_streamrl(reps: int, ownership: str = "unit") -> dict:
             return t
 
     out: dict = {"cases": {}}
-    q = streamrl.StreamQueue(transport="ray", capacity=8192, num_shards=2, ownership=ownership)
+    q = streamrl.StreamQueue(transport="ray", capacity=8192, num_shards=2)
     cons = Consumer.remote()
     for name, case in CASES.items():
         prod = Producer.remote(case)
@@ -363,7 +361,7 @@ def worker_shm(reps: int) -> dict:
     return out
 
 
-def worker_memory(total_gib: float, ownership: str = "unit") -> dict:
+def worker_memory(total_gib: float) -> dict:
     """Stream ``total_gib`` through a queue bounded at 256 MiB; peak memory per process."""
     import asyncio
 
@@ -408,8 +406,7 @@ def worker_memory(total_gib: float, ownership: str = "unit") -> dict:
             return base, mem(), n
 
     cap = 256 * MiB
-    q = streamrl.StreamQueue(transport="ray", capacity=100_000, capacity_bytes=cap, num_shards=2,
-                             ownership=ownership)
+    q = streamrl.StreamQueue(transport="ray", capacity=100_000, capacity_bytes=cap, num_shards=2)
     total = int(total_gib * GiB)
     units = q._transport._units
     p, c = Producer.remote(), Consumer.remote()
@@ -421,7 +418,7 @@ def worker_memory(total_gib: float, ownership: str = "unit") -> dict:
         m = re.search(r"Plasma memory usage (\d+) MiB", memory_summary(stats_only=True))
         return int(m.group(1)) if m else 0
 
-    peak_held = peak_plasma = 0
+    peak_held = peak_plasma = peak_arena = 0
     cref = c.run.remote(q)
     pref = p.run.remote(q, total)
     while True:
@@ -429,6 +426,8 @@ def worker_memory(total_gib: float, ownership: str = "unit") -> dict:
         st = asyncio.run(q.stats())
         peak_held = max(peak_held, st.bytes, sum(st.unit_bytes))
         peak_plasma = max(peak_plasma, plasma_mib())
+        peak_arena = max(peak_arena, sum(a["size"] for a in ray.get(
+            [u.arena_stats.remote() for u in units])))
         if done:
             break
     (pb, pe), (cb, ce, n) = ray.get(pref), ray.get(cref)
@@ -437,7 +436,7 @@ def worker_memory(total_gib: float, ownership: str = "unit") -> dict:
     asyncio.run(q.shutdown())
     ray.shutdown()
     return {"streamed": n, "capacity_bytes": cap, "peak_bytes_held": peak_held,
-            "peak_object_store_mib": peak_plasma,
+            "peak_object_store_mib": peak_plasma, "peak_arena_bytes": peak_arena,
             "producer": {"base": pb, "end": pe}, "consumer": {"base": cb, "end": ce},
             "units": unit_mem}
 
@@ -445,7 +444,7 @@ def worker_memory(total_gib: float, ownership: str = "unit") -> dict:
 # ------------------------------------------------------------------ driver
 
 
-SYSTEMS = ["streamrl", "streamrl-producer", "ray-torch", "ray-numpy", "transferqueue", "shm"]
+SYSTEMS = ["streamrl", "ray-torch", "ray-numpy", "transferqueue", "shm"]
 
 
 def run_worker(system: str, reps: int, extra: list[str]) -> dict:
@@ -471,18 +470,16 @@ def main() -> None:
     ap.add_argument("--systems", default=",".join(SYSTEMS))
     ap.add_argument("--memory-gib", type=float, default=4.0)
     ap.add_argument("--json", default=None)
-    ap.add_argument("--ownership", default="unit", help="ownership of the memory run's queue")
     ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.worker:
         fn = {"streamrl": lambda: worker_streamrl(a.reps),
-              "streamrl-producer": lambda: worker_streamrl(a.reps, "producer"),
               "ray-torch": lambda: worker_ray(a.reps, numpy=False),
               "ray-numpy": lambda: worker_ray(a.reps, numpy=True),
               "transferqueue": lambda: worker_tq(a.reps),
               "shm": lambda: worker_shm(a.reps),
               "xnode": lambda: worker_xnode(a.reps),
-              "memory": lambda: worker_memory(a.memory_gib, a.ownership)}[a.worker]
+              "memory": lambda: worker_memory(a.memory_gib)}[a.worker]
         print(json.dumps(fn()))
         return
     reps = 2 if a.quick else a.reps
@@ -495,8 +492,7 @@ def main() -> None:
     print("  running xnode (consumer on a second node) ...", flush=True)
     res["xnode"] = run_worker("xnode", reps, [])
     print("  running memory ...", flush=True)
-    res["memory"] = run_worker("memory", reps, ["--memory-gib", str(mem_gib),
-                                                "--ownership", a.ownership])
+    res["memory"] = run_worker("memory", reps, ["--memory-gib", str(mem_gib)])
 
     labels = {"a:2": "(a) 1024 x 64KiB +int", "b:1": "(b) 256 x 1MiB",
               "c:32": "(c) 256 x 32 x 16KiB", "c:1": "(c) read 1 of 32",
@@ -556,9 +552,10 @@ def main() -> None:
 
         print(f"\nmemory: streamed {m['streamed'] / GiB:.1f} GiB through capacity_bytes="
               f"{m['capacity_bytes'] / MiB:.0f} MiB; peak held {m['peak_bytes_held'] / MiB:.0f} MiB "
-              f"({m['peak_bytes_held'] / m['capacity_bytes']:.0%} of capacity); peak object-store "
-              f"use {m['peak_object_store_mib']} MiB "
-              f"({m['peak_object_store_mib'] * MiB / m['capacity_bytes']:.0%} of capacity)")
+              f"({m['peak_bytes_held'] / m['capacity_bytes']:.0%} of capacity); storage units' "
+              f"shared-memory arenas {m['peak_arena_bytes'] / MiB:.0f} MiB "
+              f"({m['peak_arena_bytes'] / m['capacity_bytes']:.0%} of capacity); Ray object store "
+              f"{m['peak_object_store_mib']} MiB")
         for who in ("producer", "consumer"):
             d = m[who]
             print(f"  {who}: peak RSS {d['end']['maxrss'] / MiB:.0f} MiB (baseline "
@@ -566,7 +563,7 @@ def main() -> None:
                   f"private {d['end']['RssAnon'] / MiB:.0f} MiB, shared {d['end']['RssShmem'] / MiB:.0f} MiB at end)")
         for i, u in enumerate(m["units"]):
             print(f"  storage unit {i}: peak RSS {u['VmHWM'] / MiB:.0f} MiB (private "
-                  f"{u['RssAnon'] / MiB:.0f} MiB, object-store pages mapped {u['RssShmem'] / MiB:.0f} MiB at end)")
+                  f"{u['RssAnon'] / MiB:.0f} MiB, shared (arena) {u['RssShmem'] / MiB:.0f} MiB at end)")
     else:
         print("memory run failed:", m.get("error", "")[-800:])
     if a.json:

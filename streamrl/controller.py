@@ -187,10 +187,6 @@ class WriteToken:
     fields: tuple[str, ...]
     reserved_bytes: int = 0
     new_rows: bool = False
-    #: room left once these rows were admitted (rows; bytes, ``None`` without a byte
-    #: capacity): a hint for the writer's next put
-    room_rows: int = 0
-    room_bytes: int | None = None
 
 
 @dataclass
@@ -542,10 +538,7 @@ class Controller:
             p.rows[rid] = row
         self.reserved_bytes += nbytes
         self.c_put += n
-        tok = WriteToken(next(self._token_ids), ids, shards, tuple(fields), nbytes, True,
-                         self.capacity - len(self.rows),
-                         None if self.capacity_bytes is None else
-                         self.capacity_bytes - self.bytes_held - self.reserved_bytes)
+        tok = WriteToken(next(self._token_ids), ids, shards, tuple(fields), nbytes, True)
         self._track(tok)
         if self.max_staleness is not None and version < self.version - self.max_staleness:
             # admitted and immediately stale: it will never be delivered

@@ -84,7 +84,6 @@ class StreamQueue:
         self.name = name
         self._closed_locally = False
         self._tag_fields: frozenset[str] = frozenset()
-        self._room: tuple[int, int | None] = (0, 0)  # room after our last put (a hint)
         if isinstance(transport, str) and transport == "embedded":
             if options:
                 raise InvalidArgument(f"unknown options for the embedded transport: {sorted(options)}")
@@ -205,28 +204,11 @@ class StreamQueue:
         nbytes = {f: row_nbytes(c, n) for f, c in cols.items()}
         ctl = self._control
         target: RowRemoteBatch | None = None
-        stored = None  # the columns in stored form, prepared while admission was in flight
         if rows is None:
             part = DEFAULT_PARTITION if partition is None else partition
             total = sum(sum(v) for v in nbytes.values())
-            alloc = ctl.allocate(part, n, names, nbytes=total, version=version,
-                                 timeout=timeout, nowait=nowait)
-            room_rows, room_bytes = self._room
-            early = self._data.prepare_min_bytes
-            if (early is not None and total >= early and room_rows >= n
-                    and (room_bytes is None or room_bytes >= total)):
-                # the queue had room for this put after our last one: prepare the data
-                # (on Ray: the copy into the object store) while admission is in flight.
-                # When it has no room, the copy waits for admission, so a waiting put holds
-                # no extra copy.
-                tok, stored, err = await _concurrently(alloc, ctl.abort, self._data.prepare, cols)
-                if err is not None:  # the data cannot be stored: forget the admission
-                    with anyio.CancelScope(shield=True):
-                        await ctl.abort(tok)
-                    raise err
-            else:
-                tok = await alloc
-            self._room = (tok.room_rows, tok.room_bytes)
+            tok = await ctl.allocate(part, n, names, nbytes=total, version=version,
+                                     timeout=timeout, nowait=nowait)
         else:
             if version is not None:
                 raise InvalidArgument(
@@ -250,10 +232,7 @@ class StreamQueue:
                 raise SchemaError("the target rows repeat; write each row once")
             tok = await ctl.begin_write(ids, names, overwrite=overwrite)
         try:
-            if stored is not None and len(set(tok.shards)) == 1:  # new rows: one unit
-                await self._data.put([(tok.shards[0], tok.rows, stored)])
-            else:
-                await self._data.put(_split_by_shard(tok.rows, tok.shards, cols))
+            await self._data.put(_split_by_shard(tok.rows, tok.shards, cols))
         except BaseException:
             with anyio.CancelScope(shield=True):
                 await ctl.abort(tok)
@@ -656,39 +635,6 @@ def _scatter(cols: list[Column], groups: list[np.ndarray], n: int) -> Column:
     return assemble([flat])
 
 
-async def _concurrently(coro, undo, fn, *args):
-    """Await ``coro`` while ``fn(*args)`` runs on a worker thread. Returns ``coro``'s
-    result, ``fn``'s result and ``fn``'s exception (or ``None``); raises ``coro``'s
-    failure unwrapped. If this is cancelled once ``coro`` is done, ``undo(result)``
-    takes its effect back."""
-    out = err = first = None
-    done = False
-
-    async def run():
-        nonlocal out, err
-        try:
-            out = await anyio.to_thread.run_sync(fn, *args)
-        except Exception as e:  # noqa: BLE001 - handed to the caller
-            err = e
-
-    try:
-        async with anyio.create_task_group() as tg:
-            tg.start_soon(run)
-            try:
-                res = await coro
-                done = True
-            except Exception as e:  # noqa: BLE001 - re-raised unwrapped once the thread is done
-                first = e
-    except BaseException:
-        if done:
-            with anyio.CancelScope(shield=True):
-                await undo(res)
-        raise
-    if first is not None:
-        raise first
-    return res, out, err
-
-
 def _attach_embedded(qid: int) -> StreamQueue:
     q = _registry.get(qid)
     if q is None:
@@ -706,7 +652,6 @@ def _from_handle(handle, name):
     q.name = name
     q._closed_locally = False
     q._tag_fields = frozenset()
-    q._room = (0, 0)
     q._transport = RayTransport.from_handle(handle)
     q._id = next(_ids)
     _registry[q._id] = q

@@ -15,7 +15,7 @@ the last row that references it is deleted (and no reader holds a view).
 from __future__ import annotations
 
 import sys
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from .errors import RowsDropped, UnknownField, rows_preview
@@ -84,6 +84,8 @@ class StorageUnit:
 
     Args:
         index: the unit's number among the queue's shards (for messages).
+        on_release: called with each tensor that was put, once no row refers to it any
+            more (the Ray transport frees its shared-memory block then).
 
     Examples:
         >>> import torch
@@ -95,8 +97,9 @@ class StorageUnit:
         (2, 48)
     """
 
-    def __init__(self, index: int = 0):
+    def __init__(self, index: int = 0, on_release: Callable[[Any], None] | None = None):
         self.index = index
+        self.on_release = on_release  # called with a tensor once no row refers to it
         # field -> row -> packed int (tensor rows) | _Obj (Python objects)
         self.columns: dict[str, dict[int, int | _Obj]] = {}
         self.segments: dict[int, _Segment] = {}
@@ -121,6 +124,8 @@ class StorageUnit:
             seg.live -= 1
             if not seg.live:
                 del self.segments[sid]
+                if self.on_release is not None:
+                    self.on_release(seg.tensor)
 
     def put(self, rows: Sequence[int], columns: Mapping[str, Column]) -> None:
         """Store ``columns`` (each with ``len(rows)`` rows) for ``rows``; an existing

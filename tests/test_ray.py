@@ -262,87 +262,123 @@ class BigProducer:
         return rows.rows
 
 
-async def test_ownership_unit_outlives_producer_and_producer_mode_does_not(rq):
-    for ownership, survives in (("unit", True), ("producer", False)):
-        q = rq(ownership=ownership)
-        p = BigProducer.remote()
-        await p.put.remote(q, "p")  # 256 KiB: held by reference in the object store
-        ray.kill(p)
-        with anyio.fail_after(30):  # wait until the producer is really gone
-            while True:
-                try:
-                    await p.put.remote(q, "other")
-                except ray.exceptions.RayActorError:
-                    break
-                await anyio.sleep(0.1)
-        mb = await q.get("t", ["x"], 4, partition="p", timeout=30)
-        with anyio.fail_after(60):
-            if survives:
-                td = await mb.materialize()
-                assert td["x"][3, -1].item() == 64 * 1024 - 1
-            else:  # Ray learns of the owner's death asynchronously: poll (fresh views)
-                with pytest.raises(RowsLost):
-                    while True:
-                        await pickle.loads(pickle.dumps(mb)).materialize()
-                        await anyio.sleep(0.2)
-                st = await q.stats()
-                while st.dropped_by.get("lost") != 4:
-                    await anyio.sleep(0.05)
-                    st = await q.stats()
-    with pytest.raises(streamrl.errors.InvalidArgument):
-        rq(ownership="nobody")
+async def test_rows_outlive_their_producer(rq):
+    q = rq()
+    p = BigProducer.remote()
+    await p.put.remote(q, "p")  # 256 KiB: copied into the unit's shared-memory arena
+    await _kill(p)
+    mb = await q.get("t", ["x"], 4, partition="p", timeout=30)
+    td = await mb.materialize()
+    assert torch.equal(td["x"].flatten(), torch.arange(64 * 1024, dtype=torch.float32))
 
 
-async def test_reads_fall_back_to_the_bytes_the_unit_kept(rq, monkeypatch):
-    """When the object behind a row cannot be fetched (its owner died and no copy is
-    mapped on this node), a reader gets the bytes the unit kept with
-    ownership="unit", and RowsLost (rows dropped as lost) with ownership="producer"."""
+async def _arena(q, shard: int = 0) -> dict:
+    return await q._transport._units[shard].arena_stats.remote()
+
+
+async def _until(cond, what: str, timeout: float = 30.0):
+    with anyio.fail_after(timeout):
+        while not await cond():
+            await anyio.sleep(0.05)
+
+
+async def test_a_view_keeps_its_bytes_until_it_is_gone(rq):
+    """A read views the arena in place; the blocks it views are not reused while any of
+    its tensors lives, even after the rows are dropped and new rows are put."""
+    import gc
+
+    q = rq(num_shards=1)
+    x = torch.arange(8 * 4096, dtype=torch.float32).view(8, 4096)  # 128 KiB: arena
+    await q.put({"x": x}, partition="p")
+    mb = await q.get("t", ["x"], 8, partition="p")
+    view = (await mb.materialize())["x"][2:5]  # a slice of the read's tensor
+    del mb
+    await q.clear("p")
+    for i in range(3):  # new rows of the same size would fit in the dropped rows' block
+        await q.put({"x": torch.full((8, 4096), -1.0 - i)}, partition=f"p{i}")
+    assert torch.equal(view, x[2:5])  # untouched
+    assert (await _arena(q))["pins"] == 1
+    used = (await _arena(q))["used"]
+    del view
+    gc.collect()
+    await q.put({"y": torch.zeros(1)}, partition="z")  # any call carries the news
+    await _until(lambda: _pins_zero(q), "the unpin")
+    assert (await _arena(q))["used"] < used  # the dropped rows' block is free again
+
+
+async def _pins_zero(q) -> bool:
+    return (await _arena(q))["pins"] == 0
+
+
+async def test_arena_is_reused_and_empty_once_rows_are_consumed(rq):
+    """Cycles of put / read / drop reuse the same blocks: the arena stops growing, and
+    holds no used bytes once every row is gone and no view is left."""
+    import gc
+
+    q = rq(num_shards=1)
+    sizes = []
+    for i in range(6):
+        await q.put({"x": torch.full((16, 16384), float(i))}, partition="p")  # 1 MiB
+        mb = await q.get("t", ["x"], 16, partition="p")
+        td = await mb.materialize()
+        assert td["x"][15, -1].item() == float(i)
+        await mb.drop()
+        del td, mb
+        gc.collect()
+        sizes.append((await _arena(q))["size"])
+    assert len(set(sizes)) == 1
+    await q.put({"y": torch.zeros(1)}, partition="z")
+    await _until(lambda: _pins_zero(q), "the unpin")
+    assert (await _arena(q))["used"] == 0
+    st = await q.stats()
+    assert st.rows == 1
+
+
+async def test_put_cancelled_after_reserving_gives_its_blocks_back(rq, monkeypatch):
     from streamrl.transport import ray as ray_transport
 
-    async def owner_gone(self, refs):
-        return None  # what _fetch answers when ray.get raises OwnerDiedError
+    q = rq(num_shards=1)
+    orig = ray_transport.RayDataPlane._call
 
-    monkeypatch.setattr(ray_transport.RayDataPlane, "_fetch", owner_gone)
-    x = torch.randn(8, 4096)  # 16 KiB rows, 128 KiB put: by reference
-    for ownership in ("unit", "producer"):
-        q = rq(ownership=ownership)
-        await q.put({"x": x, "i": torch.arange(8)}, partition="p")
-        mb = await q.get("t", ["x", "i"], 8, partition="p", timeout=30)
-        view = pickle.loads(pickle.dumps(mb))  # nothing cached: reads the queue
-        if ownership == "unit":
-            td = await view.materialize()
-            assert torch.equal(td["x"], x) and td["i"].tolist() == list(range(8))
-            continue
-        with pytest.raises(RowsLost) as e:
-            await view.materialize()
-        assert sorted(e.value.rows) == sorted(mb.rows)
-        with anyio.fail_after(30):
-            while (await q.stats()).dropped_by.get("lost") != 8:
-                await anyio.sleep(0.05)
+    async def slow_store(self, shard, method, *args, **kw):
+        if method == "put":
+            await anyio.sleep(2.0)  # the blocks are reserved and written by now
+        return await orig(self, shard, method, *args, **kw)
+
+    monkeypatch.setattr(ray_transport.RayDataPlane, "_call", slow_store)
+    with anyio.move_on_after(0.5):
+        await q.put({"x": torch.zeros(4, 65536)}, partition="p")  # 1 MiB
+    monkeypatch.setattr(ray_transport.RayDataPlane, "_call", orig)
+    st = await q.stats()
+    assert st.rows == 0 and st.bytes_in_flight == 0
+    await _until(lambda: _used_zero(q), "the unreserve")
+
+
+async def _used_zero(q) -> bool:
+    return (await _arena(q))["used"] == 0
+
+
+async def test_blocks_of_dead_processes_are_released_when_room_is_needed(rq):
+    """A reader that dies holding views, or a producer that dies between reserving blocks
+    and storing them, cannot call back: the unit releases their blocks when it next needs
+    room (a process is dead when /proc has no entry for it)."""
+    q = rq(num_shards=1)
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                          capture_output=True, text=True).stdout.strip()
+    unit = q._transport._units[0]
+    await unit.reserve.remote([1 << 20], int(dead))  # a producer that died after reserving
+    await q.put({"x": torch.zeros(4, 65536)}, partition="p")
+    await unit.read.remote(list((await q.get("t", ["x"], 4, partition="p")).rows), ["x"],
+                           int(dead))  # a reader that died holding its views
+    await q.clear("p")
+    a = await _arena(q)
+    assert a["used"] >= 2 << 20 and a["pins"] == 1
+    await unit.__ray_call__.remote(lambda self: self._sweep())  # what a full arena does
+    a = await _arena(q)
+    assert a["used"] == 0 and a["pins"] == 0
 
 
 async def test_controller_actor_runs_on_uvloop(rq):
     pytest.importorskip("uvloop")
     q = rq()
     assert (await q._transport._controller.event_loop.remote()).startswith("uvloop")
-
-
-async def test_put_cancelled_while_its_data_is_being_copied_admits_nothing(rq, monkeypatch):
-    """A big put copies its data while its rows are being admitted; cancelled after the
-    admission, it takes the admission back."""
-    import time
-
-    q = rq()
-    await q.put({"x": torch.zeros(4, 16384)}, partition="p")  # room afterwards: next copies early
-    data = q._transport._data
-    orig = data.prepare
-
-    def slow_prepare(cols):
-        time.sleep(1.0)
-        return orig(cols)
-
-    monkeypatch.setattr(data, "prepare", slow_prepare)
-    with anyio.move_on_after(0.5):
-        await q.put({"x": torch.zeros(4, 16384)}, partition="p")
-    st = await q.stats()
-    assert st.rows == 4 and st.bytes_in_flight == 0 and st.put == 4

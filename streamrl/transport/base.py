@@ -26,20 +26,9 @@ class DataPlane(abc.ABC):
     micro-batch spread over shards costs one call per shard, issued concurrently."""
 
     num_shards: int
-    #: puts of at least this many bytes are worth :meth:`prepare` (``None``: none are;
-    #: the client then skips it and its worker thread)
-    prepare_min_bytes: int | None = None
-
     @abc.abstractmethod
     async def put(self, parts: Sequence[tuple[int, Sequence[int], Mapping[str, Column]]]) -> None:
         """Store columns: ``parts`` is a list of ``(shard, rows, columns)``."""
-
-    def prepare(self, columns: Mapping[str, Column]) -> Mapping[str, Column] | None:
-        """Optionally turn the columns of a put of new rows into their stored form before
-        the rows are admitted (runs on a worker thread while the admission is in flight);
-        ``put`` then gets the result as the columns of its single part. ``None``: nothing
-        to gain (the default)."""
-        return None
 
     @abc.abstractmethod
     async def get(self, parts: Sequence[tuple[int, Sequence[int], Sequence[str]]]

@@ -11,45 +11,47 @@ Layout:
   go client -> storage unit on ``put`` and storage unit -> client on ``materialize``,
   never through the controller.
 
-Data path (chosen by measurement, see ``docs/benchmarks.md``): tensors travel as raw
-bytes (:class:`~streamrl.wire.WireTensor`: dtype name, shape, a numpy ``uint8`` view).
-The producer writes each tensor of at least ``BY_REFERENCE_MIN`` bytes into Ray's
-shared-memory object store once (``ray.put`` of the numpy view: one copy, no pickling)
-and sends the storage unit the object reference. With the default ``ownership="unit"``
-the reference is also passed as a top-level argument, so Ray maps the object into the
-unit's process and the unit keeps that view: the bytes stay in the object store while
-the unit holds the rows, even if the producer (the object's owner) dies. Reads return
-the references, which a reader on the same node maps without copying (another node gets
-them by Ray's object transfer); if the owner is gone and the object cannot be fetched,
-the reader asks the unit for the bytes it kept (one copy). With
-``ownership="producer"`` the unit keeps only the reference, and the rows die with their
-producer. Small tensors and Python objects (codec bytes) travel inline. (Ray's default
-torch path pickles tensors byte by byte, at a tenth of the speed.) Each micro-batch
-costs one call per storage unit holding its rows, issued concurrently.
+Calls: every actor also serves its methods over a socket (:mod:`.rpc`), about 30x
+cheaper than a Ray actor call; ``direct_calls=False`` keeps them on Ray.
+
+Data path (chosen by measurement, see ``docs/benchmarks.md``): each storage unit keeps
+tensor bytes in a shared-memory arena (:mod:`streamrl.arena`). A producer on the unit's
+node asks the unit for blocks, copies each tensor of at least ``SHM_MIN`` bytes into its
+block (the one copy of a put) and sends the unit the block references; a reader on the
+node gets the references and views the blocks in place (no copy), each read pinning its
+blocks until the reader's tensors are gone. Clients on other nodes (or without the
+socket channel) send and receive the bytes inline in the calls. Small tensors and Python
+objects (codec bytes) always travel inline. Each micro-batch costs one call per storage
+unit holding its rows, issued concurrently.
 
 Failures: a storage unit that dies loses its rows: reads of them raise
 :class:`~streamrl.errors.RowsLost` naming the rows and the unit, the controller drops them
-(``stats().dropped_by["lost"]``) and places new rows on the living units. A dead
-controller makes every call raise :class:`~streamrl.errors.TransportError` at once. A
-client that dies holding a lease: its rows go back after ``lease_timeout``.
+(``stats().dropped_by["lost"]``) and places new rows on the living units; tensors already
+read stay valid (their shared memory lives while it is mapped). A dead controller makes
+every call raise :class:`~streamrl.errors.TransportError` at once. A client that dies
+holding a lease: its rows go back after ``lease_timeout``; its pins and unfinished
+writes are released the next time the unit needs room.
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import itertools
 import logging
 import os
 import sys
 import threading
 import uuid
+import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-import anyio
+import numpy as np
 import ray
 
+from ..arena import Arena, ShmRef, map_segment
 from ..controller import Controller, DropReason, FilterSpec
 from ..errors import RowsLost, TransportError, rows_preview
 from ..service import ControllerService
@@ -71,22 +73,21 @@ log = logging.getLogger("streamrl")
 # loaded machine): storage units keep WireTensors and encoded bytes. Converting to and
 # from torch happens in the client, which has torch anyway.
 
+#: Tensors of at least this many bytes go through the shared-memory arena when the
+#: producer or reader is on the unit's node; smaller ones travel inline in the call.
+SHM_MIN = 64 * 1024
+
 
 def _to_wire(cols: Mapping[str, Column]) -> dict[str, Any]:
     """Client side: tensors -> WireTensor (a view of their bytes, no copy when
-    contiguous); per-row tensors of a list -> WireTensor each; other objects -> bytes.
-    Big tensors are put in the object store here (owned by this process: the one copy
-    of a put) and only their references travel."""
+    contiguous); per-row tensors of a list -> WireTensor each; other objects -> bytes."""
     import torch
 
     from .. import codec
 
     def wt(t):
         dtype, shape, buf = codec.tensor_to_raw(t)
-        w = WireTensor(dtype, t.element_size(), shape, buf)
-        if buf.nbytes >= BY_REFERENCE_MIN:
-            w = w.by_reference(ray.put(buf))
-        return w
+        return WireTensor(dtype, t.element_size(), shape, buf)
 
     out: dict[str, Any] = {}
     for name, col in cols.items():
@@ -99,25 +100,20 @@ def _to_wire(cols: Mapping[str, Column]) -> dict[str, Any]:
     return out
 
 
-class _Wired(dict):
-    """Columns already in wire form (see :meth:`RayDataPlane.prepare`)."""
-
-
-def _refs_in(pieces: Mapping[str, Any]) -> list:
-    """Object references the columns of a put, or the pieces of a read, point at (each
-    once, in a fixed order)."""
-    refs = {}
+def _tensors_in(pieces: Mapping[str, Any]) -> list[WireTensor]:
+    """The WireTensors of the columns of a put, or of the pieces of a read."""
+    out = []
     for col in pieces.values():
         for p in (col if isinstance(col, list) else (col,)):
             for x in (p if isinstance(p, list) else (p,)):
-                if isinstance(x, WireTensor) and x.ref is not None:
-                    refs[x.ref] = None
-    return list(refs)
+                if isinstance(x, WireTensor):
+                    out.append(x)
+    return out
 
 
-def _put_refs(parts: Sequence[tuple[list, dict]]) -> list:
-    """Object references of the columns of ``(rows, columns)`` parts."""
-    return list({r: None for _, cols in parts for r in _refs_in(cols)})
+def _refs_in(pieces: Mapping[str, Any]) -> list[ShmRef]:
+    """The arena blocks the pieces of a read point at (each once, in a fixed order)."""
+    return list({t.ref: None for t in _tensors_in(pieces) if t.ref is not None})
 
 
 def _map_col(col: Any, fn: Callable) -> Any:
@@ -134,8 +130,8 @@ def _map_pieces(pieces: dict[str, list], fn: Callable) -> dict[str, list]:
 
 
 def _from_wire(pieces: Mapping[str, list], arrays: dict) -> dict[str, list[Column]]:
-    """Client side: storage pieces -> tensors (views of the object-store buffers, no
-    copy) / objects. ``arrays`` maps the pieces' object references to their arrays."""
+    """Client side: storage pieces -> tensors (views of the arena blocks or of the inline
+    bytes, no copy) / objects. ``arrays`` maps the pieces' block references to views."""
     from .. import codec
 
     def obj(x):
@@ -148,17 +144,6 @@ def _from_wire(pieces: Mapping[str, list], arrays: dict) -> dict[str, list[Colum
         out[f] = [codec.tensor_from_raw(p.dtype, p.shape, p.resolve(arrays))
                   if isinstance(p, WireTensor) else [obj(x) for x in p] for p in plist]
     return out
-
-
-#: Tensor data of at least this many bytes in one put is kept by the storage unit as a
-#: Ray object it owns: reads hand out the reference, and a reader on the same node maps
-#: the bytes without a copy. Smaller data travels inline.
-BY_REFERENCE_MIN = 64 * 1024
-
-
-#: Up to this many objects a read awaits them directly (measured: ~0.6 ms for one or two,
-#: against ~1.3 ms for a hop to a worker thread); more go to one batched ``ray.get``.
-_AWAIT_MAX = 4
 
 
 def _unwrap(e: BaseException, what: str) -> BaseException:
@@ -174,23 +159,44 @@ def _unwrap(e: BaseException, what: str) -> BaseException:
     return e
 
 
+def _alive(pid: int) -> bool:
+    """Whether process ``pid`` (on this node) still runs."""
+    return os.path.exists(f"/proc/{pid}")
+
+
 # ---------------------------------------------------------------------- actors
 
 
+class _Block:
+    """An arena block's users: the rows stored in it, readers' pins, and the producer
+    that reserved it and has not stored it yet."""
+
+    __slots__ = ("stored", "pins", "writer")
+
+    def __init__(self, writer: int | None):
+        self.stored = False
+        self.pins = 0
+        self.writer = writer  # pid of the producer writing it
+
+
 class _StorageActorImpl:
-    """One storage unit as a (threaded) actor."""
+    """One storage unit as a (threaded) actor, with its shared-memory arena."""
 
     def __init__(self, index: int):
         from ..storage import StorageUnit
 
-        self.unit = StorageUnit(index)
+        self.index = index
+        self.arena = Arena(index)
+        self.blocks: dict[ShmRef, _Block] = {}
+        self.pins: dict[int, tuple[int, list[ShmRef]]] = {}  # pin -> (reader pid, blocks)
+        self._pin_ids = itertools.count(1)
+        self.unit = StorageUnit(index, on_release=self._released)
         self.lock = threading.Lock()
         self._endpoint: Endpoint | None = None
 
     def endpoint(self) -> Endpoint:
         """Start serving this unit's methods over a socket (see :mod:`.rpc`), from an
-        event loop on a thread of its own; where. Only calls that carry no object
-        references use it (Ray must see those to count them)."""
+        event loop on a thread of its own; where."""
         if self._endpoint is None:
             loop = _new_loop()
             threading.Thread(target=loop.run_forever, name="streamrl-unit-rpc",
@@ -199,47 +205,121 @@ class _StorageActorImpl:
             self._endpoint = asyncio.run_coroutine_threadsafe(server.start(), loop).result()
         return self._endpoint
 
-    def get_inline(self, rows: list[int], fields: list[str]) -> dict | None:
-        """:meth:`get` for the socket channel: ``None`` when the pieces hold object
-        references (ask again through Ray)."""
-        out = self.get(rows, fields)
-        return None if _refs_in(out) else out
+    def shm_info(self) -> tuple[str, int]:
+        """(node id, pid): a client on the same node maps this unit's arena through
+        ``/proc/<pid>/fd``."""
+        return ray.get_runtime_context().get_node_id(), os.getpid()
 
-    def put(self, parts: list, *pinned) -> None:
-        """Store ``(rows, columns)`` parts. ``pinned``: the arrays of the parts' object
-        references (in :func:`_put_refs` order), which Ray mapped into this process
-        (no copy on a node): kept with the rows so their bytes outlive the producer."""
-        if pinned:
-            arrays = dict(zip(_put_refs(parts), pinned))
+    # -- blocks
 
-            def pin(t):
-                return t.pinned(arrays[t.ref]) if t.ref in arrays else t
+    def _alloc(self, nbytes: int, writer: int) -> ShmRef:
+        ref = self.arena.alloc(nbytes, grow=False)
+        if ref is None:
+            self._sweep()
+            ref = self.arena.alloc(nbytes)
+        self.blocks[ref] = _Block(writer)
+        return ref
 
-            parts = [(rows, {f: _map_col(c, pin) for f, c in cols.items()})
-                     for rows, cols in parts]
+    def _sweep(self) -> None:
+        """Release the pins and unfinished writes of processes that died."""
+        dead: dict[int, bool] = {}
+
+        def gone(pid):
+            if pid not in dead:
+                dead[pid] = not _alive(pid)
+            return dead[pid]
+
+        for pin, (pid, _) in list(self.pins.items()):
+            if gone(pid):
+                self._unpin(pin)
+        for ref, b in list(self.blocks.items()):
+            if b.writer is not None and gone(b.writer):
+                b.writer = None
+                self._maybe_free(ref, b)
+
+    def _maybe_free(self, ref: ShmRef, b: _Block) -> None:
+        if not b.stored and not b.pins and b.writer is None:
+            del self.blocks[ref]
+            self.arena.free(ref)
+
+    def _released(self, t: Any) -> None:
+        """No row refers to ``t`` any more (called by the unit, under the lock)."""
+        if isinstance(t, WireTensor) and isinstance(t.ref, ShmRef):
+            b = self.blocks[t.ref]
+            b.stored = False
+            self._maybe_free(t.ref, b)
+
+    def _unpin(self, pin: int) -> None:
+        entry = self.pins.pop(pin, None)
+        if entry is None:
+            return
+        for ref in entry[1]:
+            b = self.blocks.get(ref)
+            if b is not None:
+                b.pins -= 1
+                self._maybe_free(ref, b)
+
+    def reserve(self, sizes: list[int], pid: int) -> tuple[list[ShmRef], list]:
+        """Blocks of ``sizes`` bytes for producer ``pid`` to write into, and where the
+        arena's segments are (see :meth:`Arena.where`). ``put`` stores them;
+        ``unreserve`` gives back those it will not."""
         with self.lock:
-            for rows, cols in parts:
-                self.unit.put(rows, cols)
+            return [self._alloc(n, pid) for n in sizes], self.arena.where()
 
-    def get(self, rows: list[int], fields: list[str], inline: bool = False) -> dict:
-        """Pieces of ``fields`` of ``rows``: big tensors as object references, or with
-        ``inline`` (the reader could not fetch those objects: their owner died) as the
-        bytes this unit kept. Raises ``RowsLost`` when it kept none (``ownership="producer"``)."""
+    def unreserve(self, refs: list[ShmRef]) -> None:
+        with self.lock:
+            for ref in refs:
+                b = self.blocks.get(ref)
+                if b is not None and not b.stored:
+                    b.writer = None
+                    self._maybe_free(ref, b)
+
+    def unpin(self, pins: list[int]) -> None:
+        """Readers' views of these reads are gone: their blocks may be reused."""
+        with self.lock:
+            for pin in pins:
+                self._unpin(pin)
+
+    # -- rows
+
+    def put(self, parts: list) -> None:
+        """Store ``(rows, columns)`` parts. Tensors come inline, or as blocks of this
+        unit's arena that the producer reserved and wrote."""
+        with self.lock:
+            def stored(t):
+                if not isinstance(t.ref, ShmRef):
+                    return t
+                b = self.blocks.get(t.ref)
+                if b is None or b.stored:
+                    raise TransportError(
+                        f"storage unit {self.index} holds no reserved block {t.ref}: the write "
+                        "took too long and its process was taken for dead. Put the rows again")
+                b.stored, b.writer = True, None
+                return t.pinned(self.arena.view(t.ref))
+
+            for rows, cols in parts:
+                self.unit.put(rows, {f: _map_col(c, stored) for f, c in cols.items()})
+
+    def read(self, rows: list[int], fields: list[str], pid: int | None = None
+             ) -> tuple[dict, int | None, list | None]:
+        """Pieces of ``fields`` of ``rows``, plus a pin and the arena's segments.
+
+        With ``pid`` (a reader on this node that maps the arena), arena tensors come as
+        block references, pinned for that reader until it calls :meth:`unpin` (or dies);
+        without, every tensor comes inline (the bytes are in the reply)."""
         with self.lock:
             pieces = self.unit.get(rows, fields)
-        if not inline:
-            return _map_pieces(pieces, WireTensor.stripped)
-
-        def inl(t):
-            out = t.inlined()
-            if out is None:
-                raise RowsLost(
-                    f"the data of rows {rows_preview(rows)} is gone: the process that owned it "
-                    "died (with ownership='producer', their producer). Drop these rows and "
-                    "move on; use ownership='unit' for data that must outlive its producer",
-                    rows)
-            return out
-        return _map_pieces(pieces, inl)
+            if pid is None:
+                return _map_pieces(pieces, WireTensor.inlined), None, None
+            pieces = _map_pieces(pieces, WireTensor.stripped)
+            refs = _refs_in(pieces)
+            if not refs:
+                return pieces, None, None
+            pin = next(self._pin_ids)
+            for ref in refs:
+                self.blocks[ref].pins += 1
+            self.pins[pin] = (pid, refs)
+            return pieces, pin, self.arena.where()
 
     def delete(self, rows: list[int]) -> tuple[int, int]:
         with self.lock:
@@ -253,12 +333,20 @@ class _StorageActorImpl:
         with self.lock:
             return self.unit.stats()
 
+    def arena_stats(self) -> dict[str, int]:
+        """Bytes of the arena: ``size`` (shared memory held), ``used`` (in blocks),
+        ``pinned`` (blocks readers still view), ``pins`` (open reads)."""
+        with self.lock:
+            return {"size": self.arena.size, "used": self.arena.used,
+                    "pinned": sum(r.size for r, b in self.blocks.items() if b.pins),
+                    "pins": len(self.pins)}
+
     def node_id(self) -> str:
         return ray.get_runtime_context().get_node_id()
 
     def memory(self) -> dict[str, int]:
         """This process's memory (bytes): ``VmRSS``, ``VmHWM`` (peak RSS), ``RssAnon``
-        (private) and ``RssShmem`` (mapped object-store pages), from /proc (Linux)."""
+        (private) and ``RssShmem`` (mapped shared memory: the arena), from /proc (Linux)."""
         return _proc_memory()
 
     def ping(self) -> bool:
@@ -291,38 +379,48 @@ def _proc_memory() -> dict[str, int]:
 
 
 class RayDataPlane(DataPlane):
-    """Storage-unit actors, called concurrently, one call per unit per request."""
+    """Storage-unit actors, called concurrently, one call per unit per request; tensor
+    bytes through the units' shared-memory arenas when on the same node."""
 
-    def __init__(self, units: Sequence[Any], ownership: str = "unit",
-                 endpoints: Sequence[Endpoint | None] | None = None):
+    def __init__(self, units: Sequence[Any], endpoints: Sequence[Endpoint | None] | None = None):
         self.units = list(units)
         self.num_shards = len(self.units)
-        self.ownership = ownership
         self.rpcs: list[RpcClient | None] = [None] * self.num_shards
+        # per unit: its pid when this process maps its arena, False when it does not
+        self._local: list[int | bool | None] = [None] * self.num_shards
+        self._maps: dict[tuple[int, int], Any] = {}  # (unit, segment) -> mmap
+        self.on_lost: Callable[[int], None] | None = None  # a unit died
+        self._unpins: collections.deque = collections.deque()  # (unit, pin) of dead views
+        self._loop: asyncio.AbstractEventLoop | None = None
         if endpoints is not None:
             self.use_endpoints(endpoints)
-        self.on_lost: Callable[[int], None] | None = None  # a unit died
-        self.on_rows_lost: Callable[[list[int]], None] | None = None  # their data died
 
     def use_endpoints(self, endpoints: Sequence[Endpoint | None]) -> None:
         """Call the units over their socket channels (see :mod:`.rpc`) from now on."""
-        self.rpcs = [RpcClient(e) if e is not None else None for e in endpoints]
+        self.rpcs = [RpcClient(e, on_broken=lambda s=shard: self._unmap(s)) if e is not None
+                     else None for shard, e in enumerate(endpoints)]
 
-    async def _call(self, shard: int, method: str, *args, rows: Sequence[int] = (),
-                    refs: Sequence = (), direct: bool = True):
-        """``method(*args)`` on unit ``shard``: over its socket channel when ``direct``
-        (the call carries no object references), else (or if the socket fails) as a Ray
-        call with ``refs`` as extra top-level arguments. A dead unit: ``on_lost`` and
-        :class:`RowsLost` naming ``rows``."""
+    def _unmap(self, shard: int) -> None:
+        """Forget unit ``shard``'s arena (its connection broke: the unit may be gone).
+        Tensors already read keep their own mappings; the next call maps it again."""
+        self._local[shard] = None
+        for key in [k for k in self._maps if k[0] == shard]:
+            del self._maps[key]
+
+    async def _call(self, shard: int, method: str, *args, rows: Sequence[int] = ()):
+        """``method(*args)`` on unit ``shard``: over its socket channel (or, if that
+        fails, as a Ray call). A dead unit: ``on_lost`` and :class:`RowsLost` naming
+        ``rows``."""
         rpc = self.rpcs[shard]
-        if direct and rpc is not None:
+        if rpc is not None:
             try:
                 return await rpc.call(method, *args)
             except ConnectionError:
                 pass  # the unit died (Ray says so below) or its socket is unreachable
         try:
-            return await getattr(self.units[shard], method).remote(*args, *refs)
+            return await getattr(self.units[shard], method).remote(*args)
         except (ray.exceptions.RayActorError, ray.exceptions.ObjectLostError) as e:
+            self._unmap(shard)
             if self.on_lost is not None:
                 self.on_lost(shard)
             raise RowsLost(
@@ -332,71 +430,114 @@ class RayDataPlane(DataPlane):
         except ray.exceptions.RayTaskError as e:
             raise _unwrap(e, "storage unit") from None
 
-    prepare_min_bytes = BY_REFERENCE_MIN  # smaller puts have nothing to copy early
+    # -- shared memory
 
-    def prepare(self, columns: Mapping[str, Column]) -> "_Wired":
-        """The columns in wire form: big tensors written into the object store now."""
-        return _Wired(_to_wire(columns))
+    async def _pid(self, shard: int, rows: Sequence[int]) -> int | None:
+        """The unit's pid if this process can map its arena (same node, socket calls)."""
+        if self._local[shard] is None:
+            local: int | bool = False
+            if self.rpcs[shard] is not None:
+                node, pid = await self._call(shard, "shm_info", rows=rows)
+                if node == ray.get_runtime_context().get_node_id():
+                    local = pid
+            self._local[shard] = local
+        return self._local[shard] or None
+
+    def _segment(self, shard: int, pid: int, seg: int, where: list) -> Any:
+        """The mapping of segment ``seg`` of unit ``shard`` (mapped on first use)."""
+        mm = self._maps.get((shard, seg))
+        if mm is None:
+            _, fd, size = where[seg]
+            mm = self._maps[(shard, seg)] = map_segment(f"/proc/{pid}/fd/{fd}", size)
+        return mm
+
+    def _unpin_later(self, shard: int, pin: int) -> None:
+        """A read's views are all gone (called from garbage collection, any thread)."""
+        self._unpins.append((shard, pin))
+        loop = self._loop
+        if loop is not None:
+            try:
+                loop.call_soon_threadsafe(self._flush_unpins)
+            except RuntimeError:  # that loop is closed: the next call flushes
+                pass
+
+    def _flush_unpins(self) -> None:
+        """Tell the units which reads' views are gone (without waiting)."""
+        by_shard: dict[int, list[int]] = {}
+        while self._unpins:
+            shard, pin = self._unpins.popleft()
+            by_shard.setdefault(shard, []).append(pin)
+        for shard, pins in by_shard.items():
+            rpc = self.rpcs[shard]
+            if rpc is None or not rpc.notify("unpin", pins):
+                for pin in pins:  # no connection on this loop yet: next time
+                    self._unpins.append((shard, pin))
+
+    # -- data plane
 
     async def put(self, parts: Sequence[tuple[int, Sequence[int], Mapping[str, Column]]]) -> None:
         by_shard: dict[int, list] = {}
         for shard, rows, cols in parts:
-            by_shard.setdefault(shard, []).append(
-                (list(rows), dict(cols) if isinstance(cols, _Wired) else _to_wire(cols)))
-        # ownership="unit": the references also go as top-level arguments, so Ray maps
-        # the objects into the unit (which keeps them: rows outlive this process)
-        pin = self.ownership == "unit"
+            by_shard.setdefault(shard, []).append((list(rows), _to_wire(cols)))
+        await asyncio.gather(*[self._put(s, p) for s, p in by_shard.items()])
 
-        def put(s, p):
-            refs = _put_refs(p)
-            return self._call(s, "put", p, refs=refs if pin else (), direct=not refs,
-                              rows=[r for rows, _ in p for r in rows])
-
-        await asyncio.gather(*[put(s, p) for s, p in by_shard.items()])
+    async def _put(self, shard: int, parts: list) -> None:
+        rows = [r for rs, _ in parts for r in rs]
+        big = [t for _, cols in parts for t in _tensors_in(cols) if t.nbytes >= SHM_MIN]
+        pid = await self._pid(shard, rows) if big else None
+        if pid is None:
+            await self._call(shard, "put", parts, rows=rows)
+            return
+        refs, where = await self._call(shard, "reserve", [t.nbytes for t in big], os.getpid(),
+                                       rows=rows)
+        try:
+            by_id = {}
+            for t, ref in zip(big, refs):
+                mm = self._segment(shard, pid, ref.seg, where)
+                dst = np.frombuffer(mm, dtype=np.uint8, count=t.nbytes, offset=ref.off)
+                np.copyto(dst, t.buf)  # the one copy of a put
+                by_id[id(t)] = WireTensor(t.dtype, t.itemsize, t.shape, None, ref)
+            stored = [(rs, {f: _map_col(c, lambda t: by_id.get(id(t), t)) for f, c in cols.items()})
+                      for rs, cols in parts]
+            await self._call(shard, "put", stored, rows=rows)
+        except BaseException:
+            rpc = self.rpcs[shard]
+            if not (rpc is not None and rpc.notify("unreserve", refs)):
+                self.units[shard].unreserve.remote(refs)
+            raise
 
     async def get(self, parts: Sequence[tuple[int, Sequence[int], Sequence[str]]]
                   ) -> list[dict[str, list[Column]]]:
-        outs = await asyncio.gather(*[self._get(s, list(rows), list(fields)) for s, rows, fields in parts])
-        # fetch the referenced objects (mapped in place on this node, copied once
-        # from another node), all at once
+        self._loop = asyncio.get_running_loop()
+        self._flush_unpins()
+        return list(await asyncio.gather(*[self._read(s, list(rows), list(fields))
+                                           for s, rows, fields in parts]))
+
+    async def _read(self, shard: int, rows: list[int], fields: list[str]) -> dict[str, list[Column]]:
+        pid = await self._pid(shard, rows)
+        pieces, pin, where = await self._call(shard, "read", rows, fields,
+                                              os.getpid() if pid else None, rows=rows)
         arrays: dict = {}
-        fetches = [(i, refs) for i, refs in enumerate(_refs_in(o) for o in outs) if refs]
-        got = await asyncio.gather(*[self._fetch(refs) for _, refs in fetches])
-        for (i, _), d in zip(fetches, got):
-            if d is not None:
-                arrays.update(d)
-                continue
-            # the objects' owner (the producer) is gone: read the bytes the unit kept
-            s, rows, fields = parts[i]
-            try:
-                outs[i] = await self._call(s, "get", list(rows), list(fields), True, rows=rows)
-            except RowsLost as e:
-                if e.unit is None and self.on_rows_lost is not None:
-                    self.on_rows_lost(list(rows))
-                raise
-        return [_from_wire(o, arrays) for o in outs]
+        if pin is not None:
+            # one fresh array per segment for this read: the views handed out keep it
+            # alive, and when the last goes, the unit hears that the blocks are free
+            bases = {}
+            for ref in _refs_in(pieces):
+                base = bases.get(ref.seg)
+                if base is None:
+                    base = bases[ref.seg] = np.frombuffer(
+                        self._segment(shard, pid, ref.seg, where), dtype=np.uint8)
+                arrays[ref] = base[ref.off:ref.off + ref.size]
+            left = [len(bases)]
 
-    async def _get(self, shard: int, rows: list[int], fields: list[str]) -> dict:
-        """The pieces of a read: over the socket when they hold no object references."""
-        if self.rpcs[shard] is not None:
-            out = await self._call(shard, "get_inline", rows, fields, rows=rows)
-            if out is not None:
-                return out
-        return await self._call(shard, "get", rows, fields, rows=rows, direct=False)
+            def gone(shard=shard, pin=pin, left=left):
+                left[0] -= 1
+                if not left[0]:
+                    self._unpin_later(shard, pin)
 
-    async def _fetch(self, refs: list) -> dict | None:
-        """The arrays of ``refs`` (mapped in place on this node), or ``None`` when their
-        owner died."""
-        try:
-            if len(refs) <= _AWAIT_MAX:
-                vals = await asyncio.gather(*refs)
-            else:
-                # one batched ray.get (on a worker thread, so the loop keeps running) is
-                # ~10x faster than awaiting many references one by one
-                vals = await anyio.to_thread.run_sync(ray.get, refs)
-        except (ray.exceptions.ObjectLostError, ray.exceptions.RayActorError):
-            return None
-        return dict(zip(refs, vals))
+            for base in bases.values():
+                weakref.finalize(base, gone)
+        return _from_wire(pieces, arrays)
 
     async def delete(self, parts: Mapping[int, Sequence[int]]) -> None:
         await self._forget(parts, "delete")
@@ -423,13 +564,11 @@ class RayDataPlane(DataPlane):
 class _ControllerActorImpl:
     """The controller service as an async actor."""
 
-    def __init__(self, config: dict, units: list, ownership: str = "unit"):
-        self.ownership = ownership
+    def __init__(self, config: dict, units: list):
         ctl = Controller(**config)
         self.data = RayDataPlane(units)
         self.svc = ControllerService(ctl, self.data)
         self.data.on_lost = self._lost
-        self.data.on_rows_lost = self._rows_lost
         self.units = units
         self.dead: set[int] = set()
         self._inflight: dict[str, asyncio.Task] = {}  # calls a client may cancel
@@ -452,17 +591,8 @@ class _ControllerActorImpl:
     async def report_lost(self, shard: int) -> None:
         self._lost(shard)
 
-    def _rows_lost(self, rows: list[int]) -> None:
-        self.svc.ctl.drop(rows, DropReason.LOST)
-        asyncio.get_running_loop().create_task(self.svc._after())
-
-    async def report_lost_rows(self, rows: list[int]) -> None:
-        """Rows whose data died with its owner (``ownership="producer"``)."""
-        self.svc.ctl.drop(rows, DropReason.LOST)
-        await self.svc._after()
-
-    def handles(self) -> tuple[list, str, Endpoints | None]:
-        return self.units, self.ownership, self._endpoints
+    def handles(self) -> tuple[list, Endpoints | None]:
+        return self.units, self._endpoints
 
     async def endpoints(self) -> Endpoints:
         """Start serving this actor's methods, and each storage unit's, over sockets
@@ -666,7 +796,10 @@ def _pickle_by_value(fn) -> bytes:
             cp.unregister_pickle_by_value(mod)
 
 
-_name_ids = itertools.count()
+#: This process's clients of each queue (by controller actor id), shared by every handle
+#: of it that arrives here (a queue passed to an actor method is a new handle per call):
+#: their connections and arena mappings are made once.
+_clients: dict[str, tuple[RayControl, RayDataPlane]] = {}
 
 
 class RayTransport(Transport):
@@ -679,23 +812,19 @@ class RayTransport(Transport):
 
     name = "ray"
 
-    def __init__(self, controller, units: list, *, owner: bool, ownership: str = "unit",
+    def __init__(self, controller, units: list, *, owner: bool,
                  endpoints: Endpoints | None = None):
         self._controller = controller
         self._units = units
-        self._ownership = ownership
         self._endpoints = endpoints
-        self._control = RayControl(controller, endpoints[0] if endpoints else None)
-        self._data = RayDataPlane(units, ownership, endpoints[1] if endpoints else None)
-        self._data.on_lost = self._report_lost
-        self._data.on_rows_lost = self._report_lost_rows
+        self._key = controller._actor_id.hex()
+        shared = _clients.get(self._key)
+        if shared is None:
+            data = RayDataPlane(units, endpoints[1] if endpoints else None)
+            data.on_lost = lambda shard: controller.report_lost.remote(shard)
+            shared = _clients[self._key] = (RayControl(controller, endpoints[0] if endpoints else None), data)
+        self._control, self._data = shared
         self._owner = owner
-
-    def _report_lost(self, shard: int) -> None:
-        self._controller.report_lost.remote(shard)
-
-    def _report_lost_rows(self, rows: list[int]) -> None:
-        self._controller.report_lost_rows.remote(rows)
 
     @classmethod
     def create(cls, *, capacity: int, capacity_bytes: int | None, num_shards: int,
@@ -703,29 +832,16 @@ class RayTransport(Transport):
                consumers: Sequence[str] | None, name: str | None = None,
                namespace: str | None = None, unit_options: dict | Sequence[dict] | None = None,
                controller_options: dict | None = None, detached: bool = False,
-               ownership: str = "unit", direct_calls: bool = True) -> "RayTransport":
+               direct_calls: bool = True) -> "RayTransport":
         """Start the actors. ``unit_options`` (one dict for all units, or one per unit) and
         ``controller_options`` are passed to ``.options()`` (for example
         ``{"resources": {"node:10.0.0.2": 0.001}}`` to pin a unit to a node).
         ``detached=True`` keeps the actors alive after this driver exits (named queues).
 
-        ``ownership`` says who owns the object-store copy of big tensors:
-
-        * ``"unit"`` (default): the storage unit maps the producer's objects and keeps
-          them mapped, so rows outlive the producer that put them (one copy per put,
-          none per read on a node);
-        * ``"producer"``: the unit keeps only the references (one copy per put, none per
-          read), and the rows are lost (:class:`~streamrl.errors.RowsLost`) if their
-          producer's process dies before they are consumed. For producers that live as long as the queue.
-
         ``direct_calls`` (default ``True``): clients call the controller over a TCP
         connection to its node's IP address (see :mod:`streamrl.transport.rpc`), which is
         about 30x faster than a Ray actor call. ``False`` sends every call through Ray
         (for clusters whose nodes only reach each other on Ray's own ports)."""
-        if ownership not in ("unit", "producer"):
-            from ..errors import InvalidArgument
-
-            raise InvalidArgument(f"ownership must be 'unit' or 'producer', got {ownership!r}")
         if not ray.is_initialized():
             ray.init(ignore_reinit_error=True, include_dashboard=False,
                      address=os.environ.get("RAY_ADDRESS"))
@@ -757,14 +873,14 @@ class RayTransport(Transport):
         copts = {**common, **(controller_options or {})}
         if name:
             copts.setdefault("name", name)
-        controller = ControllerActor.options(**copts).remote(config, units, ownership)
+        controller = ControllerActor.options(**copts).remote(config, units)
         # either call also surfaces start-up errors here
         endpoints = None
         if direct_calls:
             endpoints = ray.get(controller.endpoints.remote())
         else:
             ray.get(controller.ping.remote())
-        return cls(controller, units, owner=True, ownership=ownership, endpoints=endpoints)
+        return cls(controller, units, owner=True, endpoints=endpoints)
 
     @classmethod
     def connect(cls, name: str, namespace: str | None = None) -> "RayTransport":
@@ -775,19 +891,18 @@ class RayTransport(Transport):
                 f"no streamrl queue named {name!r} in this Ray cluster"
                 + (f" (namespace {namespace!r})" if namespace else "")
                 + "; create it with StreamQueue(transport='ray', name=...) first") from None
-        units, ownership, endpoints = ray.get(controller.handles.remote())
-        return cls(controller, units, owner=False, ownership=ownership, endpoints=endpoints)
+        units, endpoints = ray.get(controller.handles.remote())
+        return cls(controller, units, owner=False, endpoints=endpoints)
 
     @property
     def handle(self) -> tuple:
-        """What a pickled queue carries: the actor handles, the ownership mode and the
-        actors' socket endpoints."""
-        return (self._controller, self._units, self._ownership, self._endpoints)
+        """What a pickled queue carries: the actor handles and their socket endpoints."""
+        return (self._controller, self._units, self._endpoints)
 
     @classmethod
     def from_handle(cls, handle: tuple) -> "RayTransport":
-        controller, units, ownership, endpoints = handle
-        return cls(controller, units, owner=False, ownership=ownership, endpoints=endpoints)
+        controller, units, endpoints = handle
+        return cls(controller, units, owner=False, endpoints=endpoints)
 
     @property
     def control(self) -> RayControl:
@@ -808,13 +923,14 @@ class RayTransport(Transport):
         self._controller.release.remote(list(lease_ids))
 
     async def shutdown(self) -> None:
-        """Close this event loop's socket connections; kill the actors, if this process
-        created them (handles and connected queues leave them running)."""
+        """Kill the actors and close this event loop's connections to them, if this
+        process created them (handles and connected queues leave them running)."""
+        if not self._owner:
+            return
+        _clients.pop(self._key, None)
         for rpc in [self._control.rpc, *self._data.rpcs]:
             if rpc is not None:
                 rpc.close()
-        if not self._owner:
-            return
         self._owner = False
         for a in [self._controller, *self._units]:
             try:

@@ -30,6 +30,7 @@ import logging
 import pickle
 import secrets
 import struct
+from collections.abc import Callable
 from typing import Any
 
 __all__ = ["RpcServer", "RpcClient", "Endpoint"]
@@ -126,7 +127,9 @@ class RpcServer:
 class _Connection:
     """One client connection: calls go out as frames, a reader task matches replies."""
 
-    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter):
+    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
+                 on_broken: Callable[[], None] | None = None):
+        self.on_broken = on_broken
         self.reader = reader
         self.writer = writer
         self.ids = itertools.count()
@@ -148,6 +151,8 @@ class _Connection:
                     fut.set_exception(ConnectionError(f"connection lost ({type(e).__name__})"))
             self.waiting.clear()
             self.writer.close()
+            if self.on_broken is not None:
+                self.on_broken()
 
     def send(self, method: str, args: tuple, kwargs: dict) -> tuple[int, asyncio.Future]:
         if self.broken is not None:
@@ -180,17 +185,19 @@ class _Connection:
 
 class RpcClient:
     """Calls to one :class:`RpcServer`: one connection per event loop of this process,
-    opened on first use."""
+    opened on first use. ``on_broken()`` is called when a connection breaks (the server
+    died, or the connection's event loop ended)."""
 
-    def __init__(self, endpoint: Endpoint):
+    def __init__(self, endpoint: Endpoint, on_broken: Callable[[], None] | None = None):
         self.host, self.port, self.token = endpoint
+        self.on_broken = on_broken
         self._conns: dict[asyncio.AbstractEventLoop, asyncio.Future] = {}
 
     async def _open(self) -> _Connection:
         reader, writer = await asyncio.wait_for(
             asyncio.open_connection(self.host, self.port), _CONNECT_TIMEOUT)
         writer.write(self.token)
-        return _Connection(reader, writer)
+        return _Connection(reader, writer, self.on_broken)
 
     async def connection(self) -> _Connection:
         """This event loop's connection (opened, or opened again after it broke)."""

@@ -1,0 +1,150 @@
+"""Shared-memory arenas: where a storage unit of the Ray transport keeps tensor bytes.
+
+An :class:`Arena` is a set of segments, each a ``memfd`` (anonymous shared memory the
+kernel frees once no process maps it or holds its descriptor), carved into blocks by a
+first-fit allocator. On the unit's node, producers and readers map the same segments
+(``/proc/<unit pid>/fd/<fd>``): a producer copies a tensor into a block once, and a reader
+views the block in place, so a put copies the bytes once and a read copies nothing.
+
+Freed blocks are reused, so pages stay warm (on a VM a page written for the first time
+can cost 20x a page written before) and memory stays bounded: the arena grows only when
+no free block fits.
+
+This module does not import torch: storage-unit actors run without it.
+"""
+
+from __future__ import annotations
+
+import bisect
+import mmap
+import os
+from typing import NamedTuple
+
+import numpy as np
+
+__all__ = ["Arena", "ShmRef", "SEGMENT_BYTES", "map_segment"]
+
+#: default segment size; bigger blocks get a segment of their own size
+SEGMENT_BYTES = 64 << 20
+_ALIGN = 64  # block alignment (a cache line; enough for every dtype)
+_GROW = 2 << 20  # segment sizes are multiples of this
+
+
+class ShmRef(NamedTuple):
+    """Where a block lives: storage unit, segment, offset and size (bytes)."""
+
+    unit: int
+    seg: int
+    off: int
+    size: int
+
+
+def map_segment(path: str, size: int) -> mmap.mmap:
+    """Map a segment (by its ``/proc/<pid>/fd/<fd>`` path) read-write, pages populated.
+    The mapping stays valid after the segment's owner dies."""
+    fd = os.open(path, os.O_RDWR)
+    try:
+        return mmap.mmap(fd, size, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0))
+    finally:
+        os.close(fd)
+
+
+class _Segment:
+    __slots__ = ("fd", "size", "array", "free")
+
+    def __init__(self, fd: int, size: int):
+        self.fd = fd
+        self.size = size
+        self.array = np.frombuffer(map_segment(f"/proc/self/fd/{fd}", size), dtype=np.uint8)
+        self.free: list[list[int]] = [[0, size]]  # [offset, size], sorted by offset
+
+
+class Arena:
+    """Blocks of shared memory for one storage unit.
+
+    Args:
+        unit: the unit's index (stamped into each :class:`ShmRef`).
+        segment_bytes: size of a new segment (a block bigger than this gets a segment of
+            its own).
+
+    Examples:
+        >>> a = Arena(0, segment_bytes=1 << 20)
+        >>> ref = a.alloc(1000)
+        >>> a.view(ref)[:3] = 7
+        >>> a.used
+        1024
+        >>> a.free(ref)
+        >>> a.used, a.size
+        (0, 2097152)
+    """
+
+    def __init__(self, unit: int = 0, segment_bytes: int = SEGMENT_BYTES):
+        self.unit = unit
+        self.segment_bytes = segment_bytes
+        self.segments: list[_Segment] = []
+        self.used = 0  # bytes in allocated blocks
+
+    @property
+    def size(self) -> int:
+        """Bytes of shared memory the arena holds (used or free)."""
+        return sum(s.size for s in self.segments)
+
+    def alloc(self, nbytes: int, grow: bool = True) -> ShmRef | None:
+        """A block of at least ``nbytes`` (first fit; a new segment when none fits, or
+        ``None`` without ``grow``)."""
+        need = max(_ALIGN, -(-nbytes // _ALIGN) * _ALIGN)
+        for i, seg in enumerate(self.segments):
+            for j, (off, size) in enumerate(seg.free):
+                if size >= need:
+                    if size == need:
+                        del seg.free[j]
+                    else:
+                        seg.free[j] = [off + need, size - need]
+                    self.used += need
+                    return ShmRef(self.unit, i, off, need)
+        if not grow:
+            return None
+        seg = self._grow(need)
+        off, size = seg.free[0]
+        seg.free[0] = [need, size - need]
+        if size == need:
+            del seg.free[0]
+        self.used += need
+        return ShmRef(self.unit, len(self.segments) - 1, 0, need)
+
+    def _grow(self, need: int) -> _Segment:
+        size = max(self.segment_bytes, -(-need // _GROW) * _GROW)
+        fd = os.memfd_create(f"streamrl-unit{self.unit}-{len(self.segments)}", os.MFD_CLOEXEC)
+        try:
+            os.ftruncate(fd, size)
+            os.posix_fallocate(fd, 0, size)  # the pages exist now, not at first write
+        except OSError:
+            os.close(fd)
+            raise
+        seg = _Segment(fd, size)
+        self.segments.append(seg)
+        return seg
+
+    def free(self, ref: ShmRef) -> None:
+        """Give a block back (merged with free neighbours)."""
+        seg = self.segments[ref.seg]
+        free = seg.free
+        i = bisect.bisect_left(free, [ref.off, 0])
+        off, size = ref.off, ref.size
+        if i < len(free) and free[i][0] == off + size:  # merge the next one
+            size += free[i][1]
+            del free[i]
+        if i > 0 and free[i - 1][0] + free[i - 1][1] == off:  # merge the previous one
+            free[i - 1][1] += size
+        else:
+            free.insert(i, [off, size])
+        self.used -= ref.size
+
+    def view(self, ref: ShmRef) -> np.ndarray:
+        """The block's bytes (a flat ``uint8`` view, no copy)."""
+        return self.segments[ref.seg].array[ref.off:ref.off + ref.size]
+
+    def where(self) -> list[tuple[int, int, int]]:
+        """``(segment, fd, size)`` of every segment: what a process on this node needs to
+        map them (``/proc/<this pid>/fd/<fd>``)."""
+        return [(i, s.fd, s.size) for i, s in enumerate(self.segments)]
