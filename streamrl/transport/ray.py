@@ -57,7 +57,7 @@ from ..errors import RowsLost, TransportError, rows_preview
 from ..service import ControllerService
 from ..wire import WireTensor
 from .base import Column, DataPlane, Transport
-from .rpc import Endpoint, RpcClient, RpcServer
+from .rpc import ConnectFailed, Endpoint, RpcClient, RpcServer
 
 #: the controller's socket endpoint and the storage units' (see :mod:`.rpc`)
 Endpoints = tuple[Endpoint, list[Endpoint]]
@@ -748,7 +748,10 @@ class RayControl:
             rid = kwargs["rid"] = uuid.uuid4().hex
         try:
             if self.rpc is not None:
-                return await self.rpc.call(method, *args, **kwargs)
+                try:
+                    return await self.rpc.call(method, *args, **kwargs)
+                except ConnectFailed:
+                    pass  # nothing was sent: Ray tells whether the actor is gone
             return await getattr(self.actor, method).remote(*args, **kwargs)
         except asyncio.CancelledError:
             # the cancel goes after the call on the same channel, so it cannot overtake it

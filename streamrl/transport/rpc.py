@@ -33,7 +33,7 @@ import struct
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["RpcServer", "RpcClient", "Endpoint"]
+__all__ = ["RpcServer", "RpcClient", "Endpoint", "ConnectFailed"]
 
 log = logging.getLogger("streamrl")
 
@@ -43,6 +43,11 @@ _CONNECT_TIMEOUT = 10.0
 
 #: ``(host, port, token)`` of a server
 Endpoint = tuple[str, int, bytes]
+
+
+class ConnectFailed(ConnectionError):
+    """No connection could be opened (nothing was sent): the server is gone, or this
+    process cannot reach its address."""
 
 
 def _frame(obj: Any) -> bytes:
@@ -215,10 +220,11 @@ class RpcClient:
         except OSError as e:
             if self._conns.get(loop) is fut:
                 del self._conns[loop]
-            raise ConnectionError(f"cannot connect to {self.host}:{self.port}: {e}") from None
+            raise ConnectFailed(f"cannot connect to {self.host}:{self.port}: {e}") from None
 
     async def call(self, method: str, *args: Any, **kwargs: Any) -> Any:
-        """Call ``method``; raises what it raised, or :class:`ConnectionError`."""
+        """Call ``method``; raises what it raised, :class:`ConnectFailed` (nothing was
+        sent) or :class:`ConnectionError` (the connection broke: the call may have run)."""
         conn = await self.connection()
         return await conn.call(method, args, kwargs)
 
