@@ -18,14 +18,17 @@ from __future__ import annotations
 import bisect
 import mmap
 import os
+from collections.abc import Iterable
 from typing import NamedTuple
 
 import numpy as np
 
 __all__ = ["Arena", "ShmRef", "SEGMENT_BYTES", "map_segment"]
 
-#: default segment size; bigger blocks get a segment of their own size
-SEGMENT_BYTES = 64 << 20
+#: default segment size; bigger blocks get a segment of their own size. Small enough that
+#: an arena holds little more than its rows (it grows a segment at a time), big enough that
+#: few are needed
+SEGMENT_BYTES = 16 << 20
 _ALIGN = 64  # block alignment (a cache line; enough for every dtype)
 _GROW = 2 << 20  # segment sizes are multiples of this
 
@@ -144,7 +147,7 @@ class Arena:
         """The block's bytes (a flat ``uint8`` view, no copy)."""
         return self.segments[ref.seg].array[ref.off:ref.off + ref.size]
 
-    def where(self) -> list[tuple[int, int, int]]:
-        """``(segment, fd, size)`` of every segment: what a process on this node needs to
-        map them (``/proc/<this pid>/fd/<fd>``)."""
-        return [(i, s.fd, s.size) for i, s in enumerate(self.segments)]
+    def where(self, refs: Iterable[ShmRef]) -> dict[int, tuple[int, int]]:
+        """``{segment: (fd, size)}`` of the segments ``refs`` lie in: what a process on
+        this node needs to map them (``/proc/<this pid>/fd/<fd>``)."""
+        return {r.seg: (self.segments[r.seg].fd, self.segments[r.seg].size) for r in refs}

@@ -259,12 +259,13 @@ class _StorageActorImpl:
                 b.pins -= 1
                 self._maybe_free(ref, b)
 
-    def reserve(self, sizes: list[int], pid: int) -> tuple[list[ShmRef], list]:
-        """Blocks of ``sizes`` bytes for producer ``pid`` to write into, and where the
-        arena's segments are (see :meth:`Arena.where`). ``put`` stores them;
+    def reserve(self, sizes: list[int], pid: int) -> tuple[list[ShmRef], dict]:
+        """Blocks of ``sizes`` bytes for producer ``pid`` to write into, and where their
+        segments are (see :meth:`Arena.where`). ``put`` stores them;
         ``unreserve`` gives back those it will not."""
         with self.lock:
-            return [self._alloc(n, pid) for n in sizes], self.arena.where()
+            refs = [self._alloc(n, pid) for n in sizes]
+            return refs, self.arena.where(refs)
 
     def unreserve(self, refs: list[ShmRef]) -> None:
         with self.lock:
@@ -301,8 +302,8 @@ class _StorageActorImpl:
                 self.unit.put(rows, {f: _map_col(c, stored) for f, c in cols.items()})
 
     def read(self, rows: list[int], fields: list[str], pid: int | None = None
-             ) -> tuple[dict, int | None, list | None]:
-        """Pieces of ``fields`` of ``rows``, plus a pin and the arena's segments.
+             ) -> tuple[dict, int | None, dict | None]:
+        """Pieces of ``fields`` of ``rows``, plus a pin and where their blocks' segments are.
 
         With ``pid`` (a reader on this node that maps the arena), arena tensors come as
         block references, pinned for that reader until it calls :meth:`unpin` (or dies);
@@ -319,7 +320,7 @@ class _StorageActorImpl:
             for ref in refs:
                 self.blocks[ref].pins += 1
             self.pins[pin] = (pid, refs)
-            return pieces, pin, self.arena.where()
+            return pieces, pin, self.arena.where(refs)
 
     def delete(self, rows: list[int]) -> tuple[int, int]:
         with self.lock:
@@ -443,11 +444,11 @@ class RayDataPlane(DataPlane):
             self._local[shard] = local
         return self._local[shard] or None
 
-    def _segment(self, shard: int, pid: int, seg: int, where: list) -> Any:
+    def _segment(self, shard: int, pid: int, seg: int, where: dict) -> Any:
         """The mapping of segment ``seg`` of unit ``shard`` (mapped on first use)."""
         mm = self._maps.get((shard, seg))
         if mm is None:
-            _, fd, size = where[seg]
+            fd, size = where[seg]
             mm = self._maps[(shard, seg)] = map_segment(f"/proc/{pid}/fd/{fd}", size)
         return mm
 
