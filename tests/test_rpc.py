@@ -23,6 +23,9 @@ class Target:
         await asyncio.sleep(0.05)
         return a + b
 
+    def echo(self, *xs):
+        return xs
+
     def fail(self, rows):
         raise RowsDropped("rows were dropped", rows)
 
@@ -59,6 +62,22 @@ async def test_calls_return_results_and_raise_the_remote_error():
     assert e.value.rows == [3, 4]
     with pytest.raises(AttributeError):
         await c.call("_private")
+    c.close()
+
+
+async def test_big_arrays_travel_out_of_band_byte_for_byte():
+    import numpy as np
+
+    _, _, ep = await _serve()
+    c = RpcClient(ep)
+    rng = np.random.default_rng(0)
+    big = rng.integers(0, 255, 8 << 20, dtype=np.uint8)  # 8 MiB
+    small = rng.standard_normal(3)
+    strided = rng.standard_normal((64, 64))[:, ::2]  # not contiguous: pickled in the body
+    out = await c.call("echo", big, b"raw", small, strided, [big[:10]])
+    assert np.array_equal(out[0], big) and out[1] == b"raw"
+    assert np.array_equal(out[2], small) and np.array_equal(out[3], strided)
+    assert np.array_equal(out[4][0], big[:10])
     c.close()
 
 

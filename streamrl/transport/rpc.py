@@ -37,9 +37,13 @@ __all__ = ["RpcServer", "RpcClient", "Endpoint", "ConnectFailed"]
 
 log = logging.getLogger("streamrl")
 
-_HDR = struct.Struct("<Q")  # frame length
+_HDR = struct.Struct("<Q")  # a length in a frame header
 _TOKEN_BYTES = 32
 _CONNECT_TIMEOUT = 10.0
+#: stream buffer limit: a reader pauses its socket once it buffers twice this. The
+#: default (64 KiB) makes a big frame arrive in 128 KiB steps, each a wake-up of the
+#: reading task: 0.2 GB/s for a 128 MiB reply here
+_LIMIT = 16 << 20
 
 #: ``(host, port, token)`` of a server
 Endpoint = tuple[str, int, bytes]
@@ -50,14 +54,29 @@ class ConnectFailed(ConnectionError):
     process cannot reach its address."""
 
 
-def _frame(obj: Any) -> bytes:
-    body = pickle.dumps(obj, protocol=5)
-    return _HDR.pack(len(body)) + body
+def _frame(obj: Any) -> list:
+    """``obj`` as the pieces of one frame: a header (body length, number and lengths of
+    out-of-band buffers), the pickle body, then the raw buffers (numpy arrays and other
+    protocol-5 buffers: written as they are, not copied into the pickle)."""
+    buffers: list = []
+    body = pickle.dumps(obj, protocol=5, buffer_callback=buffers.append)
+    raws = [b.raw() for b in buffers]
+    head = _HDR.pack(len(body)) + _HDR.pack(len(raws)) + b"".join(
+        _HDR.pack(r.nbytes) for r in raws)
+    return [head + body, *raws]
+
+
+def _write(writer: asyncio.StreamWriter, pieces: list) -> None:
+    for p in pieces:
+        writer.write(p)
 
 
 async def _read_frame(reader: asyncio.StreamReader) -> Any:
-    (n,) = _HDR.unpack(await reader.readexactly(_HDR.size))
-    return pickle.loads(await reader.readexactly(n))
+    n, nbuf = struct.unpack("<QQ", await reader.readexactly(2 * _HDR.size))
+    sizes = struct.unpack(f"<{nbuf}Q", await reader.readexactly(nbuf * _HDR.size)) if nbuf else ()
+    body = await reader.readexactly(n)
+    buffers = [await reader.readexactly(k) for k in sizes]
+    return pickle.loads(body, buffers=buffers)
 
 
 class RpcServer:
@@ -75,7 +94,7 @@ class RpcServer:
     async def start(self) -> Endpoint:
         """Start listening (once); the endpoint clients connect to."""
         if self._server is None:
-            self._server = await asyncio.start_server(self._serve, self.host, 0)
+            self._server = await asyncio.start_server(self._serve, self.host, 0, limit=_LIMIT)
         port = self._server.sockets[0].getsockname()[1]
         return (self.host, port, self.token)
 
@@ -126,7 +145,7 @@ class RpcServer:
             data = _frame((req_id, False, TransportError(
                 f"the reply to {method} could not be pickled ({e!r}): {reply[2]!r}")))
         if not writer.is_closing():
-            writer.write(data)
+            _write(writer, data)
 
 
 class _Connection:
@@ -165,7 +184,7 @@ class _Connection:
         req_id = next(self.ids)
         fut = asyncio.get_running_loop().create_future()
         self.waiting[req_id] = fut
-        self.writer.write(_frame((req_id, method, args, kwargs)))
+        _write(self.writer, _frame((req_id, method, args, kwargs)))
         return req_id, fut
 
     async def call(self, method: str, args: tuple, kwargs: dict) -> Any:
@@ -200,7 +219,7 @@ class RpcClient:
 
     async def _open(self) -> _Connection:
         reader, writer = await asyncio.wait_for(
-            asyncio.open_connection(self.host, self.port), _CONNECT_TIMEOUT)
+            asyncio.open_connection(self.host, self.port, limit=_LIMIT), _CONNECT_TIMEOUT)
         writer.write(self.token)
         return _Connection(reader, writer, self.on_broken)
 
