@@ -378,6 +378,43 @@ async def test_blocks_of_dead_processes_are_released_when_room_is_needed(rq):
     assert a["used"] == 0 and a["pins"] == 0
 
 
+async def test_bytes_go_inline_when_shared_memory_cannot_be_mapped(rq, monkeypatch):
+    """A client that may not map a unit's arena (another user, a hardened /proc) sends
+    and receives the bytes in the calls instead: slower, same data."""
+    from streamrl.transport import ray as ray_transport
+
+    q = rq(num_shards=1)
+    data = q._transport._data
+    data._maps.clear()
+    data._local = [None] * data.num_shards
+
+    def denied(path, size):
+        raise PermissionError(13, "Permission denied", path)
+
+    monkeypatch.setattr(ray_transport, "map_segment", denied)
+    x = torch.randn(8, 16384)  # 512 KiB
+    await q.put({"x": x}, partition="p")
+    await _until(lambda: _used_zero(q), "the unreserve")  # the reserved block went back
+    assert data._local == [False]
+    mb = await q.get("t", ["x"], 8, partition="p")
+    assert torch.equal((await mb.materialize())["x"], x)
+
+
+def _no_room(self, need):
+    raise OSError(28, "No space left on device")
+
+
+async def test_bytes_go_inline_when_the_arena_cannot_grow(rq):
+    q = rq(num_shards=1)
+    unit = q._transport._units[0]
+    await unit.__ray_call__.remote(lambda self: setattr(self.arena, "_grow", _no_room.__get__(self.arena)))
+    x = torch.randn(8, 16384)
+    await q.put({"x": x}, partition="p")
+    assert (await _arena(q))["used"] == 0
+    mb = await q.get("t", ["x"], 8, partition="p")
+    assert torch.equal((await mb.materialize())["x"], x)
+
+
 async def test_controller_actor_runs_on_uvloop(rq):
     pytest.importorskip("uvloop")
     q = rq()

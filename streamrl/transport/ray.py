@@ -205,10 +205,11 @@ class _StorageActorImpl:
             self._endpoint = asyncio.run_coroutine_threadsafe(server.start(), loop).result()
         return self._endpoint
 
-    def shm_info(self) -> tuple[str, int]:
+    def shm_info(self) -> tuple[str, int | None]:
         """(node id, pid): a client on the same node maps this unit's arena through
-        ``/proc/<pid>/fd``."""
-        return ray.get_runtime_context().get_node_id(), os.getpid()
+        ``/proc/<pid>/fd``; pid ``None`` where there is no ``memfd`` (not Linux)."""
+        return (ray.get_runtime_context().get_node_id(),
+                os.getpid() if hasattr(os, "memfd_create") else None)
 
     # -- blocks
 
@@ -259,12 +260,23 @@ class _StorageActorImpl:
                 b.pins -= 1
                 self._maybe_free(ref, b)
 
-    def reserve(self, sizes: list[int], pid: int) -> tuple[list[ShmRef], dict]:
+    def reserve(self, sizes: list[int], pid: int) -> tuple[list[ShmRef], dict] | None:
         """Blocks of ``sizes`` bytes for producer ``pid`` to write into, and where their
         segments are (see :meth:`Arena.where`). ``put`` stores them;
-        ``unreserve`` gives back those it will not."""
+        ``unreserve`` gives back those it will not. ``None`` when the arena cannot grow
+        (the node is out of shared memory): the producer then sends the bytes inline."""
         with self.lock:
-            refs = [self._alloc(n, pid) for n in sizes]
+            refs: list[ShmRef] = []
+            try:
+                for n in sizes:
+                    refs.append(self._alloc(n, pid))
+            except OSError as e:
+                log.warning("streamrl: storage unit %d cannot grow its shared-memory arena "
+                            "(%s); this put's bytes go inline", self.index, e)
+                for ref in refs:
+                    self.blocks[ref].writer = None
+                    self._maybe_free(ref, self.blocks[ref])
+                return None
             return refs, self.arena.where(refs)
 
     def unreserve(self, refs: list[ShmRef]) -> None:
@@ -489,23 +501,43 @@ class RayDataPlane(DataPlane):
         if pid is None:
             await self._call(shard, "put", parts, rows=rows)
             return
-        refs, where = await self._call(shard, "reserve", [t.nbytes for t in big], os.getpid(),
-                                       rows=rows)
+        got = await self._call(shard, "reserve", [t.nbytes for t in big], os.getpid(), rows=rows)
+        if got is None:  # no shared memory left on the unit's node
+            await self._call(shard, "put", parts, rows=rows)
+            return
+        refs, where = got
         try:
+            try:
+                maps = {ref.seg: self._segment(shard, pid, ref.seg, where) for ref in refs}
+            except OSError as e:  # this process may not map the unit's memory
+                self._no_shm(shard, e)
+                maps = None
+            if maps is None:
+                self._unreserve(shard, refs)
+                await self._call(shard, "put", parts, rows=rows)
+                return
             by_id = {}
             for t, ref in zip(big, refs):
-                mm = self._segment(shard, pid, ref.seg, where)
-                dst = np.frombuffer(mm, dtype=np.uint8, count=t.nbytes, offset=ref.off)
+                dst = np.frombuffer(maps[ref.seg], dtype=np.uint8, count=t.nbytes, offset=ref.off)
                 np.copyto(dst, t.buf)  # the one copy of a put
                 by_id[id(t)] = WireTensor(t.dtype, t.itemsize, t.shape, None, ref)
             stored = [(rs, {f: _map_col(c, lambda t: by_id.get(id(t), t)) for f, c in cols.items()})
                       for rs, cols in parts]
             await self._call(shard, "put", stored, rows=rows)
         except BaseException:
-            rpc = self.rpcs[shard]
-            if not (rpc is not None and rpc.notify("unreserve", refs)):
-                self.units[shard].unreserve.remote(refs)
+            self._unreserve(shard, refs)
             raise
+
+    def _unreserve(self, shard: int, refs: list[ShmRef]) -> None:
+        rpc = self.rpcs[shard]
+        if not (rpc is not None and rpc.notify("unreserve", refs)):
+            self.units[shard].unreserve.remote(refs)
+
+    def _no_shm(self, shard: int, e: OSError) -> None:
+        """This process cannot map unit ``shard``'s arena: use inline bytes from now on."""
+        log.warning("streamrl: cannot map the shared memory of storage unit %d (%s); its "
+                    "bytes travel inline in the calls from now on (slower)", shard, e)
+        self._local[shard] = False
 
     async def get(self, parts: Sequence[tuple[int, Sequence[int], Sequence[str]]]
                   ) -> list[dict[str, list[Column]]]:
@@ -523,12 +555,17 @@ class RayDataPlane(DataPlane):
             # one fresh array per segment for this read: the views handed out keep it
             # alive, and when the last goes, the unit hears that the blocks are free
             bases = {}
-            for ref in _refs_in(pieces):
-                base = bases.get(ref.seg)
-                if base is None:
-                    base = bases[ref.seg] = np.frombuffer(
-                        self._segment(shard, pid, ref.seg, where), dtype=np.uint8)
-                arrays[ref] = base[ref.off:ref.off + ref.size]
+            try:
+                for ref in _refs_in(pieces):
+                    base = bases.get(ref.seg)
+                    if base is None:
+                        base = bases[ref.seg] = np.frombuffer(
+                            self._segment(shard, pid, ref.seg, where), dtype=np.uint8)
+                    arrays[ref] = base[ref.off:ref.off + ref.size]
+            except OSError as e:  # this process may not map the unit's memory
+                self._no_shm(shard, e)
+                self._unpin_later(shard, pin)
+                return await self._read(shard, rows, fields)
             left = [len(bases)]
 
             def gone(shard=shard, pin=pin, left=left):
