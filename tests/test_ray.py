@@ -170,20 +170,13 @@ async def test_dead_consumer_lease_returns_after_timeout(rq):
     assert (await q.stats()).tasks["t"].expired == 4
 
 
-@ray.remote(num_cpus=0)
-class Waiter:
-    async def wait(self, q):
-        mb = await q.get("t", ["x"], 4, partition="p")
-        return mb.rows
-
-
 async def test_consumer_that_dies_while_waiting_takes_no_rows(rq):
     # its take is still waiting in the controller when it dies: the closed connection
     # cancels it, so the rows put later go to the living consumer at once, not after the
     # (long) lease timeout
     q = rq(lease_timeout=600.0)
-    waiter = Waiter.remote()
-    call = waiter.wait.remote(q)
+    waiter = LeaseHolder.remote()
+    call = waiter.hold.remote(q)
     ctl = q._transport._controller
     with anyio.fail_after(60):  # until its take waits in the controller
         while not await ctl.__ray_call__.remote(lambda self: len(self._inflight)):

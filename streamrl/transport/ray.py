@@ -299,16 +299,19 @@ class _StorageActorImpl:
         """Store ``(rows, columns)`` parts. Tensors come inline, or as blocks of this
         unit's arena that the producer reserved and wrote."""
         with self.lock:
-            def stored(t):
-                if not isinstance(t.ref, ShmRef):
-                    return t
-                b = self.blocks.get(t.ref)
-                if b is None or b.stored:
-                    raise TransportError(
-                        f"storage unit {self.index} holds no reserved block {t.ref}: the write "
-                        "took too long and its process was taken for dead. Put the rows again")
+            refs = [t.ref for _, cols in parts for t in _tensors_in(cols)
+                    if isinstance(t.ref, ShmRef)]
+            bad = [r for r in refs if r not in self.blocks or self.blocks[r].stored]
+            if bad or len(set(refs)) != len(refs):
+                raise TransportError(
+                    f"storage unit {self.index} holds no reserved blocks {bad}: the write took "
+                    "too long and its process was taken for dead. Put the rows again")
+            for r in refs:
+                b = self.blocks[r]
                 b.stored, b.writer = True, None
-                return t.pinned(self.arena.view(t.ref))
+
+            def stored(t):
+                return t.pinned(self.arena.view(t.ref)) if isinstance(t.ref, ShmRef) else t
 
             for rows, cols in parts:
                 self.unit.put(rows, {f: _map_col(c, stored) for f, c in cols.items()})
