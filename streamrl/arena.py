@@ -78,7 +78,7 @@ class Arena:
         1024
         >>> a.free(ref)
         >>> a.used, a.size
-        (0, 2097152)
+        (0, 1048576)
     """
 
     def __init__(self, unit: int = 0, segment_bytes: int = SEGMENT_BYTES):
@@ -116,7 +116,7 @@ class Arena:
         return ShmRef(self.unit, len(self.segments) - 1, 0, need)
 
     def _grow(self, need: int) -> _Segment:
-        size = max(self.segment_bytes, -(-need // _GROW) * _GROW)
+        size = self.segment_bytes if need <= self.segment_bytes else -(-need // _GROW) * _GROW
         fd = os.memfd_create(f"streamrl-unit{self.unit}-{len(self.segments)}", os.MFD_CLOEXEC)
         try:
             os.ftruncate(fd, size)
