@@ -7,7 +7,7 @@ import asyncio
 
 import pytest
 
-from streamrl.errors import RowsDropped
+from streamrl.errors import RowsDropped, TransportError
 from streamrl.transport.rpc import RpcClient, RpcServer
 
 
@@ -25,6 +25,9 @@ class Target:
 
     def echo(self, *xs):
         return xs
+
+    def echo_unloadable(self):
+        return Unloadable()
 
     def fail(self, rows):
         raise RowsDropped("rows were dropped", rows)
@@ -78,6 +81,29 @@ async def test_big_arrays_travel_out_of_band_byte_for_byte():
     assert np.array_equal(out[0], big) and out[1] == b"raw"
     assert np.array_equal(out[2], small) and np.array_equal(out[3], strided)
     assert np.array_equal(out[4][0], big[:10])
+    c.close()
+
+
+def _boom():
+    raise ValueError("cannot be rebuilt here")
+
+
+class Unloadable:
+    """Pickles, but cannot be unpickled (like a class the other process cannot import)."""
+
+    def __reduce__(self):
+        return (_boom, ())
+
+
+async def test_a_call_that_cannot_be_unpickled_fails_alone():
+    _, _, ep = await _serve()
+    c = RpcClient(ep)
+    with pytest.raises(ValueError, match="rebuilt"):
+        await c.call("echo", Unloadable())
+    assert await c.call("add", 1, 2) == 3  # the connection lives on
+    with pytest.raises(TransportError, match="unpickled"):
+        await c.call("echo_unloadable")
+    assert await c.call("add", 2, 2) == 4
     c.close()
 
 

@@ -54,15 +54,15 @@ class ConnectFailed(ConnectionError):
     process cannot reach its address."""
 
 
-def _frame(obj: Any) -> list:
-    """``obj`` as the pieces of one frame: a header (body length, number and lengths of
-    out-of-band buffers), the pickle body, then the raw buffers (numpy arrays and other
-    protocol-5 buffers: written as they are, not copied into the pickle)."""
+def _frame(req_id: int, obj: Any) -> list:
+    """``obj`` as the pieces of one frame of call ``req_id``: a header (request id, body
+    length, number and lengths of out-of-band buffers), the pickle body, then the raw
+    buffers (numpy arrays and other protocol-5 buffers: written as they are, not copied
+    into the pickle)."""
     buffers: list = []
     body = pickle.dumps(obj, protocol=5, buffer_callback=buffers.append)
     raws = [b.raw() for b in buffers]
-    head = _HDR.pack(len(body)) + _HDR.pack(len(raws)) + b"".join(
-        _HDR.pack(r.nbytes) for r in raws)
+    head = struct.pack(f"<QQQ{len(raws)}Q", req_id, len(body), len(raws), *(r.nbytes for r in raws))
     return [head + body, *raws]
 
 
@@ -71,12 +71,14 @@ def _write(writer: asyncio.StreamWriter, pieces: list) -> None:
         writer.write(p)
 
 
-async def _read_frame(reader: asyncio.StreamReader) -> Any:
-    n, nbuf = struct.unpack("<QQ", await reader.readexactly(2 * _HDR.size))
+async def _read_frame(reader: asyncio.StreamReader) -> tuple[int, Callable[[], Any]]:
+    """The next frame: its request id, and a function that unpickles its object (so a
+    frame that cannot be unpickled fails only its own call)."""
+    req_id, n, nbuf = struct.unpack("<QQQ", await reader.readexactly(3 * _HDR.size))
     sizes = struct.unpack(f"<{nbuf}Q", await reader.readexactly(nbuf * _HDR.size)) if nbuf else ()
     body = await reader.readexactly(n)
     buffers = [await reader.readexactly(k) for k in sizes]
-    return pickle.loads(body, buffers=buffers)
+    return req_id, lambda: pickle.loads(body, buffers=buffers)
 
 
 class RpcServer:
@@ -114,8 +116,8 @@ class RpcServer:
                 log.warning("streamrl: refused a connection with a wrong token")
                 return
             while True:
-                req_id, method, args, kwargs = await _read_frame(reader)
-                task = asyncio.ensure_future(self._run(writer, req_id, method, args, kwargs))
+                req_id, load = await _read_frame(reader)
+                task = asyncio.ensure_future(self._run(writer, req_id, load))
                 running[req_id] = task
                 task.add_done_callback(lambda _t, i=req_id: running.pop(i, None))
         except (asyncio.IncompleteReadError, ConnectionError, asyncio.TimeoutError):
@@ -126,24 +128,25 @@ class RpcServer:
             for task in list(running.values()):
                 task.cancel()
 
-    async def _run(self, writer: asyncio.StreamWriter, req_id: int, method: str,
-                   args: tuple, kwargs: dict) -> None:
+    async def _run(self, writer: asyncio.StreamWriter, req_id: int, load: Callable) -> None:
+        method = "?"
         try:
+            method, args, kwargs = load()
             if method.startswith("_"):
                 raise AttributeError(f"no public method {method!r}")
             res = getattr(self.target, method)(*args, **kwargs)
             if inspect.isawaitable(res):
                 res = await res
-            reply = (req_id, True, res)
-        except Exception as e:  # the caller gets it
-            reply = (req_id, False, e)
+            reply = (True, res)
+        except Exception as e:  # the caller gets it (a call that cannot be unpickled too)
+            reply = (False, e)
         try:
-            data = _frame(reply)
+            data = _frame(req_id, reply)
         except Exception as e:  # an unpicklable result or error
             from ..errors import TransportError
 
-            data = _frame((req_id, False, TransportError(
-                f"the reply to {method} could not be pickled ({e!r}): {reply[2]!r}")))
+            data = _frame(req_id, (False, TransportError(
+                f"the reply to {method} could not be pickled ({e!r}): {reply[1]!r}")))
         if not writer.is_closing():
             _write(writer, data)
 
@@ -164,10 +167,18 @@ class _Connection:
     async def _read(self) -> None:
         try:
             while True:
-                req_id, ok, value = await _read_frame(self.reader)
+                req_id, load = await _read_frame(self.reader)
                 fut = self.waiting.pop(req_id, None)
-                if fut is not None and not fut.done():
-                    fut.set_result((ok, value))
+                if fut is None or fut.done():
+                    continue
+                try:
+                    fut.set_result(load())
+                except Exception as e:  # noqa: BLE001 - this call's reply cannot be read here
+                    from ..errors import TransportError
+
+                    fut.set_exception(TransportError(
+                        f"the reply could not be unpickled in this process ({e!r}); return "
+                        "values this process can import"))
         except BaseException as e:  # closed, reset, cancelled
             self.broken = e
             for fut in self.waiting.values():
@@ -184,7 +195,7 @@ class _Connection:
         req_id = next(self.ids)
         fut = asyncio.get_running_loop().create_future()
         self.waiting[req_id] = fut
-        _write(self.writer, _frame((req_id, method, args, kwargs)))
+        _write(self.writer, _frame(req_id, (method, args, kwargs)))
         return req_id, fut
 
     async def call(self, method: str, args: tuple, kwargs: dict) -> Any:
