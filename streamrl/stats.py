@@ -61,6 +61,10 @@ class Stats:
         wait_p99: 99th percentile of the same.
         unit_rows: rows each storage unit reports holding itself.
         unit_bytes: bytes each storage unit reports holding itself.
+        unit_shared_bytes: Ray transport: shared memory each storage unit's arena holds
+            (used or free; its high-water mark). Empty for the embedded transport.
+        unit_pinned_bytes: Ray transport: bytes of each arena that readers still view
+            (blocks not reused until those tensors are gone).
         closed: whether the queue is closed.
         last_filter_errors: messages of the last filter failures.
     """
@@ -93,6 +97,8 @@ class Stats:
     wait_p99: float | None = None
     unit_rows: list[int] = field(default_factory=list)
     unit_bytes: list[int] = field(default_factory=list)
+    unit_shared_bytes: list[int] = field(default_factory=list)
+    unit_pinned_bytes: list[int] = field(default_factory=list)
     closed: bool = False
     last_filter_errors: list[str] = field(default_factory=list)
 

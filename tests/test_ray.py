@@ -291,12 +291,15 @@ async def test_a_view_keeps_its_bytes_until_it_is_gone(rq):
         await q.put({"x": torch.full((8, 4096), -1.0 - i)}, partition=f"p{i}")
     assert torch.equal(view, x[2:5])  # untouched
     assert (await _arena(q))["pins"] == 1
+    st = await q.stats()
+    assert st.unit_pinned_bytes == [x.nbytes] and st.unit_shared_bytes[0] >= 4 * x.nbytes
     used = (await _arena(q))["used"]
     del view
     gc.collect()
     await q.put({"y": torch.zeros(1)}, partition="z")  # any call carries the news
     await _until(lambda: _pins_zero(q), "the unpin")
     assert (await _arena(q))["used"] < used  # the dropped rows' block is free again
+    assert (await q.stats()).unit_pinned_bytes == [0]
 
 
 async def _pins_zero(q) -> bool:

@@ -741,6 +741,11 @@ class _ControllerActorImpl:
         st = await self.svc.stats(with_units=False)
         st.unit_rows = [u[0] for u in units]
         st.unit_bytes = [u[1] for u in units]
+        arenas = await asyncio.gather(*[self.data._call(i, "arena_stats")
+                                        for i in range(len(self.units))], return_exceptions=True)
+        arenas = [{} if isinstance(a, BaseException) else a for a in arenas]
+        st.unit_shared_bytes = [a.get("size", 0) for a in arenas]
+        st.unit_pinned_bytes = [a.get("pinned", 0) for a in arenas]
         return st
 
     async def leaked(self):
