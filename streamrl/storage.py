@@ -15,6 +15,7 @@ the last row that references it is deleted (and no reader holds a view).
 from __future__ import annotations
 
 import sys
+from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -59,6 +60,8 @@ class _Obj:
         self.value = value
         self.nbytes = nbytes
 
+
+_GONE_MAX = 1 << 16  # deleted-before-stored rows remembered (late data is seconds late at most)
 
 _OFF_BITS = 32  # a tensor entry is the int (segment id << 32) | row offset in the segment
 
@@ -106,6 +109,9 @@ class StorageUnit:
         self._next_seg = 1
         self.row_fields: dict[int, int] = {}  # row -> number of fields held
         self.nbytes = 0
+        # rows deleted before any of their data arrived (a write aborted while its data
+        # was on its way): their late data is dropped (row ids are never reused)
+        self._gone: OrderedDict[int, None] = OrderedDict()
 
     def _segment(self, t: Any, n: int) -> int:
         sid = self._next_seg
@@ -127,9 +133,17 @@ class StorageUnit:
                 if self.on_release is not None:
                     self.on_release(seg.tensor)
 
+    def forgotten(self, rows: Sequence[int]) -> bool:
+        """Whether ``rows`` (new rows of one write) were deleted before their data came:
+        the write was aborted, and :meth:`put` ignores its data."""
+        return bool(rows) and rows[0] in self._gone
+
     def put(self, rows: Sequence[int], columns: Mapping[str, Column]) -> None:
         """Store ``columns`` (each with ``len(rows)`` rows) for ``rows``; an existing
-        entry of the same field is replaced."""
+        entry of the same field is replaced. Data of rows deleted before it came (see
+        :meth:`forgotten`) is dropped."""
+        if self.forgotten(rows):
+            return
         n = len(rows)
         for name, col in columns.items():
             store = self.columns.setdefault(name, {})
@@ -213,6 +227,7 @@ class StorageUnit:
         n = 0
         for r in rows:
             if self.row_fields.pop(r, None) is None:
+                self._gone[r] = None  # its data may still be on its way
                 continue
             n += 1
             for store in self.columns.values():
@@ -222,6 +237,8 @@ class StorageUnit:
                     self._release(e)
         for f in [f for f, st in self.columns.items() if not st]:
             del self.columns[f]
+        while len(self._gone) > _GONE_MAX:
+            self._gone.popitem(last=False)
         return n, before - self.nbytes
 
     def delete_fields(self, rows: Sequence[int], fields: Sequence[str]) -> int:

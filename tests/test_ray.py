@@ -396,6 +396,21 @@ async def test_bytes_go_inline_when_shared_memory_cannot_be_mapped(rq, monkeypat
     assert torch.equal((await mb.materialize())["x"], x)
 
 
+async def test_data_arriving_after_its_write_was_aborted_is_dropped(rq):
+    """A put cancelled while its data is on its way to the unit: the controller forgets
+    the rows and deletes them from the unit, possibly before the data lands. The late
+    data must not stay behind in the unit."""
+    q = rq(num_shards=1)
+    ctl, data = q._transport.control, q._transport.data
+    tok = await ctl.allocate("p", 2, ("x",), nbytes=2 * 65536, version=None, timeout=None,
+                             nowait=False)
+    await ctl.abort(tok)  # deletes rows 0, 1 from the unit, which never had them
+    await data.put([(tok.shards[0], tok.rows, {"x": torch.zeros(2, 16384)})])  # late data
+    st = await q.stats()
+    assert st.rows == 0 and st.unit_rows == [0] and st.unit_bytes == [0]
+    assert (await _arena(q))["used"] == 0
+
+
 def _no_room(self, need):
     raise OSError(28, "No space left on device")
 

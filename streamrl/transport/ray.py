@@ -299,6 +299,13 @@ class _StorageActorImpl:
         """Store ``(rows, columns)`` parts. Tensors come inline, or as blocks of this
         unit's arena that the producer reserved and wrote."""
         with self.lock:
+            late = [p for p in parts if self.unit.forgotten(p[0])]
+            if late:  # the write was aborted while its data was on its way
+                for ref in [t.ref for _, cols in late for t in _tensors_in(cols)
+                            if isinstance(t.ref, ShmRef) and t.ref in self.blocks]:
+                    self.blocks[ref].writer = None
+                    self._maybe_free(ref, self.blocks[ref])
+                parts = [p for p in parts if not self.unit.forgotten(p[0])]
             refs = [t.ref for _, cols in parts for t in _tensors_in(cols)
                     if isinstance(t.ref, ShmRef)]
             bad = [r for r in refs if r not in self.blocks or self.blocks[r].stored]
