@@ -151,7 +151,7 @@ def worker_streamrl(reps: int) -> dict:
     # wake-up: consumer already waiting; producer puts one row
     prod = Producer.remote(CASES["a"])
     lat = []
-    for r in range(max(20, reps * 4)):
+    for r in range(max(60, reps * 12)):  # enough samples for a steady median and p90
         part = f"wake-{r}"
         w = cons.wait_one.remote(q, part)
         time.sleep(0.05)  # it is waiting now

@@ -231,15 +231,28 @@ class StreamQueue:
             if len(set(ids)) != len(ids):
                 raise SchemaError("the target rows repeat; write each row once")
             tok = await ctl.begin_write(ids, names, overwrite=overwrite)
+        split = _split_by_shard(tok.rows, tok.shards, cols)
+        tags = {f: tag_values(f, cols[f]) for f in names if f in self._tag_fields}
+        forward = getattr(self._data, "put_commit", None)
+        done = None  # (kind, value) when the storage unit committed for us
         try:
-            await self._data.put(_split_by_shard(tok.rows, tok.shards, cols))
+            if forward is not None and rows is None and len(split) == 1:
+                done = await forward(split[0], tok, nbytes, tags)
+            if done is None:
+                await self._data.put(split)
+            elif done[0] == "store":
+                raise done[1]
         except BaseException:
             with anyio.CancelScope(shield=True):
-                await ctl.abort(tok)
+                await ctl.abort(tok)  # nothing if the unit committed meanwhile
             raise
-        tags = {f: tag_values(f, cols[f]) for f in names if f in self._tag_fields}
         try:
-            res = await ctl.commit(tok, nbytes, tags)
+            if done is None:
+                res = await ctl.commit(tok, nbytes, tags)
+            elif done[0] == "commit":
+                raise done[1]
+            else:
+                res = done[1]
         except StreamTimeout:  # aborted for taking too long: forget what this write stored
             parts: dict[int, list[int]] = {}
             for r, s in zip(tok.rows, tok.shards):

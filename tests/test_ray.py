@@ -411,6 +411,47 @@ async def test_data_arriving_after_its_write_was_aborted_is_dropped(rq):
     assert (await _arena(q))["used"] == 0
 
 
+def _slow_put(self, parts, _orig=None):
+    import time
+
+    time.sleep(1.0)
+    return type(self).put(self, parts)
+
+
+async def test_small_put_committed_by_its_unit_after_the_write_expired_is_undone(rq):
+    """A small put's unit commits it for the producer (one hop sooner for consumers).
+    If the write expired meanwhile, the producer gets StreamTimeout and the data the unit
+    stored is deleted, exactly as when the producer commits itself."""
+    from streamrl.errors import StreamTimeout
+
+    q = rq(num_shards=1, lease_timeout=0.3)
+    unit = q._transport._units[0]
+    await unit.__ray_call__.remote(lambda self: setattr(self, "put", _slow_put.__get__(self)))
+    outcome: list = []
+
+    async def put():
+        try:
+            await q.put({"x": torch.arange(4)}, partition="p")
+        except Exception as e:
+            outcome.append(e)
+        else:
+            outcome.append("ok")
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(put)
+        await anyio.sleep(0.1)  # the write is admitted; the unit is storing it
+        with pytest.raises(StreamTimeout):  # a waiter expires overdue writes as it waits
+            await q.get("t", ["x"], 1, partition="other", timeout=1.5)
+    assert len(outcome) == 1 and isinstance(outcome[0], StreamTimeout), outcome
+    st = await q.stats()
+    assert st.rows == 0 and st.writes_expired == 1
+    await _until(lambda: _unit_rows_zero(q), "the delete")
+
+
+async def _unit_rows_zero(q) -> bool:
+    return (await q.stats()).unit_rows == [0]
+
+
 def _no_room(self, need):
     raise OSError(28, "No space left on device")
 

@@ -193,10 +193,14 @@ class _StorageActorImpl:
         self.unit = StorageUnit(index, on_release=self._released)
         self.lock = threading.Lock()
         self._endpoint: Endpoint | None = None
+        self._controller: RpcClient | None = None  # used from the socket thread only
 
-    def endpoint(self) -> Endpoint:
+    def endpoint(self, controller: Endpoint | None = None) -> Endpoint:
         """Start serving this unit's methods over a socket (see :mod:`.rpc`), from an
-        event loop on a thread of its own; where."""
+        event loop on a thread of its own; where. ``controller``: the controller's
+        endpoint, for :meth:`put_commit`."""
+        if controller is not None and self._controller is None:
+            self._controller = RpcClient(controller)
         if self._endpoint is None:
             loop = _new_loop()
             threading.Thread(target=loop.run_forever, name="streamrl-unit-rpc",
@@ -323,6 +327,14 @@ class _StorageActorImpl:
             for rows, cols in parts:
                 self.unit.put(rows, {f: _map_col(c, stored) for f, c in cols.items()})
 
+    def put_commit(self, parts: list, token: Any, nbytes: dict, tags: dict):
+        """Store ``parts`` (inline data of new rows), then commit ``token`` at the
+        controller on the producer's behalf: the consumers waiting for these rows hear of
+        them one hop sooner than if the producer committed. Socket channel only (it
+        returns a coroutine). Its answer says where it stopped: ``("ok", commit
+        result)``, ``("store", error)`` (nothing committed) or ``("commit", error)``."""
+        return _put_commit(self, parts, token, nbytes, tags)
+
     def read(self, rows: list[int], fields: list[str], pid: int | None = None
              ) -> tuple[dict, int | None, dict | None]:
         """Pieces of ``fields`` of ``rows``, plus a pin and where their blocks' segments are.
@@ -374,6 +386,24 @@ class _StorageActorImpl:
 
     def ping(self) -> bool:
         return True
+
+
+async def _put_commit(unit: _StorageActorImpl, parts: list, token: Any, nbytes: dict,
+                      tags: dict) -> tuple[str, Any]:
+    # a module function, not an ``async def`` of the actor: that would make Ray run the
+    # whole actor as an async actor
+    try:
+        unit.put(parts)
+    except Exception as e:  # noqa: BLE001 - the producer aborts the write
+        return "store", e
+    try:
+        return "ok", await unit._controller.call("commit", token, nbytes, tags)
+    except ConnectionError as e:
+        return "commit", TransportError(
+            f"storage unit {unit.index} lost the connection to the queue's controller ({e}); "
+            "it is gone or unreachable: the queue cannot be used any more")
+    except Exception as e:  # noqa: BLE001 - stored, not committed: the producer handles it
+        return "commit", e
 
 
 StorageActor = ray.remote(num_cpus=0, max_concurrency=4)(_StorageActorImpl)
@@ -549,6 +579,27 @@ class RayDataPlane(DataPlane):
                     "bytes travel inline in the calls from now on (slower)", shard, e)
         self._local[shard] = False
 
+    async def put_commit(self, part: tuple[int, Sequence[int], Mapping[str, Column]],
+                         token: Any, nbytes: dict, tags: dict) -> tuple[str, Any] | None:
+        """Store a put of new rows on one unit and have the unit commit it (see
+        :meth:`_StorageActorImpl.put_commit`); ``None`` when that does not apply (no
+        socket channel, or tensors that go through the arena): store and commit as usual."""
+        shard, rows, cols = part
+        rpc = self.rpcs[shard]
+        if rpc is None:
+            return None
+        wire = _to_wire(cols)
+        if any(t.nbytes >= SHM_MIN for t in _tensors_in(wire)):
+            return None
+        try:
+            return await rpc.call("put_commit", [(list(rows), wire)], token, nbytes, tags)
+        except ConnectFailed:
+            return None  # nothing sent: the usual path finds out why
+        except ConnectionError as e:
+            return "store", TransportError(
+                f"lost the connection to storage unit {shard} during a put ({e}); the put "
+                "was taken back if it had not landed. Put the rows again")
+
     async def get(self, parts: Sequence[tuple[int, Sequence[int], Sequence[str]]]
                   ) -> list[dict[str, list[Column]]]:
         self._loop = asyncio.get_running_loop()
@@ -649,7 +700,7 @@ class _ControllerActorImpl:
             if self._rpc is None:
                 self._rpc = RpcServer(self, ray.util.get_node_ip_address())
             mine = await self._rpc.start()
-            units = list(await asyncio.gather(*[u.endpoint.remote() for u in self.units]))
+            units = list(await asyncio.gather(*[u.endpoint.remote(mine) for u in self.units]))
             self.data.use_endpoints(units)
             self._endpoints = (mine, units)
         return self._endpoints
