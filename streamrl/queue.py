@@ -233,21 +233,23 @@ class StreamQueue:
             tok = await ctl.begin_write(ids, names, overwrite=overwrite)
         split = _split_by_shard(tok.rows, tok.shards, cols)
         tags = {f: tag_values(f, cols[f]) for f in names if f in self._tag_fields}
+        # ("stored", None): the caller commits; ("ok", result) / ("commit", error): the
+        # storage unit committed (RayDataPlane.put_commit); ("store", error): not stored
         forward = getattr(self._data, "put_commit", None)
-        done = None  # (kind, value) when the storage unit committed for us
         try:
             if forward is not None and rows is None and len(split) == 1:
                 done = await forward(split[0], tok, nbytes, tags)
-            if done is None:
+            else:
                 await self._data.put(split)
-            elif done[0] == "store":
+                done = ("stored", None)
+            if done[0] == "store":
                 raise done[1]
         except BaseException:
             with anyio.CancelScope(shield=True):
                 await ctl.abort(tok)  # nothing if the unit committed meanwhile
             raise
         try:
-            if done is None:
+            if done[0] == "stored":
                 res = await ctl.commit(tok, nbytes, tags)
             elif done[0] == "commit":
                 raise done[1]

@@ -22,11 +22,11 @@ __all__ = ["WireTensor"]
 class WireTensor:
     """Rows of one tensor as raw bytes: ``dtype`` name, ``shape`` (rows first),
     ``itemsize``, and the bytes: either inline, ``buf`` a flat C-contiguous ``uint8`` array
-    of ``numel * itemsize`` bytes, or by reference, ``ref`` an opaque handle (a Ray object
-    reference) of a flat ``uint8`` array with the rows starting ``offset`` bytes in. A
-    reference may come with a local copy of that whole array (``buf``, see
-    :meth:`pinned`), which is what a storage unit keeps so the rows outlive the
-    reference's owner. Slicing rows never copies."""
+    of ``numel * itemsize`` bytes, or by reference, ``ref`` an opaque handle (a block of a
+    storage unit's shared-memory arena, :class:`streamrl.arena.ShmRef`) of a flat
+    ``uint8`` array with the rows starting ``offset`` bytes in. A storage unit keeps a
+    reference with its local view of that whole array (``buf``, see :meth:`pinned`).
+    Slicing rows never copies."""
 
     __slots__ = ("dtype", "itemsize", "shape", "buf", "ref", "offset")
 
@@ -68,22 +68,21 @@ class WireTensor:
 
     def pinned(self, array: np.ndarray) -> "WireTensor":
         """The same reference, plus ``array``: a local view of the whole referenced array
-        (what keeps the bytes readable here if the reference's owner dies)."""
+        (what the storage unit that holds the block reads it through)."""
         return WireTensor(self.dtype, self.itemsize, self.shape, array, self.ref, self.offset)
 
     def stripped(self) -> "WireTensor":
-        """The reference alone (what readers are sent; they map the object themselves)."""
+        """The reference alone (what readers on the node are sent; they map the block
+        themselves)."""
         if self.ref is None or self.buf is None:
             return self
         return WireTensor(self.dtype, self.itemsize, self.shape, None, self.ref, self.offset)
 
-    def inlined(self) -> "WireTensor | None":
-        """The rows' bytes inline (a view of the local copy), or ``None`` when only the
-        reference is held here."""
+    def inlined(self) -> "WireTensor":
+        """The rows' bytes inline (a view of the local array; the reference must come
+        with one, see :meth:`pinned`)."""
         if self.ref is None:
             return self
-        if self.buf is None:
-            return None
         return WireTensor(self.dtype, self.itemsize, self.shape,
                           self.buf[self.offset:self.offset + self.nbytes])
 

@@ -26,6 +26,7 @@ class DataPlane(abc.ABC):
     micro-batch spread over shards costs one call per shard, issued concurrently."""
 
     num_shards: int
+
     @abc.abstractmethod
     async def put(self, parts: Sequence[tuple[int, Sequence[int], Mapping[str, Column]]]) -> None:
         """Store columns: ``parts`` is a list of ``(shard, rows, columns)``."""

@@ -161,6 +161,13 @@ def _unwrap(e: BaseException, what: str) -> BaseException:
     return e
 
 
+def _send(rpc: RpcClient | None, actor: Any, method: str, *args: Any) -> None:
+    """Call ``method`` without waiting for it: on the socket channel when this event loop
+    has a connection to the actor (after the calls already sent on it), else through Ray."""
+    if rpc is None or not rpc.notify(method, *args):
+        getattr(actor, method).remote(*args)
+
+
 def _alive(pid: int) -> bool:
     """Whether process ``pid`` (on this node) still runs."""
     return os.path.exists(f"/proc/{pid}")
@@ -241,8 +248,14 @@ class _StorageActorImpl:
                 self._unpin(pin)
         for ref, b in list(self.blocks.items()):
             if b.writer is not None and gone(b.writer):
-                b.writer = None
-                self._maybe_free(ref, b)
+                self._give_back(ref)
+
+    def _give_back(self, ref: ShmRef) -> None:
+        """A block reserved for a write that will not store it: free unless stored."""
+        b = self.blocks.get(ref)
+        if b is not None and not b.stored:
+            b.writer = None
+            self._maybe_free(ref, b)
 
     def _maybe_free(self, ref: ShmRef, b: _Block) -> None:
         if not b.stored and not b.pins and b.writer is None:
@@ -280,18 +293,14 @@ class _StorageActorImpl:
                 log.warning("streamrl: storage unit %d cannot grow its shared-memory arena "
                             "(%s); this put's bytes go inline", self.index, e)
                 for ref in refs:
-                    self.blocks[ref].writer = None
-                    self._maybe_free(ref, self.blocks[ref])
+                    self._give_back(ref)
                 return None
             return refs, self.arena.where(refs)
 
     def unreserve(self, refs: list[ShmRef]) -> None:
         with self.lock:
             for ref in refs:
-                b = self.blocks.get(ref)
-                if b is not None and not b.stored:
-                    b.writer = None
-                    self._maybe_free(ref, b)
+                self._give_back(ref)
 
     def unpin(self, pins: list[int]) -> None:
         """Readers' views of these reads are gone: their blocks may be reused."""
@@ -305,13 +314,15 @@ class _StorageActorImpl:
         """Store ``(rows, columns)`` parts. Tensors come inline, or as blocks of this
         unit's arena that the producer reserved and wrote."""
         with self.lock:
-            late = [p for p in parts if self.unit.forgotten(p[0])]
-            if late:  # the write was aborted while its data was on its way
-                for ref in [t.ref for _, cols in late for t in _tensors_in(cols)
-                            if isinstance(t.ref, ShmRef) and t.ref in self.blocks]:
-                    self.blocks[ref].writer = None
-                    self._maybe_free(ref, self.blocks[ref])
-                parts = [p for p in parts if not self.unit.forgotten(p[0])]
+            keep = []
+            for p in parts:
+                if not self.unit.forgotten(p[0]):
+                    keep.append(p)
+                    continue
+                for t in _tensors_in(p[1]):  # aborted while its data was on its way
+                    if isinstance(t.ref, ShmRef):
+                        self._give_back(t.ref)
+            parts = keep
             refs = [t.ref for _, cols in parts for t in _tensors_in(cols)
                     if isinstance(t.ref, ShmRef)]
             bad = [r for r in refs if r not in self.blocks or self.blocks[r].stored]
@@ -537,43 +548,42 @@ class RayDataPlane(DataPlane):
         await asyncio.gather(*[self._put(s, p) for s, p in by_shard.items()])
 
     async def _put(self, shard: int, parts: list) -> None:
+        """Store wire-form ``parts`` on unit ``shard``: big tensors through its arena when
+        this process maps it, everything else inline in the call."""
         rows = [r for rs, _ in parts for r in rs]
         big = [t for _, cols in parts for t in _tensors_in(cols) if t.nbytes >= SHM_MIN]
         pid = await self._pid(shard, rows) if big else None
-        if pid is None:
-            await self._call(shard, "put", parts, rows=rows)
-            return
-        got = await self._call(shard, "reserve", [t.nbytes for t in big], os.getpid(), rows=rows)
-        if got is None:  # no shared memory left on the unit's node
+        got = None
+        if pid is not None:  # None back: no shared memory left on the unit's node
+            got = await self._call(shard, "reserve", [t.nbytes for t in big], os.getpid(),
+                                   rows=rows)
+        if got is None:
             await self._call(shard, "put", parts, rows=rows)
             return
         refs, where = got
+        by_id: dict[int, WireTensor] = {}  # id of a big tensor -> its block reference
         try:
             try:
                 maps = {ref.seg: self._segment(shard, pid, ref.seg, where) for ref in refs}
             except OSError as e:  # this process may not map the unit's memory
                 self._no_shm(shard, e)
-                maps = None
-            if maps is None:
-                self._unreserve(shard, refs)
-                await self._call(shard, "put", parts, rows=rows)
-                return
-            by_id = {}
-            for t, ref in zip(big, refs):
-                dst = np.frombuffer(maps[ref.seg], dtype=np.uint8, count=t.nbytes, offset=ref.off)
-                np.copyto(dst, t.buf)  # the one copy of a put
-                by_id[id(t)] = WireTensor(t.dtype, t.itemsize, t.shape, None, ref)
-            stored = [(rs, {f: _map_col(c, lambda t: by_id.get(id(t), t)) for f, c in cols.items()})
-                      for rs, cols in parts]
-            await self._call(shard, "put", stored, rows=rows)
+            else:
+                for t, ref in zip(big, refs):
+                    dst = np.frombuffer(maps[ref.seg], dtype=np.uint8, count=t.nbytes,
+                                        offset=ref.off)
+                    np.copyto(dst, t.buf)  # the one copy of a put
+                    by_id[id(t)] = t.by_reference(ref)
+                parts = [(rs, {f: _map_col(c, lambda t: by_id.get(id(t), t))
+                               for f, c in cols.items()}) for rs, cols in parts]
+            await self._call(shard, "put", parts, rows=rows)
         except BaseException:
             self._unreserve(shard, refs)
             raise
+        if not by_id:  # sent inline: the reserved blocks are not used
+            self._unreserve(shard, refs)
 
     def _unreserve(self, shard: int, refs: list[ShmRef]) -> None:
-        rpc = self.rpcs[shard]
-        if not (rpc is not None and rpc.notify("unreserve", refs)):
-            self.units[shard].unreserve.remote(refs)
+        _send(self.rpcs[shard], self.units[shard], "unreserve", refs)
 
     def _no_shm(self, shard: int, e: OSError) -> None:
         """This process cannot map unit ``shard``'s arena: use inline bytes from now on."""
@@ -582,25 +592,25 @@ class RayDataPlane(DataPlane):
         self._local[shard] = False
 
     async def put_commit(self, part: tuple[int, Sequence[int], Mapping[str, Column]],
-                         token: Any, nbytes: dict, tags: dict) -> tuple[str, Any] | None:
-        """Store a put of new rows on one unit and have the unit commit it (see
-        :meth:`_StorageActorImpl.put_commit`); ``None`` when that does not apply (no
-        socket channel, or tensors that go through the arena): store and commit as usual."""
+                         token: Any, nbytes: dict, tags: dict) -> tuple[str, Any]:
+        """Store a put of new rows on one unit, and have the unit commit it when it can
+        (see :meth:`_StorageActorImpl.put_commit`: inline data, socket channel). Where it
+        stopped: ``("ok", commit result)``, ``("store", error)``, ``("commit", error)``,
+        or ``("stored", None)``: stored as :meth:`put` does, the caller commits."""
         shard, rows, cols = part
-        rpc = self.rpcs[shard]
-        if rpc is None:
-            return None
         wire = _to_wire(cols)
-        if any(t.nbytes >= SHM_MIN for t in _tensors_in(wire)):
-            return None
-        try:
-            return await rpc.call("put_commit", [(list(rows), wire)], token, nbytes, tags)
-        except ConnectFailed:
-            return None  # nothing sent: the usual path finds out why
-        except ConnectionError as e:
-            return "store", TransportError(
-                f"lost the connection to storage unit {shard} during a put ({e}); the put "
-                "was taken back if it had not landed. Put the rows again")
+        rpc = self.rpcs[shard]
+        if rpc is not None and not any(t.nbytes >= SHM_MIN for t in _tensors_in(wire)):
+            try:
+                return await rpc.call("put_commit", [(list(rows), wire)], token, nbytes, tags)
+            except ConnectFailed:
+                pass  # nothing sent: store as usual (that finds out why)
+            except ConnectionError as e:
+                return "store", TransportError(
+                    f"lost the connection to storage unit {shard} during a put ({e}); the "
+                    "put was taken back if it had not landed. Put the rows again")
+        await self._put(shard, [(list(rows), wire)])
+        return "stored", None
 
     async def get(self, parts: Sequence[tuple[int, Sequence[int], Sequence[str]]]
                   ) -> list[dict[str, list[Column]]]:
@@ -674,7 +684,7 @@ class _ControllerActorImpl:
         self.dead: set[int] = set()
         self._inflight: dict[str, asyncio.Task] = {}  # calls a client may cancel
         self._recent: OrderedDict[str, tuple] = OrderedDict()  # (undo, result) of done ones
-        self._rpc: RpcServer | None = None
+        self._rpc = RpcServer(self, ray.util.get_node_ip_address())
         self._endpoints: Endpoints | None = None
 
     def _lost(self, shard: int) -> None:
@@ -699,14 +709,11 @@ class _ControllerActorImpl:
         """Start serving this actor's methods, and each storage unit's, over sockets
         (see :mod:`.rpc`); where (this actor's endpoint, the units')."""
         if self._endpoints is None:
-            if self._rpc is None:
-                self._rpc = RpcServer(self, ray.util.get_node_ip_address())
             mine = await self._rpc.start()
             units = list(await asyncio.gather(*[u.endpoint.remote(mine) for u in self.units]))
             self.data.use_endpoints(units)
             self._endpoints = (mine, units)
         return self._endpoints
-
 
     async def _tracked(self, rid: str | None, coro, undo: Callable, key: Callable):
         """Run a call a client may give up on (see :meth:`cancel`): while it runs it can
@@ -861,8 +868,8 @@ class RayControl:
             return await getattr(self.actor, method).remote(*args, **kwargs)
         except asyncio.CancelledError:
             # the cancel goes after the call on the same channel, so it cannot overtake it
-            if rid is not None and not (self.rpc is not None and self.rpc.notify("cancel", rid)):
-                self.actor.cancel.remote(rid)
+            if rid is not None:
+                _send(self.rpc, self.actor, "cancel", rid)
             raise
         except ConnectionError as e:
             raise TransportError(

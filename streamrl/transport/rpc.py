@@ -218,6 +218,14 @@ class _Connection:
         self.writer.close()
 
 
+def _ready(fut: asyncio.Future | None) -> _Connection | None:
+    """The connection a connect future opened, if it did and the connection is whole."""
+    if fut is None or not fut.done() or fut.cancelled() or fut.exception() is not None:
+        return None
+    conn = fut.result()
+    return conn if conn.broken is None else None
+
+
 class RpcClient:
     """Calls to one :class:`RpcServer`: one connection per event loop of this process,
     opened on first use. ``on_broken()`` is called when a connection breaks (the server
@@ -238,8 +246,7 @@ class RpcClient:
         """This event loop's connection (opened, or opened again after it broke)."""
         loop = asyncio.get_running_loop()
         fut = self._conns.get(loop)
-        if fut is not None and fut.done() and (
-                fut.exception() is not None or fut.result().broken is not None):
+        if fut is not None and fut.done() and _ready(fut) is None:
             fut = None
         if fut is None:
             for other in [lp for lp in self._conns if lp.is_closed()]:
@@ -264,9 +271,9 @@ class RpcClient:
             loop = asyncio.get_running_loop()
         except RuntimeError:
             return
-        fut = self._conns.pop(loop, None)
-        if fut is not None and fut.done() and fut.exception() is None:
-            fut.result().close()
+        conn = _ready(self._conns.pop(loop, None))
+        if conn is not None:
+            conn.close()
 
     def notify(self, method: str, *args: Any, **kwargs: Any) -> bool:
         """Send a call on this loop's open connection without waiting; ``False`` if there
@@ -275,11 +282,11 @@ class RpcClient:
             loop = asyncio.get_running_loop()
         except RuntimeError:
             return False
-        fut = self._conns.get(loop)
-        if fut is None or not fut.done() or fut.exception() is not None:
+        conn = _ready(self._conns.get(loop))
+        if conn is None:
             return False
         try:
-            fut.result().notify(method, args, kwargs)
+            conn.notify(method, args, kwargs)
         except ConnectionError:
             return False
         return True
