@@ -467,6 +467,13 @@ async def test_bytes_go_inline_when_the_arena_cannot_grow(rq):
     assert torch.equal((await mb.materialize())["x"], x)
 
 
+def test_bad_ray_options_say_what_to_pass(transport):
+    with pytest.raises(streamrl.errors.InvalidArgument, match="ownership"):
+        streamrl.StreamQueue(transport="ray", ownership="producer")
+    with pytest.raises(streamrl.errors.InvalidArgument, match="direct_calls"):
+        streamrl.StreamQueue(transport="ray", direct_calls="yes")
+
+
 async def test_controller_actor_runs_on_uvloop(rq):
     pytest.importorskip("uvloop")
     q = rq()

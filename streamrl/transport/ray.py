@@ -948,7 +948,7 @@ class RayTransport(Transport):
                consumers: Sequence[str] | None, name: str | None = None,
                namespace: str | None = None, unit_options: dict | Sequence[dict] | None = None,
                controller_options: dict | None = None, detached: bool = False,
-               direct_calls: bool = True) -> "RayTransport":
+               direct_calls: bool = True, **unknown: Any) -> "RayTransport":
         """Start the actors. ``unit_options`` (one dict for all units, or one per unit) and
         ``controller_options`` are passed to ``.options()`` (for example
         ``{"resources": {"node:10.0.0.2": 0.001}}`` to pin a unit to a node).
@@ -958,6 +958,17 @@ class RayTransport(Transport):
         connection to its node's IP address (see :mod:`streamrl.transport.rpc`), which is
         about 30x faster than a Ray actor call. ``False`` sends every call through Ray
         (for clusters whose nodes only reach each other on Ray's own ports)."""
+        from ..errors import InvalidArgument
+
+        if unknown:
+            gone = (" (`ownership` is gone: rows now always live in their storage unit's "
+                    "shared memory, so they outlive their producer)" if "ownership" in unknown
+                    else "")
+            raise InvalidArgument(
+                f"unknown options for the Ray transport: {sorted(unknown)}{gone}; it takes "
+                "name, namespace, unit_options, controller_options, detached and direct_calls")
+        if not isinstance(direct_calls, bool):
+            raise InvalidArgument(f"direct_calls must be True or False, got {direct_calls!r}")
         if not ray.is_initialized():
             ray.init(ignore_reinit_error=True, include_dashboard=False,
                      address=os.environ.get("RAY_ADDRESS"))
@@ -970,8 +981,6 @@ class RayTransport(Transport):
         else:
             per_unit = [dict(o) for o in unit_options]
             if len(per_unit) != num_shards:
-                from ..errors import InvalidArgument
-
                 raise InvalidArgument(
                     f"unit_options has {len(per_unit)} entries for {num_shards} shards; give one "
                     "dict for all units or one per unit")
