@@ -317,6 +317,7 @@ class Controller:
         self.bytes_held = 0
         self.reserved_bytes = 0
         self._ids = itertools.count()
+        self._unit_ids: dict[int, list[list[int]]] = {}  # shard -> [next, end) id blocks
         self._lease_ids = itertools.count(1)
         self._token_ids = itertools.count(1)
         self._job_ids = itertools.count(1)
@@ -491,12 +492,43 @@ class Controller:
             return "full"
         return None
 
+    def unit_ids(self, shard: int, n: int) -> tuple[int, int]:
+        """Lease ``n`` fresh row ids ``[start, end)`` to storage unit ``shard``: it names
+        the rows of puts it admits itself (:meth:`allocate` with ``ids=``) before asking
+        here. Ids are never reused, whether or not they are ever used."""
+        if not isinstance(n, int) or n <= 0:
+            raise InvalidArgument(f"lease at least one id, got {n!r}")
+        start = next(self._ids)
+        self._ids = itertools.count(start + n)
+        blocks = self._unit_ids.setdefault(shard, [])
+        blocks.append([start, start + n])
+        del blocks[:-2]  # the unit uses its blocks in order: two cover the change-over
+        return start, start + n
+
+    def _id_block(self, shard: int, ids: Sequence[int]) -> list[int] | None:
+        """The block leased to ``shard`` whose next unused ids are ``ids``, if any."""
+        if not ids or list(ids) != list(range(ids[0], ids[0] + len(ids))):
+            return None
+        for b in self._unit_ids.get(shard, ()):
+            if b[0] <= ids[0] and ids[-1] < b[1]:
+                return b
+        return None
+
+    def owns_ids(self, shard: int, ids: Sequence[int]) -> bool:
+        """Whether storage unit ``shard`` may name new rows ``ids`` (see :meth:`unit_ids`)."""
+        return shard not in self.dead_shards and self._id_block(shard, ids) is not None
+
     def allocate(self, partition: str, n: int, fields: Sequence[str], *, nbytes: int = 0,
-                 version: int | None = None) -> WriteToken:
+                 version: int | None = None, ids: Sequence[int] | None = None,
+                 shard: int | None = None) -> WriteToken:
         """Admit ``n`` new rows in ``partition`` whose ``fields`` are about to be written.
 
+        With ``ids`` and ``shard``, the rows are the ones storage unit ``shard`` already
+        stored under ids leased to it by :meth:`unit_ids`.
+
         Raises :class:`QueueFull` when they do not fit now (callers wait and retry),
-        :class:`QueueClosed` after close and :class:`InvalidArgument` for a sealed partition.
+        :class:`QueueClosed` after close and :class:`InvalidArgument` for a sealed partition
+        (or for ``ids`` that are not the unit's next unused ones).
         """
         if not isinstance(n, int) or n <= 0:
             raise InvalidArgument(f"a put needs at least one row, got {n!r}")
@@ -524,8 +556,16 @@ class Controller:
             version = self.version
         elif not isinstance(version, int):
             raise InvalidArgument(f"version must be an int, got {version!r}")
-        ids = [next(self._ids) for _ in range(n)]
-        shards = self._place(n)
+        if ids is None:
+            ids = [next(self._ids) for _ in range(n)]
+            shards = self._place(n)
+        else:
+            if len(ids) != n or not self.owns_ids(shard, ids):
+                raise InvalidArgument(
+                    f"rows {rows_preview(ids)} are not unused ids leased to storage unit "
+                    f"{shard}; admit them without ids")
+            self._id_block(shard, ids)[0] = ids[-1] + 1
+            ids, shards = list(ids), [shard] * n
         pending = 0
         for name in self.filters:
             pending |= self._fbits[name]

@@ -204,8 +204,16 @@ class StreamQueue:
         nbytes = {f: row_nbytes(c, n) for f, c in cols.items()}
         ctl = self._control
         target: RowRemoteBatch | None = None
+        tags = {f: tag_values(f, cols[f]) for f in names if f in self._tag_fields}
         if rows is None:
             part = DEFAULT_PARTITION if partition is None else partition
+            fast = getattr(self._data, "put_rows", None)  # one call, no waiting (Ray)
+            done = None if fast is None else await fast(part, cols, n, nbytes, tags, version)
+            if done is not None:
+                self._tag_fields = done[2].tag_fields
+                out = RowRemoteBatch(self, done[0], done[1], names, partition=part)
+                out._learn(cols)
+                return out
             total = sum(sum(v) for v in nbytes.values())
             tok = await ctl.allocate(part, n, names, nbytes=total, version=version,
                                      timeout=timeout, nowait=nowait)
@@ -232,29 +240,14 @@ class StreamQueue:
                 raise SchemaError("the target rows repeat; write each row once")
             tok = await ctl.begin_write(ids, names, overwrite=overwrite)
         split = _split_by_shard(tok.rows, tok.shards, cols)
-        tags = {f: tag_values(f, cols[f]) for f in names if f in self._tag_fields}
-        # ("stored", None): the caller commits; ("ok", result) / ("commit", error): the
-        # storage unit committed (RayDataPlane.put_commit); ("store", error): not stored
-        forward = getattr(self._data, "put_commit", None)
         try:
-            if forward is not None and rows is None and len(split) == 1:
-                done = await forward(split[0], tok, nbytes, tags)
-            else:
-                await self._data.put(split)
-                done = ("stored", None)
-            if done[0] == "store":
-                raise done[1]
+            await self._data.put(split)
         except BaseException:
             with anyio.CancelScope(shield=True):
-                await ctl.abort(tok)  # nothing if the unit committed meanwhile
+                await ctl.abort(tok)
             raise
         try:
-            if done[0] == "stored":
-                res = await ctl.commit(tok, nbytes, tags)
-            elif done[0] == "commit":
-                raise done[1]
-            else:
-                res = done[1]
+            res = await ctl.commit(tok, nbytes, tags)
         except StreamTimeout:  # aborted for taking too long: forget what this write stored
             parts: dict[int, list[int]] = {}
             for r, s in zip(tok.rows, tok.shards):

@@ -30,7 +30,8 @@ from typing import Any
 import anyio
 
 from .controller import END, CommitResult, Controller, Delivery, FilterJob, FilterSpec, Request, WriteToken
-from .errors import FilterError, InvalidArgument, QueueClosed, QueueFull, RowsDropped, StreamTimeout
+from .errors import (FilterError, InvalidArgument, QueueClosed, QueueFull, RowsDropped,
+                     StreamRLError, StreamTimeout)
 from .stats import Stats, TaskStats
 from .transport.base import DataPlane
 
@@ -242,6 +243,31 @@ class ControllerService:
                     raise StreamTimeout(f"{timeout_msg} (version now {ctl.version})")
             finally:
                 self._pace_waiters.discard(ev)
+
+    async def put_rows(self, partition: str, fields: Sequence[str], ids: Sequence[int],
+                       shard: int, nbytes: dict[str, Sequence[int]],
+                       tags: dict[str, Sequence[Hashable]] | None = None,
+                       version: int | None = None) -> tuple[str, Any]:
+        """Admit and commit, in one step, new rows that storage unit ``shard`` already
+        stored under ``ids`` (leased by :meth:`Controller.unit_ids`): the unit's fast path
+        for small puts, with no wait. Answers ``("ok", commit result)``; ``("busy",
+        None)`` when the rows would have to wait for room or pacing (or other producers
+        wait): the unit deletes them and the producer puts the usual way; ``("refused",
+        error)`` when they can never be admitted now (closed, sealed): the unit deletes
+        them and the producer raises ``error``. A commit error (a filter failed) is raised
+        as from :meth:`commit`."""
+        ctl = self.ctl
+        n = len(ids)
+        total = sum(sum(v) for v in nbytes.values())
+        try:
+            if (self._space_q or ctl.admission(n, total, version) is not None
+                    or not ctl.owns_ids(shard, ids)):
+                return "busy", None
+            tok = ctl.allocate(partition, n, fields, nbytes=total, version=version, ids=ids,
+                               shard=shard)
+        except StreamRLError as e:
+            return "refused", e
+        return "ok", await self.commit(tok, nbytes, tags)
 
     async def begin_write(self, rows: Sequence[int], fields: Sequence[str], *,
                           overwrite: bool = False) -> WriteToken:

@@ -36,6 +36,27 @@ def test_each_put_goes_to_one_shard_and_puts_rotate():
     assert {c.allocate("p", 1, ("x",)).shards[0] for _ in range(4)} == {1, 2}
 
 
+def test_a_unit_names_its_rows_with_ids_leased_to_it():
+    """Storage units admit small puts under ids the controller leased to them: each id
+    once, only by its unit, never one the controller hands out itself."""
+    c = Controller(100, num_shards=2)
+    lo, hi = c.unit_ids(1, 4)
+    tok = c.allocate("p", 2, ["x"], ids=[lo, lo + 1], shard=1)
+    assert tok.rows == [lo, lo + 1] and tok.shards == [1, 1]
+    c.commit(tok, {"x": [8, 8]})
+    assert not c.owns_ids(1, [lo + 1])  # used
+    assert not c.owns_ids(0, [lo + 2])  # another unit's
+    assert not c.owns_ids(1, [hi])  # not leased
+    assert not c.owns_ids(1, [lo + 2, lo + 3, lo + 4])  # runs past the lease
+    with pytest.raises(InvalidArgument, match="leased"):
+        c.allocate("p", 1, ["x"], ids=[lo], shard=1)
+    other = c.allocate("p", 1, ["x"])  # the controller's own ids skip the lease
+    assert other.rows[0] >= hi
+    assert c.owns_ids(1, [lo + 3])  # ids may be skipped (a refused put used them)
+    c.dead_shards.add(1)
+    assert not c.owns_ids(1, [lo + 3])
+
+
 def test_take_needs_every_field_and_is_fifo():
     c = Controller(100)
     rows, _ = put(c, 4, ("a",))

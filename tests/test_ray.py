@@ -3,6 +3,7 @@ nodes, and failures (a storage unit or the controller dying, a consumer dying)."
 
 from __future__ import annotations
 
+import asyncio
 import os
 import pickle
 import subprocess
@@ -14,7 +15,7 @@ import pytest
 import torch
 
 import streamrl
-from streamrl.errors import RowsLost, TransportError
+from streamrl.errors import InvalidArgument, RowsLost, TransportError
 
 ray = pytest.importorskip("ray")
 # the shared make_queue fixture, on the Ray transport only
@@ -411,45 +412,112 @@ async def test_data_arriving_after_its_write_was_aborted_is_dropped(rq):
     assert (await _arena(q))["used"] == 0
 
 
-def _slow_put(self, parts, _orig=None):
-    import time
+async def test_a_small_put_is_one_call_to_a_storage_unit(rq, monkeypatch):
+    """A small put of new rows goes to one storage unit, which admits and commits it
+    (producer -> unit -> controller): no call from the producer to the controller. A big
+    put (tensors through the arena) asks the controller for room first."""
+    from streamrl.transport.rpc import RpcClient
 
-    time.sleep(1.0)
-    return type(self).put(self, parts)
+    q = rq(num_shards=2)
+    await q.put({"x": torch.zeros(1)}, partition="warm")  # connections and id leases
+    calls: list[str] = []
+    call = RpcClient.call
+
+    async def counted(self, method, *args, **kwargs):
+        calls.append(method)
+        return await call(self, method, *args, **kwargs)
+
+    monkeypatch.setattr(RpcClient, "call", counted)
+    put = await q.put({"x": torch.arange(3), "chat": [{"t": i} for i in range(3)]},
+                      partition="p")
+    assert calls == ["put_rows"]
+    calls.clear()
+    await q.put({"x": torch.zeros(2, 65536)}, partition="big")
+    assert calls[0] == "allocate" and "put_rows" not in calls
+    monkeypatch.undo()
+    mb = await q.get("t", ["x", "chat"], 3, partition="p", timeout=10)
+    td = await mb.materialize()
+    assert mb.rows == put.rows and torch.equal(td["x"], torch.arange(3))
+    assert [c["t"] for c in td["chat"]] == [0, 1, 2]
 
 
-async def test_small_put_committed_by_its_unit_after_the_write_expired_is_undone(rq):
-    """A small put's unit commits it for the producer (one hop sooner for consumers).
-    If the write expired meanwhile, the producer gets StreamTimeout and the data the unit
-    stored is deleted, exactly as when the producer commits itself."""
-    from streamrl.errors import StreamTimeout
+async def test_a_small_put_that_is_refused_leaves_nothing_in_its_unit(rq):
+    """The unit stores a small put before the controller admits it; a put the controller
+    refuses (sealed partition, closed queue) raises as usual and the unit forgets it."""
+    from streamrl.errors import QueueClosed
 
-    q = rq(num_shards=1, lease_timeout=0.3)
-    unit = q._transport._units[0]
-    await unit.__ray_call__.remote(lambda self: setattr(self, "put", _slow_put.__get__(self)))
-    outcome: list = []
-
-    async def put():
-        try:
-            await q.put({"x": torch.arange(4)}, partition="p")
-        except Exception as e:
-            outcome.append(e)
-        else:
-            outcome.append("ok")
-
-    async with anyio.create_task_group() as tg:
-        tg.start_soon(put)
-        await anyio.sleep(0.1)  # the write is admitted; the unit is storing it
-        with pytest.raises(StreamTimeout):  # a waiter expires overdue writes as it waits
-            await q.get("t", ["x"], 1, partition="other", timeout=1.5)
-    assert len(outcome) == 1 and isinstance(outcome[0], StreamTimeout), outcome
+    q = rq(num_shards=1)
+    await q.put({"x": torch.zeros(1)}, partition="p")
+    await q.seal("p")
+    with pytest.raises(InvalidArgument, match="sealed"):
+        await q.put({"x": torch.zeros(1)}, partition="p")
     st = await q.stats()
-    assert st.rows == 0 and st.writes_expired == 1
-    await _until(lambda: _unit_rows_zero(q), "the delete")
+    assert st.rows == 1 and st.unit_rows == [1]
+    await q.close()
+    with pytest.raises(QueueClosed):
+        await q.put({"x": torch.zeros(1)}, partition="q")
+    st = await q.stats()
+    assert st.rows == 1 and st.unit_rows == [1]
 
 
-async def _unit_rows_zero(q) -> bool:
-    return (await q.stats()).unit_rows == [0]
+async def test_a_small_put_into_a_full_queue_waits_its_turn(rq):
+    """No room: the unit hands the put back (it does not wait holding the data) and the
+    producer waits for room the usual way."""
+    q = rq(num_shards=2, capacity=2)
+    for i in range(2):
+        await q.put({"x": torch.tensor([i])}, partition="p")
+    third = asyncio.ensure_future(q.put({"x": torch.tensor([2])}, partition="p"))
+    await anyio.sleep(0.3)
+    assert not third.done()
+    assert sum((await q.stats()).unit_rows) == 2  # the waiting put's data is not stored
+    mb = await q.get("t", ["x"], 1, partition="p", timeout=10)
+    await mb.drop()
+    with anyio.fail_after(10):
+        await third
+    st = await q.stats()
+    assert st.rows == 2 and sum(st.unit_rows) == 2
+
+
+class _SlowController:
+    """Wraps a unit's client of the controller: put_rows waits 1 s before it is sent."""
+
+    def __init__(self, rpc):
+        self.rpc = rpc
+
+    async def call(self, method, *args):
+        if method == "put_rows":
+            await asyncio.sleep(1.0)
+        return await self.rpc.call(method, *args)
+
+
+@ray.remote(num_cpus=0)
+class OneRowProducer:
+    async def put(self, q):
+        await q.put({"x": torch.tensor([7])}, partition="p")
+
+
+async def test_a_producer_that_dies_during_a_small_put_leaves_no_stray_data(rq):
+    """The producer dies after its unit stored the put and before the controller
+    admitted it: the unit finishes the put (the rows land, whole), so no data is left
+    in the unit that the controller does not know of."""
+    q = rq(num_shards=1)
+    unit = q._transport._units[0]
+    await unit.__ray_call__.remote(
+        lambda self: setattr(self, "_controller", _SlowController(self._controller)))
+    prod = OneRowProducer.remote()
+    prod.put.remote(q)
+    await anyio.sleep(0.5)  # stored at the unit, admission on its way
+    await _kill(prod)
+    await _until(lambda: _rows_are(q, 1), "the put to land")
+    mb = await q.get("t", ["x"], 1, partition="p", timeout=10)
+    assert (await mb.materialize())["x"].tolist() == [7]
+    await mb.drop()
+    await _until(lambda: _rows_are(q, 0), "the drop")
+
+
+async def _rows_are(q, n: int) -> bool:
+    st = await q.stats()
+    return st.rows == n and st.unit_rows == [n]
 
 
 def _no_room(self, need):

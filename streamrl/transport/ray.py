@@ -13,8 +13,10 @@ Layout:
 
 Calls: every actor also serves its methods over a socket (:mod:`.rpc`), about 30x
 cheaper than a Ray actor call; ``direct_calls=False`` keeps them on Ray. A small put of
-new rows into one unit is stored and committed by that unit in one call
-(:meth:`RayDataPlane.put_commit`), so consumers hear of the rows one hop sooner.
+new rows is one call to a storage unit, which stores it under row ids the controller
+leased to it and has the controller admit and commit it in one step
+(:meth:`RayDataPlane.put_rows`): a waiting consumer hears of the rows three hops after
+the producer's ``put`` began (producer -> unit -> controller -> consumer).
 
 Data path (chosen by measurement, see ``docs/benchmarks.md``): each storage unit keeps
 tensor bytes in a shared-memory arena (:mod:`streamrl.arena`). A producer on the unit's
@@ -44,6 +46,7 @@ import logging
 import os
 import sys
 import threading
+import time
 import uuid
 import weakref
 from collections import OrderedDict
@@ -78,6 +81,8 @@ log = logging.getLogger("streamrl")
 #: Tensors of at least this many bytes go through the shared-memory arena when the
 #: producer or reader is on the unit's node; smaller ones travel inline in the call.
 SHM_MIN = 64 * 1024
+FAST_MAX = 1 << 20  # puts up to this many bytes may be admitted by a unit (put_rows)
+_BUSY_PAUSE = 0.02  # seconds without put_rows after a unit found the queue full
 
 
 def _to_wire(cols: Mapping[str, Column]) -> dict[str, Any]:
@@ -202,12 +207,14 @@ class _StorageActorImpl:
         self.unit = StorageUnit(index, on_release=self._released)
         self.lock = threading.Lock()
         self._endpoint: Endpoint | None = None
-        self._controller: RpcClient | None = None  # used from the socket thread only
+        self._controller: RpcClient | None = None  # for put_rows (from the socket thread)
+        self._ids = [0, 0]  # [next, end) of the row ids leased for put_rows (socket thread)
+        self._ids_lock: asyncio.Lock | None = None
 
     def endpoint(self, controller: Endpoint | None = None) -> Endpoint:
         """Start serving this unit's methods over a socket (see :mod:`.rpc`), from an
         event loop on a thread of its own; where. ``controller``: the controller's
-        endpoint, for :meth:`put_commit`."""
+        endpoint, for :meth:`put_rows`."""
         if controller is not None and self._controller is None:
             self._controller = RpcClient(controller)
         if self._endpoint is None:
@@ -340,13 +347,18 @@ class _StorageActorImpl:
             for rows, cols in parts:
                 self.unit.put(rows, {f: _map_col(c, stored) for f, c in cols.items()})
 
-    def put_commit(self, parts: list, token: Any, nbytes: dict, tags: dict):
-        """Store ``parts`` (inline data of new rows), then commit ``token`` at the
-        controller on the producer's behalf: the consumers waiting for these rows hear of
-        them one hop sooner than if the producer committed. Socket channel only (it
-        returns a coroutine). Its answer says where it stopped: ``("ok", commit
-        result)``, ``("store", error)`` (nothing committed) or ``("commit", error)``."""
-        return _put_commit(self, parts, token, nbytes, tags)
+    def put_rows(self, n: int, cols: dict, partition: str, fields: list[str], nbytes: dict,
+                 tags: dict, version: int | None):
+        """A small put of ``n`` new rows (inline data), admitted by this unit: it stores
+        them under row ids the controller leased to it, then asks the controller to
+        admit and commit them in one step, without waiting for room. Consumers waiting
+        for them hear of them two hops sooner than if the producer asked for room first.
+        Socket channel only (it returns a coroutine). Answers ``("ok", (rows, commit
+        result))``; ``("busy", None)`` (nothing kept: the producer puts the usual way);
+        ``("refused", error)`` (nothing kept) or ``("commit", error)`` (committed, then
+        a filter failed, or the controller is gone)."""
+        return asyncio.shield(asyncio.ensure_future(
+            _put_rows(self, n, cols, partition, fields, nbytes, tags, version)))
 
     def read(self, rows: list[int], fields: list[str], pid: int | None = None
              ) -> tuple[dict, int | None, dict | None]:
@@ -401,22 +413,47 @@ class _StorageActorImpl:
         return True
 
 
-async def _put_commit(unit: _StorageActorImpl, parts: list, token: Any, nbytes: dict,
-                      tags: dict) -> tuple[str, Any]:
-    # a module function, not an ``async def`` of the actor: that would make Ray run the
-    # whole actor as an async actor
+async def _put_rows(unit: _StorageActorImpl, n: int, cols: dict, partition: str,
+                    fields: list[str], nbytes: dict, tags: dict, version: int | None
+                    ) -> tuple[str, Any]:
+    # shielded from the producer's cancellation (see put_rows): what it stores is either
+    # committed or deleted here, never left behind
+    ctl = unit._controller
+    if ctl is None:
+        return "busy", None
+    if unit._ids_lock is None:
+        unit._ids_lock = asyncio.Lock()
     try:
-        unit.put(parts)
-    except Exception as e:  # noqa: BLE001 - the producer aborts the write
-        return "store", e
+        async with unit._ids_lock:  # blocks are leased one at a time, used in order
+            if unit._ids[1] - unit._ids[0] < n:
+                unit._ids = list(await ctl.call("unit_ids", unit.index, max(n, _ID_BLOCK)))
+            start = unit._ids[0]
+            unit._ids[0] += n
+    except Exception:  # noqa: BLE001 - no ids (controller busy or gone): the usual path says why
+        return "busy", None
+    ids = list(range(start, start + n))
     try:
-        return "ok", await unit._controller.call("commit", token, nbytes, tags)
+        unit.put([(ids, cols)])
+    except Exception as e:  # noqa: BLE001 - nothing stored
+        return "refused", e
+    try:
+        ans = await ctl.call("put_rows", partition, fields, ids, unit.index, nbytes, tags,
+                             version)
+    except ConnectFailed:
+        ans = ("busy", None)  # nothing sent
     except ConnectionError as e:
         return "commit", TransportError(
             f"storage unit {unit.index} lost the connection to the queue's controller ({e}); "
             "it is gone or unreachable: the queue cannot be used any more")
-    except Exception as e:  # noqa: BLE001 - stored, not committed: the producer handles it
+    except Exception as e:  # noqa: BLE001 - committed; the controller dropped what it had to
         return "commit", e
+    if ans[0] != "ok":
+        unit.delete(ids)
+        return ans
+    return "ok", (ids, ans[1])
+
+
+_ID_BLOCK = 4096  # row ids a unit leases at a time for the puts it admits
 
 
 StorageActor = ray.remote(num_cpus=0, max_concurrency=4)(_StorageActorImpl)
@@ -458,6 +495,9 @@ class RayDataPlane(DataPlane):
         self.on_lost: Callable[[int], None] | None = None  # a unit died
         self._unpins: collections.deque = collections.deque()  # (unit, pin) of dead views
         self._loop: asyncio.AbstractEventLoop | None = None
+        self._next_unit = -1  # round robin of put_rows
+        self._busy_until = 0.0  # no put_rows before (the queue was full)
+        self._unreachable: set[int] = set()  # units put_rows could not connect to
         if endpoints is not None:
             self.use_endpoints(endpoints)
 
@@ -591,26 +631,40 @@ class RayDataPlane(DataPlane):
                     "bytes travel inline in the calls from now on (slower)", shard, e)
         self._local[shard] = False
 
-    async def put_commit(self, part: tuple[int, Sequence[int], Mapping[str, Column]],
-                         token: Any, nbytes: dict, tags: dict) -> tuple[str, Any]:
-        """Store a put of new rows on one unit, and have the unit commit it when it can
-        (see :meth:`_StorageActorImpl.put_commit`: inline data, socket channel). Where it
-        stopped: ``("ok", commit result)``, ``("store", error)``, ``("commit", error)``,
-        or ``("stored", None)``: stored as :meth:`put` does, the caller commits."""
-        shard, rows, cols = part
+    async def put_rows(self, partition: str, cols: Mapping[str, Column], n: int,
+                       nbytes: dict, tags: dict, version: int | None
+                       ) -> tuple[list[int], list[int], Any] | None:
+        """A small put of ``n`` new rows, admitted and committed by one storage unit
+        (see :meth:`_StorageActorImpl.put_rows`): one call instead of asking the
+        controller for room first. Returns ``(rows, shards, commit result)``, or ``None``
+        when it does not apply (big tensors, no socket channel, no room right now): the
+        caller puts the usual way. Raises what the put would raise."""
+        live = [s for s in range(self.num_shards)
+                if self.rpcs[s] is not None and s not in self._unreachable]
+        sizes = [sum(v) for v in nbytes.values()]  # each field's bytes
+        if (not live or n < 1 or time.monotonic() < self._busy_until or sum(sizes) > FAST_MAX
+                or max(sizes, default=0) >= SHM_MIN):  # big tensors go through the arena
+            return None
         wire = _to_wire(cols)
-        rpc = self.rpcs[shard]
-        if rpc is not None and not any(t.nbytes >= SHM_MIN for t in _tensors_in(wire)):
-            try:
-                return await rpc.call("put_commit", [(list(rows), wire)], token, nbytes, tags)
-            except ConnectFailed:
-                pass  # nothing sent: store as usual (that finds out why)
-            except ConnectionError as e:
-                return "store", TransportError(
-                    f"lost the connection to storage unit {shard} during a put ({e}); the "
-                    "put was taken back if it had not landed. Put the rows again")
-        await self._put(shard, [(list(rows), wire)])
-        return "stored", None
+        self._next_unit = (self._next_unit + 1) % len(live)
+        shard = live[self._next_unit]
+        try:
+            ans = await self.rpcs[shard].call("put_rows", n, wire, partition, list(cols),
+                                              nbytes, tags, version)
+        except ConnectFailed:  # nothing sent: the usual path finds out why
+            self._unreachable.add(shard)
+            return None
+        except ConnectionError as e:
+            raise TransportError(
+                f"lost the connection to storage unit {shard} during a put ({e}); the rows "
+                "may or may not have been put") from None
+        if ans[0] == "busy":  # no room now: wait the usual way (and for a while)
+            self._busy_until = time.monotonic() + _BUSY_PAUSE
+            return None
+        if ans[0] != "ok":
+            raise ans[1]
+        rows, res = ans[1]
+        return rows, [shard] * n, res
 
     async def get(self, parts: Sequence[tuple[int, Sequence[int], Sequence[str]]]
                   ) -> list[dict[str, list[Column]]]:
@@ -754,6 +808,14 @@ class _ControllerActorImpl:
 
     async def commit(self, *a, **kw):
         return await self.svc.commit(*a, **kw)
+
+    async def put_rows(self, *a, **kw):
+        res = await self.svc.put_rows(*a, **kw)
+        await asyncio.sleep(0)  # the consumers it woke get their rows before this reply
+        return res
+
+    def unit_ids(self, shard: int, n: int) -> tuple[int, int]:
+        return self.svc.ctl.unit_ids(shard, n)
 
     async def abort(self, token):
         return await self.svc.abort(token)
