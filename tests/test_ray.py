@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-import pickle
 import subprocess
 import sys
 import textwrap

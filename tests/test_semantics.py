@@ -4,7 +4,6 @@ Each test reads like the rule it checks (see docs/concepts.md)."""
 
 from __future__ import annotations
 
-import asyncio
 import gc
 import pickle
 
