@@ -185,6 +185,9 @@ class StreamQueue:
         ``timeout``, :class:`~streamrl.errors.QueueClosed` after close,
         :class:`~streamrl.errors.SchemaError` for mismatched lengths,
         :class:`~streamrl.errors.DuplicateField` and :class:`~streamrl.errors.RowsDropped`.
+
+        A cancelled put leaves nothing behind, except a small put on the Ray transport
+        that already reached its storage unit: that one lands whole (docs/deployment.md).
         """
         return await self._put(data, partition, rows, version=version, overwrite=overwrite,
                                timeout=timeout, nowait=False)

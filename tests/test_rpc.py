@@ -6,9 +6,11 @@ from __future__ import annotations
 import asyncio
 
 import pytest
+from hypothesis import example, given, settings
+from hypothesis import strategies as st
 
 from streamrl.errors import RowsDropped, TransportError
-from streamrl.transport.rpc import RpcClient, RpcServer
+from streamrl.transport.rpc import DIRECT, RpcClient, RpcServer
 
 
 class Target:
@@ -145,3 +147,60 @@ async def test_calls_fail_fast_once_the_server_is_gone():
         await asyncio.wait_for(pending, 5)
     with pytest.raises(ConnectionError):  # and no new connection either
         await asyncio.wait_for(c.call("add", 1), 5)
+
+
+def _chunked_frames(sizes_per_frame, cuts):
+    """Frames of arrays of the given sizes, fed to a receiving end in chunks of the
+    given sizes (as a socket might deliver them); what that end parsed."""
+    import numpy as np
+
+    from streamrl.transport.rpc import _frame, _frames, _Protocol
+
+    rng = np.random.default_rng(len(cuts))
+    sent = [[rng.integers(0, 255, k, dtype=np.uint8) for k in sizes]
+            for sizes in sizes_per_frame]
+    stream = b"".join(bytes(p) for i, arrs in enumerate(sent) for p in _frame(i, arrs))
+    got: list = []
+    end = _Protocol()
+    end.parse(_frames(lambda req_id, load: got.append((req_id, load()))))
+    pos, i = 0, 0
+    while pos < len(stream):
+        buf = end.get_buffer(-1)
+        n = min(len(buf), cuts[i % len(cuts)], len(stream) - pos)
+        buf[:n] = stream[pos:pos + n]
+        end.buffer_updated(n)
+        pos, i = pos + n, i + 1
+    return sent, got
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.lists(st.lists(st.sampled_from([0, 1, 100, DIRECT - 1, DIRECT, DIRECT + 3, 300_000]),
+                         max_size=5), min_size=1, max_size=4),
+       st.lists(st.integers(1, 400_000), min_size=1, max_size=8))
+@example([[DIRECT - 1] * 5, [100] * 3], [400_000])  # a piece left at the stage's end
+@example([[DIRECT - 1] * 5], [7, 1000, 200_000])
+def test_frames_arrive_whole_however_the_stream_is_cut(sizes_per_frame, cuts):
+    """The receiving end gets every frame byte for byte whatever chunks the bytes come in:
+    small pieces through its staging buffer, big ones received in place."""
+    import numpy as np
+
+    sent, got = _chunked_frames(sizes_per_frame, cuts)
+    assert [r for r, _ in got] == list(range(len(sent)))
+    for arrs, (_, back) in zip(sent, got):
+        assert len(back) == len(arrs)
+        assert all(np.array_equal(a, b) for a, b in zip(arrs, back))
+
+
+def test_a_frames_big_buffers_share_one_aligned_allocation():
+    """From POOL bytes on, a frame's big buffers are received into one allocation (huge
+    pages where the kernel allows), each 64-byte aligned; small ones stay apart."""
+    import numpy as np
+
+    from streamrl.transport.rpc import POOL
+
+    k = POOL // 2 + 5
+    sent, got = _chunked_frames([[k, 10, k]], [1 << 20])
+    a, small, b = got[0][1]
+    assert np.array_equal(a, sent[0][0]) and np.array_equal(b, sent[0][2])
+    assert a.base is not None and np.shares_memory(a.base, b)
+    assert b.ctypes.data % 64 == 0 and not np.shares_memory(small, a.base)
