@@ -90,6 +90,16 @@ class _Cache:
     def add(self, field: str, rows: np.ndarray, col: Column) -> None:
         self.fields.setdefault(field, []).insert(0, _Chunk(rows, col))
 
+    def forget(self, dropped: set[int]) -> None:
+        """Let go of chunks whose rows were all dropped (their memory, and on the Ray
+        transport the storage unit's blocks they view, can be freed)."""
+        for f, chunks in list(self.fields.items()):
+            keep = [c for c in chunks if not dropped.issuperset(c.rows.tolist())]
+            if keep:
+                self.fields[f] = keep
+            else:
+                del self.fields[f]
+
     def merged(self, other: "_Cache") -> "_Cache":
         out = {k: list(v) for k, v in self.fields.items()}
         for k, v in other.fields.items():
@@ -514,6 +524,8 @@ class RowRemoteBatch(RemoteBatch):
         rows = [r for r in self._rows.tolist() if r not in self._lease.dropped]
         if rows:
             self._lease.dropped.update(rows)
+            self._cache.forget(self._lease.dropped)
+            self._q._data.released()  # views that went with the cache, before the drop
             await self._q._control.drop(rows)
         if self._lease.open and self._lease.ids:
             remaining = await self._q._lease_rows(self._lease.ids)

@@ -107,12 +107,16 @@ class ControllerService:
                 log.exception("streamrl: deleting fields from storage failed")
         while True:
             deletes, jobs, woken, changed, freed = self.ctl.drain()
-            self._wake(woken, changed, freed)
+            # producers waiting for room are let in once the storage units freed it, so
+            # what the units hold stays within capacity (and arena blocks are reused)
+            self._wake(woken, changed, freed and not deletes)
             if deletes:
                 try:
                     await self.data.delete(deletes)
                 except Exception:  # a dead unit: its rows are gone anyway
                     log.exception("streamrl: deleting rows from storage failed")
+                if freed:
+                    self._wake((), (), True)
             if not jobs:
                 break
             for i, job in enumerate(jobs):

@@ -302,6 +302,24 @@ async def test_a_view_keeps_its_bytes_until_it_is_gone(rq):
     assert (await q.stats()).unit_pinned_bytes == [0]
 
 
+async def test_dropping_a_batch_frees_its_blocks_before_new_rows_need_them(rq):
+    """drop() lets go of what the batch read, and tells the unit before the controller
+    frees the room: a producer admitted into that room reuses the blocks instead of
+    growing the arena (a consumer that drops each batch keeps the arena at capacity)."""
+    q = rq(num_shards=1)
+    x = torch.ones(8, 4096)  # 128 KiB: arena
+    await q.put({"x": x}, partition="p")
+    mb = await q.get("t", ["x"], 8, partition="p")
+    td = await mb.materialize()
+    assert (await _arena(q))["pins"] == 1
+    del td
+    await mb.drop()  # the batch object itself lives on
+    await _until(lambda: _pins_zero(q), "the unpin")
+    size = (await _arena(q))["size"]
+    await q.put({"x": x}, partition="p2")
+    assert (await _arena(q))["size"] == size
+
+
 async def _pins_zero(q) -> bool:
     return (await _arena(q))["pins"] == 0
 

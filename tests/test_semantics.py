@@ -446,6 +446,37 @@ async def test_put_cancelled_while_waiting_for_room_admits_nothing(make_queue):
     assert len(await q.get("t", ["idx"], 4, partition="p", timeout=10)) == 4
 
 
+async def test_room_is_given_once_storage_freed_it(make_queue, transport):
+    """A producer waiting for room is let in after the storage units deleted the rows that
+    made it, so what the units hold stays within capacity (not the controller's count
+    alone)."""
+    if transport != "embedded":
+        pytest.skip("slows the storage units' delete in this process (the embedded units)")
+    q = make_queue(capacity=1)
+    await q.put(rows_of(1), partition="p")
+    events: list[str] = []
+    delete = q._data.delete
+
+    async def slow_delete(parts):
+        await anyio.sleep(0.2)
+        await delete(parts)
+        events.append("deleted")
+
+    q._data.delete = slow_delete
+
+    async def producer():
+        await q.put(rows_of(1, 1), partition="p")
+        events.append("admitted")
+        assert sum(r for r, _ in await q._data.unit_stats()) == 1
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(producer)
+        await anyio.sleep(0.05)  # waiting for room
+        mb = await q.get("t", ["idx"], 1, partition="p")
+        await mb.drop()
+    assert events == ["deleted", "admitted"]
+
+
 async def test_capacity_bytes_bounds_admission(make_queue):
     q = make_queue(capacity=1000, capacity_bytes=4096)
     await q.put({"x": torch.zeros(4, 256)})  # 4 KiB: full

@@ -49,6 +49,11 @@ class DataPlane(abc.ABC):
     async def unit_stats(self) -> list[tuple[int, int]]:
         """(rows, bytes) held by each storage unit, read from the units themselves."""
 
+    def released(self) -> None:
+        """Tell the storage units now which read data this process no longer views
+        (where they keep it for readers, as the Ray transport's arenas do); otherwise it
+        is told with the next call. Does not wait."""
+
 
 class Transport(abc.ABC):
     """A deployment: how to reach the control and data planes, and how to shut down."""

@@ -567,6 +567,9 @@ class RayDataPlane(DataPlane):
             except RuntimeError:  # that loop is closed: the next call flushes
                 pass
 
+    def released(self) -> None:
+        self._flush_unpins()
+
     def _flush_unpins(self) -> None:
         """Tell the units which reads' views are gone (without waiting)."""
         by_shard: dict[int, list[int]] = {}
