@@ -496,14 +496,14 @@ async def test_a_small_put_into_a_full_queue_waits_its_turn(rq):
 
 
 class _SlowController:
-    """Wraps a unit's client of the controller: put_rows waits 1 s before it is sent."""
+    """Wraps a unit's client of the controller: put_rows waits 2 s before it is sent."""
 
     def __init__(self, rpc):
         self.rpc = rpc
 
     async def call(self, method, *args):
         if method == "put_rows":
-            await asyncio.sleep(1.0)
+            await asyncio.sleep(2.0)
         return await self.rpc.call(method, *args)
 
 
@@ -523,13 +523,18 @@ async def test_a_producer_that_dies_during_a_small_put_leaves_no_stray_data(rq):
         lambda self: setattr(self, "_controller", _SlowController(self._controller)))
     prod = OneRowProducer.remote()
     prod.put.remote(q)
-    await anyio.sleep(0.5)  # stored at the unit, admission on its way
+    await _until(lambda: _stored_not_admitted(q), "the unit to store the put")
     await _kill(prod)
     await _until(lambda: _rows_are(q, 1), "the put to land")
     mb = await q.get("t", ["x"], 1, partition="p", timeout=10)
     assert (await mb.materialize())["x"].tolist() == [7]
     await mb.drop()
     await _until(lambda: _rows_are(q, 0), "the drop")
+
+
+async def _stored_not_admitted(q) -> bool:
+    st = await q.stats()
+    return st.unit_rows == [1] and st.rows == 0
 
 
 async def _rows_are(q, n: int) -> bool:
