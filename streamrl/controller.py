@@ -683,18 +683,23 @@ class Controller:
         touched: list[Row] = []
         added = 0
         keep = ~self._wmask(tok.fields)
+        zeros = [0] * len(tok.rows)
+        sizes = [(f, [int(b) for b in nbytes[f]] if f in nbytes else zeros) for f in tok.fields]
+        rows = self.rows
         for i, (rid, s) in enumerate(zip(tok.rows, tok.shards)):
-            row = self.rows.get(rid)
+            row = rows.get(rid)
             if row is None:
                 dead.setdefault(s, []).append(rid)
                 continue
             row.writing &= keep
-            for f in tok.fields:
-                b = int(nbytes[f][i]) if f in nbytes else 0
-                old = row.fields.get(f, 0)
-                row.fields[f] = b
-                row.nbytes += b - old
-                added += b - old
+            have = row.fields
+            delta = 0
+            for f, col in sizes:  # (the hot loop of a put: kept flat)
+                b = col[i]
+                delta += b - have.get(f, 0)
+                have[f] = b
+            row.nbytes += delta
+            added += delta
             for f, vals in tags.items():
                 self._set_tag(row, f, vals[i])
             touched.append(row)

@@ -145,11 +145,13 @@ class StorageUnit:
         if self.forgotten(rows):
             return
         n = len(rows)
+        row_fields = self.row_fields
         for name, col in columns.items():
             store = self.columns.setdefault(name, {})
             if _is_tensor(col):
                 base = self._segment(col, n)
                 entries: list = list(range(base, base + n))
+                self.nbytes += self.segments[base >> _OFF_BITS].row_bytes * n
             else:
                 entries = []
                 for x in col:
@@ -157,15 +159,15 @@ class StorageUnit:
                         entries.append(self._segment(x.unsqueeze(0), 1))
                     else:
                         entries.append(_Obj(x, approx_size(x)))
+                self.nbytes += sum(self._entry_bytes(e) for e in entries)
             for r, e in zip(rows, entries):
                 old = store.get(r)
                 if old is None:
-                    self.row_fields[r] = self.row_fields.get(r, 0) + 1
+                    row_fields[r] = row_fields.get(r, 0) + 1
                 else:
                     self.nbytes -= self._entry_bytes(old)
                     self._release(old)
                 store[r] = e
-                self.nbytes += self._entry_bytes(e)
 
     def get(self, rows: Sequence[int], fields: Sequence[str]) -> dict[str, list[Column]]:
         """Read ``fields`` of ``rows`` (in that order) as pieces of consecutive rows:
@@ -225,16 +227,32 @@ class StorageUnit:
         """Forget ``rows`` (rows not held are skipped). Returns (rows, bytes) freed."""
         before = self.nbytes
         n = 0
+        freed = 0
+        stores = list(self.columns.values())
+        segments = self.segments
+        emptied: list[int] = []
         for r in rows:
             if self.row_fields.pop(r, None) is None:
                 self._gone[r] = None  # its data may still be on its way
                 continue
             n += 1
-            for store in self.columns.values():
+            for store in stores:  # (the hot loop of dropping: kept flat)
                 e = store.pop(r, None)
-                if e is not None:
-                    self.nbytes -= self._entry_bytes(e)
-                    self._release(e)
+                if e is None:
+                    continue
+                if isinstance(e, _Obj):
+                    freed += e.nbytes
+                    continue
+                seg = segments[e >> _OFF_BITS]
+                freed += seg.row_bytes
+                seg.live -= 1
+                if not seg.live:
+                    emptied.append(e >> _OFF_BITS)
+        self.nbytes -= freed
+        for sid in emptied:
+            seg = segments.pop(sid)
+            if self.on_release is not None:
+                self.on_release(seg.tensor)
         for f in [f for f, st in self.columns.items() if not st]:
             del self.columns[f]
         while len(self._gone) > _GONE_MAX:
