@@ -247,6 +247,36 @@ def test_multinode_cluster_moves_data_between_nodes(tmp_path, transport):
     assert "MULTINODE-OK 3" in out.stdout, out.stdout[-2000:] + out.stderr[-4000:]
 
 
+AUTO_INIT = textwrap.dedent("""
+import asyncio, torch, streamrl
+
+async def main():
+    q = streamrl.StreamQueue(transport="ray", num_shards=1)
+    await q.put({"x": torch.arange(3)}, partition="p")
+    mb = await q.get("t", ["x"], 3, partition="p", timeout=30)
+    print("AUTO-OK", (await mb.materialize())["x"].tolist())
+    await q.shutdown()
+
+asyncio.run(main())
+""")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("address", ["", None])
+def test_a_ray_queue_starts_ray_as_ray_would(tmp_path, transport, address):
+    """Ray not initialised: the queue starts a local Ray the way ``ray.init()`` does,
+    whether RAY_ADDRESS is unset or empty (Ray treats both alike)."""
+    script = tmp_path / "auto.py"
+    script.write_text(AUTO_INIT)
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    env["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
+    if address is not None:
+        env["RAY_ADDRESS"] = address
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                         timeout=180, env=env)
+    assert "AUTO-OK [0, 1, 2]" in out.stdout, out.stdout[-2000:] + out.stderr[-3000:]
+
+
 @ray.remote(num_cpus=0)
 class BigProducer:
     async def put(self, q, part):

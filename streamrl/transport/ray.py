@@ -1034,9 +1034,8 @@ class RayTransport(Transport):
                 "name, namespace, unit_options, controller_options, detached and direct_calls")
         if not isinstance(direct_calls, bool):
             raise InvalidArgument(f"direct_calls must be True or False, got {direct_calls!r}")
-        if not ray.is_initialized():
-            ray.init(ignore_reinit_error=True, include_dashboard=False,
-                     address=os.environ.get("RAY_ADDRESS"))
+        if not ray.is_initialized():  # as Ray itself would (it reads RAY_ADDRESS)
+            ray.init(ignore_reinit_error=True, include_dashboard=False)
         config = dict(capacity=capacity, capacity_bytes=capacity_bytes, num_shards=num_shards,
                       lease_timeout=lease_timeout, max_staleness=max_staleness,
                       max_lead=max_lead, consumers=consumers)
