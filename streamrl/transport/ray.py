@@ -44,6 +44,7 @@ import collections
 import itertools
 import logging
 import os
+import random
 import sys
 import threading
 import time
@@ -495,7 +496,9 @@ class RayDataPlane(DataPlane):
         self.on_lost: Callable[[int], None] | None = None  # a unit died
         self._unpins: collections.deque = collections.deque()  # (unit, pin) of dead views
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._next_unit = -1  # round robin of put_rows
+        # round robin of put_rows, from a random unit: processes that put a few rows each
+        # do not all start on unit 0
+        self._next_unit = random.randrange(max(self.num_shards, 1))
         self._busy_until = 0.0  # no put_rows before (the queue was full)
         self._unreachable: set[int] = set()  # units put_rows could not connect to
         if endpoints is not None:
