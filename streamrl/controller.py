@@ -560,11 +560,13 @@ class Controller:
             ids = [next(self._ids) for _ in range(n)]
             shards = self._place(n)
         else:
-            if len(ids) != n or not self.owns_ids(shard, ids):
+            block = (self._id_block(shard, ids)
+                     if len(ids) == n and shard not in self.dead_shards else None)
+            if block is None:
                 raise InvalidArgument(
                     f"rows {rows_preview(ids)} are not unused ids leased to storage unit "
                     f"{shard}; admit them without ids")
-            self._id_block(shard, ids)[0] = ids[-1] + 1
+            block[0] = ids[-1] + 1  # used
             ids, shards = list(ids), [shard] * n
         pending = 0
         for name in self.filters:

@@ -84,6 +84,7 @@ log = logging.getLogger("streamrl")
 SHM_MIN = 64 * 1024
 FAST_MAX = 1 << 20  # puts up to this many bytes may be admitted by a unit (put_rows)
 _BUSY_PAUSE = 0.02  # seconds without put_rows after a unit found the queue full
+_ID_BLOCK = 4096  # row ids a unit leases at a time for the puts it admits
 
 
 def _to_wire(cols: Mapping[str, Column]) -> dict[str, Any]:
@@ -452,9 +453,6 @@ async def _put_rows(unit: _StorageActorImpl, n: int, cols: dict, partition: str,
         unit.delete(ids)
         return ans
     return "ok", (ids, ans[1])
-
-
-_ID_BLOCK = 4096  # row ids a unit leases at a time for the puts it admits
 
 
 StorageActor = ray.remote(num_cpus=0, max_concurrency=4)(_StorageActorImpl)
