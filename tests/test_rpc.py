@@ -204,3 +204,14 @@ def test_a_frames_big_buffers_share_one_aligned_allocation():
     assert np.array_equal(a, sent[0][0]) and np.array_equal(b, sent[0][2])
     assert a.base is not None and np.shares_memory(a.base, b)
     assert b.ctypes.data % 64 == 0 and not np.shares_memory(small, a.base)
+
+
+async def test_a_big_pickle_body_is_received_whole():
+    """Bytes and strings travel in the pickle body itself; a body of DIRECT bytes or more
+    is received in place like a big buffer."""
+    _, _, ep = await _serve()
+    c = RpcClient(ep)
+    big = b"x" * (5 * DIRECT) + bytes(range(256))
+    out = await c.call("echo", big, "é" * DIRECT)
+    assert out == (big, "é" * DIRECT)
+    c.close()
