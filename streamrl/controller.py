@@ -45,7 +45,7 @@ from .errors import (
     rows_preview,
 )
 
-__all__ = ["Controller", "validate_request", "Request", "Delivery", "END", "FilterSpec", "FilterJob", "DropReason"]
+__all__ = ["Controller", "validate_request", "Request", "Delivery", "END", "FilterSpec", "FilterJob", "DropReason", "Undo"]
 
 
 class DropReason:
@@ -59,6 +59,7 @@ class DropReason:
     CONSUMED = "consumed"  # every declared consumer acknowledged it
     DP_REMAINDER = "dp_remainder"  # left over by DP dispatch with dp_remainder="drop"
     LOST = "lost"  # its storage unit died
+    CANCELLED = "cancelled"  # the put that created it was cancelled after it landed
 
 
 class _End:
@@ -179,7 +180,8 @@ class FilterJob:
 
 @dataclass
 class WriteToken:
-    """An admitted write: rows whose ``fields`` are being written to storage."""
+    """An admitted write: rows whose ``fields`` are being written to storage. Its
+    ``id`` tags the data in storage (see :meth:`StorageUnit.put`)."""
 
     id: int
     rows: list[int]
@@ -187,6 +189,24 @@ class WriteToken:
     fields: tuple[str, ...]
     reserved_bytes: int = 0
     new_rows: bool = False
+    overwrite: bool = False
+
+
+@dataclass
+class Undo:
+    """What storage must forget after a write failed (:meth:`Controller.abort`) or was
+    taken back (:meth:`Controller.retract`).
+
+    New rows are dropped through :attr:`Controller.deletes` as usual. For a write to
+    existing rows, each ``(fields, {shard: rows})`` of :attr:`parts` names what the
+    write may have stored and the rows do not hold committed: storage forgets those
+    entries *only if this write stored them* (:meth:`StorageUnit.delete_fields` with
+    ``write``), and drops the write's data should it still arrive. :attr:`shards` lists
+    every unit the write went to: each is told, even with nothing to forget."""
+
+    write: int
+    shards: frozenset[int]
+    parts: list[tuple[tuple[str, ...], dict[int, list[int]]]]
 
 
 @dataclass
@@ -350,7 +370,7 @@ class Controller:
         self.deletes: dict[int, list[int]] = {}
         # ({shard: rows}, fields) a write to existing rows may have stored before it was
         # aborted for taking too long: the caller deletes those fields from storage
-        self.field_deletes: list[tuple[dict[int, list[int]], tuple[str, ...]]] = []
+        self.field_deletes: list[Undo] = []
         self.filter_jobs: list[FilterJob] = []
         self.woken: set[tuple] = set()
         self.changed: set[str | None] = set()
@@ -635,30 +655,115 @@ class Controller:
                         "overwrite=True to replace it, or write it under another name")
         for r in objs:
             r.writing |= wmask
-        tok = WriteToken(next(self._token_ids), list(rows), [r.shard for r in objs], tuple(fields))
+        tok = WriteToken(next(self._token_ids), list(rows), [r.shard for r in objs],
+                         tuple(fields), overwrite=overwrite)
         self._track(tok)
         return tok
 
-    def abort(self, token: int | WriteToken) -> tuple[dict[int, list[int]], tuple[str, ...] | None]:
-        """Forget a write that failed; new rows it admitted are dropped. Returns the rows
-        (per shard) whose storage may hold partial data of that write, and what to delete
-        there: ``None`` for the whole rows (new rows), else the fields the write was
-        adding (existing rows keep the fields they had)."""
+    def abort(self, token: int | WriteToken) -> Undo | None:
+        """Forget a write that failed before it was committed; new rows it admitted are
+        dropped (and deleted from storage through :attr:`deletes`). Returns what storage
+        must forget of a write to existing rows (see :class:`Undo`), or ``None``."""
         tok = self._tokens.pop(token.id if isinstance(token, WriteToken) else token, None)
         if tok is None:
-            return {}, None
+            return None
         self.reserved_bytes -= tok.reserved_bytes
         live = [self.rows[r] for r in tok.rows if r in self.rows]
         wmask = self._wmask(tok.fields)
         for r in live:
             r.writing &= ~wmask
-        if tok.new_rows:
-            self._drop_rows(live, DropReason.DROPPED)
+        if tok.new_rows:  # never put: neither counted as put nor as dropped
+            self._drop_rows(live, None)
             self.c_put -= len(tok.rows)
-        out: dict[int, list[int]] = {}
-        for r, s in zip(tok.rows, tok.shards):
-            out.setdefault(s, []).append(r)
-        return out, (None if tok.new_rows else tok.fields)
+            return None
+        return self._undo(tok, live)
+
+    def _undo(self, tok: WriteToken, live: list[Row]) -> Undo:
+        """What storage must forget of ``tok``'s write to existing rows ``live``: the
+        fields those rows do not hold committed (an overwrite keeps the others, whose old
+        or new value is as good)."""
+        buckets: dict[tuple[str, ...], dict[int, list[int]]] = {}
+        for row in live:
+            fs = tuple(f for f in tok.fields if f not in row.fields)
+            if fs:
+                buckets.setdefault(fs, {}).setdefault(row.shard, []).append(row.id)
+        return Undo(tok.id, frozenset(tok.shards), list(buckets.items()))
+
+    def retract(self, token: WriteToken) -> Undo | None:
+        """Take back a committed write whose writer was cancelled before it heard of the
+        commit (so it will retry): new rows are dropped (``"cancelled"``); fields written
+        to existing rows are un-written (filters that judged them judge again when they
+        come back). An ``overwrite`` write is idempotent and stays. Rows already gone are
+        skipped. Returns what storage must forget (see :class:`Undo`), or ``None``."""
+        if token.id in self._tokens:  # not committed after all: an abort
+            return self.abort(token.id)
+        live = [self.rows[r] for r in token.rows if r in self.rows]
+        if token.new_rows:
+            self._drop_rows(live, DropReason.CANCELLED)
+            return None
+        if token.overwrite or not live:
+            return None
+        fields = set(token.fields)
+        fmask = 0
+        for spec in self.filters.values():
+            if spec.fields & fields:
+                fmask |= self._fbits[spec.name]
+        self._unjudge({r.id for r in live}, fmask)
+        freed = 0
+        for row in live:
+            for f in token.fields:
+                b = row.fields.pop(f, None)
+                if b is None:
+                    continue
+                row.nbytes -= b
+                freed += b
+                v = row.tags.pop(f, _MISSING)
+                if v is not _MISSING:
+                    grp = row.part.groups.get(f, {}).get(v)
+                    if grp is not None:
+                        grp.pop(row.id, None)
+                        if not grp:
+                            del row.part.groups[f][v]
+            row.pending |= fmask
+        self.bytes_held -= freed
+        self.c_bytes_freed += freed
+        self.space_freed = True
+        self._reindex(live)
+        for p in {r.part for r in live}:
+            self._wake_part(p.name)
+        return Undo(token.id, frozenset(token.shards),
+                    [(tuple(token.fields), _by_shard_of(live))])
+
+    def _unjudge(self, rids: set[int], fmask: int) -> None:
+        """Filters of ``fmask`` forget their pending judgement of ``rids``: jobs that
+        hold any of them are withdrawn, and their other rows wait to be judged again."""
+        if not fmask:
+            return
+        again: list[Row] = []
+        for jid, job in list(self._jobs.items()):
+            fbit = self._fbits[job.filter]
+            if not fbit & fmask or rids.isdisjoint(job.rows):
+                continue
+            del self._jobs[jid]
+            for r in job.rows:
+                row = self.rows.get(r)
+                if row is not None:
+                    row.judging &= ~fbit
+                    row.pending |= fbit
+                    if r not in rids:
+                        again.append(row)
+        self.filter_jobs = [j for j in self.filter_jobs if j.id in self._jobs]
+        for name, spec in self.filters.items():
+            if self._fbits[name] & fmask:
+                for b in self._filter_ready[name].values():
+                    for r in rids:
+                        b.pop(r, None)
+        if again:
+            self._filter_check(again)
+
+    def job_live(self, job_id: int) -> bool:
+        """Whether a filter job still waits for its verdict (not withdrawn)."""
+        return job_id in self._jobs
 
     def commit(self, token: int | WriteToken, nbytes: dict[str, Sequence[int]],
                tags: dict[str, Sequence[Hashable]] | None = None) -> CommitResult:
@@ -1177,9 +1282,9 @@ class Controller:
         while self._token_heap and self._token_heap[0][0] <= now:
             _, tid = heapq.heappop(self._token_heap)
             if tid in self._tokens:
-                parts, fields = self.abort(tid)  # new rows: dropped (and deleted) here
-                if fields is not None and parts:
-                    self.field_deletes.append((parts, fields))
+                undo = self.abort(tid)  # new rows: dropped (and deleted) here
+                if undo is not None:
+                    self.field_deletes.append(undo)
                 self.c_writes_expired += 1
                 self._expired_tokens[tid] = None
                 if len(self._expired_tokens) > _LEASE_MEMORY:
@@ -1217,16 +1322,18 @@ class Controller:
         self._drop_rows(list(p.rows.values()), DropReason.CLEARED)
         return n
 
-    def _drop_rows(self, objs: list[Row], reason: str, *, group: bool = False) -> None:
+    def _drop_rows(self, objs: list[Row], reason: str | None, *, group: bool = False) -> None:
         if group:
             objs = self._with_groups(objs)
         if not objs:
             return
         freed = 0
+        gone = 0
         parts: set[Partition] = set()
         for row in objs:
             if self.rows.pop(row.id, None) is None:
                 continue
+            gone += 1
             p = row.part
             del p.rows[row.id]
             for task in self._names(self._tbits, row.acked):
@@ -1255,7 +1362,8 @@ class Controller:
             parts.add(p)
         self.bytes_held -= freed
         self.c_bytes_freed += freed
-        self.c_dropped[reason] = self.c_dropped.get(reason, 0) + len(objs)
+        if reason is not None:
+            self.c_dropped[reason] = self.c_dropped.get(reason, 0) + gone
         self.space_freed = True
         for p in parts:
             self.changed.add(p.name)
@@ -1486,6 +1594,13 @@ class Controller:
 
 
 _MISSING = object()
+
+
+def _by_shard_of(rows: Iterable[Row]) -> dict[int, list[int]]:
+    out: dict[int, list[int]] = {}
+    for r in rows:
+        out.setdefault(r.shard, []).append(r.id)
+    return out
 
 
 def validate_request(req: Request) -> None:

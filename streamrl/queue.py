@@ -186,8 +186,12 @@ class StreamQueue:
         :class:`~streamrl.errors.SchemaError` for mismatched lengths,
         :class:`~streamrl.errors.DuplicateField` and :class:`~streamrl.errors.RowsDropped`.
 
-        A cancelled put leaves nothing behind, except a small put on the Ray transport
-        that already reached its storage unit: that one lands whole (docs/deployment.md).
+        A put that raises leaves nothing behind, cancelled ones included, wherever the
+        cancellation lands: new rows it admitted are gone (rows that had already landed
+        are dropped and counted as ``"cancelled"``), fields it was adding to existing rows
+        are not written, and the cancellation goes on only once that is done, so a retry
+        never races the undo. A write with ``overwrite=True`` is the exception: it is
+        idempotent, and a cancelled one leaves each row with its old or its new value.
         """
         return await self._put(data, partition, rows, version=version, overwrite=overwrite,
                                timeout=timeout, nowait=False)
@@ -244,12 +248,13 @@ class StreamQueue:
             tok = await ctl.begin_write(ids, names, overwrite=overwrite)
         split = _split_by_shard(tok.rows, tok.shards, cols)
         try:
-            await self._data.put(split)
+            await self._data.put(split, tok.id)
         except BaseException:
             with anyio.CancelScope(shield=True):
                 await ctl.abort(tok)
             raise
         try:
+            # cancelled here, the controller takes the write back (commit or not)
             res = await ctl.commit(tok, nbytes, tags)
         except StreamTimeout:  # aborted for taking too long: forget what this write stored
             parts: dict[int, list[int]] = {}
@@ -259,7 +264,7 @@ class StreamQueue:
                 if rows is None:
                     await self._data.delete(parts)
                 else:
-                    await self._data.delete_fields(parts, names)
+                    await self._data.delete_fields(parts, names, write=tok.id)
             raise
         self._tag_fields = res.tag_fields
         if target is not None:
@@ -504,6 +509,14 @@ class StreamQueue:
     async def stats(self) -> Stats:
         """A snapshot of counters and holdings (see :class:`~streamrl.Stats`)."""
         return await self._control.stats()
+
+    async def audit(self) -> list[str]:
+        """Check that the controller and the storage units agree on every field of every
+        row; returns the disagreements (empty when they agree). Writes in flight are
+        allowed for; the undo of a cancelled call may still be on its way for a moment,
+        so poll with a deadline right after cancellations. Reads every unit's inventory:
+        a tool for tests and debugging, not for hot paths."""
+        return await self._control.audit()
 
     async def leaked(self) -> int:
         """Rows held in sealed partitions that no task will take any more (0 when every

@@ -100,9 +100,8 @@ class ControllerService:
             self._apply_deferred()
         errors: list[FilterError] = []
         while self.ctl.field_deletes:  # fields stored by writes that expired
-            parts, fields = self.ctl.field_deletes.pop()
             try:
-                await self.data.delete_fields(parts, fields)
+                await self._forget(self.ctl.field_deletes.pop())
             except Exception:  # a dead unit: gone anyway
                 log.exception("streamrl: deleting fields from storage failed")
         while True:
@@ -280,27 +279,59 @@ class ControllerService:
             raise QueueClosed("the queue is closed; no fields can be written any more")
         return self.ctl.begin_write(rows, fields, overwrite=overwrite)
 
-    async def commit(self, token: WriteToken | int, nbytes: dict[str, Sequence[int]],
+    async def commit(self, token: WriteToken, nbytes: dict[str, Sequence[int]],
                      tags: dict[str, Sequence[Hashable]] | None = None) -> CommitResult:
         """Mark a write's fields ready; run the filters it completes (a filter failure is
         raised here as :class:`~streamrl.errors.FilterError` after its rows were dropped).
-        Rows dropped while the write was in flight are deleted from storage here."""
+        Rows dropped while the write was in flight are deleted from storage here.
+
+        Cancelled after the commit (while filters run): the write is taken back
+        (:meth:`retract`) before the cancellation goes on, so a writer that was cancelled
+        finds nothing of its write and can retry."""
         res = self.ctl.commit(token, nbytes, tags)
-        if res.dead:
-            await self.data.delete(res.dead)
-        for f, rows in res.missing_tags.items():
-            await self._backfill_tags(f, _by_shard(self.ctl, rows))
-        await self._after(raise_filter_errors=True)
+        try:
+            if res.dead:
+                await self.data.delete(res.dead)
+            for f, rows in res.missing_tags.items():
+                await self._backfill_tags(f, _by_shard(self.ctl, rows))
+            await self._after(raise_filter_errors=True)
+        except anyio.get_cancelled_exc_class():
+            with anyio.CancelScope(shield=True):
+                await self.retract(token)
+            raise
         return res
 
     async def abort(self, token: WriteToken | int) -> None:
-        """Forget a failed write and delete whatever it stored."""
-        parts, fields = self.ctl.abort(token)
-        if parts and fields is None:
-            await self.data.delete(parts)
-        elif parts:  # a write of new fields to existing rows: their other fields stay
-            await self.data.delete_fields(parts, fields)
+        """Forget a failed write and delete whatever it stored (only what it stored: a
+        retry's data is never touched, see :class:`~streamrl.controller.Undo`)."""
+        await self._forget(self.ctl.abort(token))
         await self._after()
+
+    async def retract(self, token: WriteToken) -> None:
+        """Take back a committed write whose writer was cancelled before it heard of the
+        commit (see :meth:`Controller.retract`)."""
+        await self._forget(self.ctl.retract(token))
+        await self._after()
+
+    async def retract_rows(self, rows: Sequence[int]) -> int:
+        """Drop new rows whose put was cancelled after it landed (``"cancelled"``)."""
+        from .controller import DropReason
+
+        n = self.ctl.drop(rows, DropReason.CANCELLED)
+        await self._after()
+        return n
+
+    async def _forget(self, undo) -> None:
+        """Have the storage units forget what an aborted or retracted write stored."""
+        if undo is None:
+            return
+        told: set[int] = set()
+        for fields, parts in undo.parts:
+            await self.data.delete_fields(parts, fields, write=undo.write)
+            told.update(parts)
+        rest = {s: [] for s in undo.shards if s not in told and s not in self.ctl.dead_shards}
+        if rest:  # no entries to forget there, but late data of the write is dropped
+            await self.data.delete_fields(rest, (), write=undo.write)
 
     # ------------------------------------------------------------------ tags
 
@@ -465,6 +496,8 @@ class ControllerService:
         (rows already dropped) when the filter failed."""
         from .columns import assemble, to_tensordict
 
+        if not self.ctl.job_live(job.id):  # withdrawn (its write was taken back)
+            return None
         fn = self._filters[job.filter]
         live = [r for r in job.rows if r in self.ctl.rows]
         if not live:
@@ -532,6 +565,43 @@ class ControllerService:
     async def leaked(self) -> dict[str, int]:
         """Leaked rows per sealed partition (see :meth:`Controller.leaked`)."""
         return self.ctl.leaked()
+
+    async def audit(self) -> list[str]:
+        """Where the controller and the storage units disagree (empty: they agree).
+
+        Each committed field of each row must be held by the row's unit; a unit may hold
+        more only for writes still in flight. Rows the units hold that the controller
+        does not know are strays, unless a write of new rows is in flight. Reads every
+        unit's inventory: a check for tests and debugging, not for hot paths."""
+        ctl = self.ctl
+        inv = await self.data.inventory()
+        out: list[str] = []
+        inflight = {r for tok in ctl._tokens.values() if tok.new_rows for r in tok.rows}
+        writing = {r for tok in ctl._tokens.values() if not tok.new_rows for r in tok.rows}
+        for rid, row in ctl.rows.items():
+            if row.shard in ctl.dead_shards:
+                continue
+            held = inv[row.shard].get(rid)
+            if held is None:
+                if rid not in inflight:
+                    out.append(f"row {rid}: the controller holds it, unit {row.shard} does not")
+                continue
+            held = set(held)
+            lacking = sorted(set(row.fields) - held)
+            if lacking:
+                out.append(f"row {rid}: fields {lacking} are committed but unit {row.shard} "
+                           "does not hold them")
+            extra = sorted(held - set(row.fields))
+            if extra and rid not in writing and rid not in inflight:
+                out.append(f"row {rid}: unit {row.shard} holds fields {extra} that are not "
+                           "committed")
+        for shard, rows in enumerate(inv):
+            if shard in ctl.dead_shards:
+                continue
+            stray = [r for r in rows if r not in ctl.rows or ctl.rows[r].shard != shard]
+            if stray:
+                out.append(f"unit {shard} holds rows {stray[:8]} the controller does not know")
+        return out
 
 
 def _by_shard(ctl: Controller, rows: Sequence[int]) -> dict[int, list[int]]:

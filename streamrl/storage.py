@@ -54,11 +54,12 @@ def approx_size(obj: Any, _depth: int = 0) -> int:
 class _Obj:
     """A stored Python object (distinguishes it from a packed tensor entry)."""
 
-    __slots__ = ("value", "nbytes")
+    __slots__ = ("value", "nbytes", "write")
 
-    def __init__(self, value, nbytes: int):
+    def __init__(self, value, nbytes: int, write: int = 0):
         self.value = value
         self.nbytes = nbytes
+        self.write = write  # the write that stored it (0: unknown)
 
 
 _GONE_MAX = 1 << 16  # deleted-before-stored rows remembered (late data is seconds late at most)
@@ -69,12 +70,13 @@ _OFF_BITS = 32  # a tensor entry is the int (segment id << 32) | row offset in t
 class _Segment:
     """A tensor that was put, shared by the rows it holds."""
 
-    __slots__ = ("tensor", "row_bytes", "live")
+    __slots__ = ("tensor", "row_bytes", "live", "write")
 
-    def __init__(self, tensor: Any, row_bytes: int, live: int):
+    def __init__(self, tensor: Any, row_bytes: int, live: int, write: int = 0):
         self.tensor = tensor
         self.row_bytes = row_bytes
         self.live = live  # entries still referring to it
+        self.write = write  # the write that stored it (0: unknown)
 
 
 class StorageUnit:
@@ -112,13 +114,18 @@ class StorageUnit:
         # rows deleted before any of their data arrived (a write aborted while its data
         # was on its way): their late data is dropped (row ids are never reused)
         self._gone: OrderedDict[int, None] = OrderedDict()
+        # writes aborted (by id): their data, should it still arrive, is dropped
+        self._aborted: OrderedDict[int, None] = OrderedDict()
 
-    def _segment(self, t: Any, n: int) -> int:
+    def _segment(self, t: Any, n: int, write: int = 0) -> int:
         sid = self._next_seg
         self._next_seg += 1
         per = t.element_size() * (t.numel() // n if n else 0)
-        self.segments[sid] = _Segment(t, per, n)
+        self.segments[sid] = _Segment(t, per, n, write)
         return sid << _OFF_BITS
+
+    def _write_of(self, e: int | _Obj) -> int:
+        return e.write if isinstance(e, _Obj) else self.segments[e >> _OFF_BITS].write
 
     def _entry_bytes(self, e: int | _Obj) -> int:
         return e.nbytes if isinstance(e, _Obj) else self.segments[e >> _OFF_BITS].row_bytes
@@ -133,32 +140,35 @@ class StorageUnit:
                 if self.on_release is not None:
                     self.on_release(seg.tensor)
 
-    def forgotten(self, rows: Sequence[int]) -> bool:
-        """Whether ``rows`` (new rows of one write) were deleted before their data came:
-        the write was aborted, and :meth:`put` ignores its data."""
-        return bool(rows) and rows[0] in self._gone
+    def forgotten(self, rows: Sequence[int], write: int = 0) -> bool:
+        """Whether the data of a write is to be dropped on arrival: ``rows`` (new rows)
+        were deleted before it came, or the write (by id) was aborted."""
+        return (bool(rows) and rows[0] in self._gone) or (bool(write) and write in self._aborted)
 
-    def put(self, rows: Sequence[int], columns: Mapping[str, Column]) -> None:
+    def put(self, rows: Sequence[int], columns: Mapping[str, Column], write: int = 0) -> None:
         """Store ``columns`` (each with ``len(rows)`` rows) for ``rows``; an existing
-        entry of the same field is replaced. Data of rows deleted before it came (see
-        :meth:`forgotten`) is dropped."""
-        if self.forgotten(rows):
+        entry of the same field is replaced. ``write`` is the id of the write the data
+        belongs to (the controller's write token), remembered with each entry so that an
+        abort takes back only what that write stored. Data of a write that arrives after
+        it was aborted, or of rows deleted before it came, is dropped (see
+        :meth:`forgotten`)."""
+        if self.forgotten(rows, write):
             return
         n = len(rows)
         row_fields = self.row_fields
         for name, col in columns.items():
             store = self.columns.setdefault(name, {})
             if _is_tensor(col):
-                base = self._segment(col, n)
+                base = self._segment(col, n, write)
                 entries: list = list(range(base, base + n))
                 self.nbytes += self.segments[base >> _OFF_BITS].row_bytes * n
             else:
                 entries = []
                 for x in col:
                     if _is_tensor(x):
-                        entries.append(self._segment(x.unsqueeze(0), 1))
+                        entries.append(self._segment(x.unsqueeze(0), 1, write))
                     else:
-                        entries.append(_Obj(x, approx_size(x)))
+                        entries.append(_Obj(x, approx_size(x), write))
                 self.nbytes += sum(self._entry_bytes(e) for e in entries)
             for r, e in zip(rows, entries):
                 old = store.get(r)
@@ -259,23 +269,41 @@ class StorageUnit:
             self._gone.popitem(last=False)
         return n, before - self.nbytes
 
-    def delete_fields(self, rows: Sequence[int], fields: Sequence[str]) -> int:
+    def delete_fields(self, rows: Sequence[int], fields: Sequence[str], write: int = 0) -> int:
         """Forget ``fields`` of ``rows`` (what a failed write stored); the rows and their
-        other fields stay. Returns bytes freed."""
+        other fields stay. Returns bytes freed.
+
+        With ``write`` (the failed write's id), only entries that write stored are
+        forgotten, and its data is dropped should it still arrive: the undo of a write
+        never deletes what a later write (a retry) stored."""
+        if write:
+            self._aborted[write] = None
+            while len(self._aborted) > _GONE_MAX:
+                self._aborted.popitem(last=False)
         before = self.nbytes
         for f in fields:
             store = self.columns.get(f)
             if store is None:
                 continue
             for r in rows:
-                e = store.pop(r, None)
-                if e is not None:
-                    self.nbytes -= self._entry_bytes(e)
-                    self._release(e)
-                    self.row_fields[r] -= 1
+                e = store.get(r)
+                if e is None or (write and self._write_of(e) != write):
+                    continue
+                del store[r]
+                self.nbytes -= self._entry_bytes(e)
+                self._release(e)
+                self.row_fields[r] -= 1
             if not store:
                 del self.columns[f]
         return before - self.nbytes
+
+    def inventory(self) -> dict[int, list[str]]:
+        """Every row held, with the fields held for it (for consistency checks)."""
+        out: dict[int, list[str]] = {r: [] for r in self.row_fields}
+        for f, store in self.columns.items():
+            for r in store:
+                out[r].append(f)
+        return out
 
     def fields_of(self, rows: Sequence[int]) -> list[str]:
         """Fields held for every one of ``rows``."""

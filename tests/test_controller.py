@@ -324,3 +324,57 @@ def test_write_not_committed_within_lease_timeout_is_aborted():
     with pytest.raises(StreamTimeout, match="lease_timeout"):
         c.commit(tok, {"x": [4] * 4})
     c.allocate("q", 4, ("x",), nbytes=16)  # the whole capacity is free again
+
+
+def test_storage_forgets_only_what_an_aborted_write_stored():
+    """The undo of write 1 (cancelled) must not delete write 2's data (its retry), and
+    write 1's data arriving late is dropped."""
+    import torch
+
+    from streamrl.storage import StorageUnit
+
+    u = StorageUnit(0)
+    u.put([1, 2], {"x": torch.zeros(2, 4)})
+    u.put([1, 2], {"f": torch.full((2, 3), 2.0)}, write=2)  # the retry landed first
+    u.delete_fields([1, 2], ["f"], write=1)  # then the undo of the cancelled write
+    assert u.get([1, 2], ["f"])["f"][0].tolist() == [[2.0] * 3] * 2
+    u.put([1, 2], {"f": torch.full((2, 3), 1.0)}, write=1)  # the cancelled data, late
+    assert u.get([1, 2], ["f"])["f"][0].tolist() == [[2.0] * 3] * 2
+    u.put([1], {"g": ["a"]}, write=3)
+    u.delete_fields([1], ["g"], write=3)
+    assert u.inventory() == {1: ["x", "f"], 2: ["x", "f"]}
+
+
+def test_abort_names_only_fields_the_rows_do_not_hold():
+    c = Controller(8, num_shards=2)
+    rows, _ = put(c, 4, fields=("x", "f"))
+    tok = c.begin_write(rows, ("f", "g"), overwrite=True)
+    undo = c.abort(tok)
+    assert undo.write == tok.id and undo.shards == frozenset(tok.shards)
+    assert undo.parts == [(("g",), {tok.shards[0]: rows})]  # "f" keeps old or new value
+    assert c.abort(tok) is None  # once
+
+
+def test_retract_takes_a_committed_write_back():
+    c = Controller(8)
+    rows, _ = put(c, 4)
+    c.add_filter(FilterSpec("f", frozenset({"r"})))
+    tok = c.begin_write(rows, ("r",))
+    c.commit(tok, {"r": [4] * 4})
+    (job,) = c.drain()[1]
+    held = c.bytes_held
+    undo = c.retract(tok)
+    assert undo.parts == [(("r",), {0: rows})]
+    assert not c.job_live(job.id)  # its judgement is withdrawn...
+    assert c.bytes_held == held - 16 and all("r" not in c.rows[r].fields for r in rows)
+    assert c.take(req(fields=("r",))) is None  # ...and "r" is not ready any more
+    tok2 = c.begin_write(rows, ("r",))  # no DuplicateField: the retry goes through
+    c.commit(tok2, {"r": [4] * 4})
+    (job2,) = c.drain()[1]
+    assert sorted(job2.rows) == rows  # judged again
+    c.filter_done(job2.id, [True] * 4)
+    assert c.take(req(fields=("r",))).rows == rows
+    new = c.allocate("p", 2, ("x",), nbytes=16)
+    c.commit(new, {"x": [8, 8]})
+    c.retract(new)  # new rows: dropped as cancelled
+    assert c.c_dropped["cancelled"] == 2 and not set(new.rows) & set(c.rows)

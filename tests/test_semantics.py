@@ -400,7 +400,7 @@ async def test_expired_write_to_existing_rows_frees_what_it_stored(make_queue):
     rows = await q.put(rows_of(4), partition="p")
     before = (await q.stats()).unit_bytes
     tok = await q._control.begin_write(rows.rows, ("y",))
-    await q._data.put(_split_by_shard(tok.rows, tok.shards, {"y": torch.ones(4, 8)}))
+    await q._data.put(_split_by_shard(tok.rows, tok.shards, {"y": torch.ones(4, 8)}), tok.id)
     assert (await q.stats()).unit_bytes != before  # stored, never committed: the writer died
     await anyio.sleep(1.2)
     with anyio.fail_after(20):

@@ -28,8 +28,11 @@ class DataPlane(abc.ABC):
     num_shards: int
 
     @abc.abstractmethod
-    async def put(self, parts: Sequence[tuple[int, Sequence[int], Mapping[str, Column]]]) -> None:
-        """Store columns: ``parts`` is a list of ``(shard, rows, columns)``."""
+    async def put(self, parts: Sequence[tuple[int, Sequence[int], Mapping[str, Column]]],
+                  write: int = 0) -> None:
+        """Store columns: ``parts`` is a list of ``(shard, rows, columns)``; ``write`` is
+        the id of the controller's write token they belong to (see
+        :meth:`streamrl.storage.StorageUnit.put`)."""
 
     @abc.abstractmethod
     async def get(self, parts: Sequence[tuple[int, Sequence[int], Sequence[str]]]
@@ -42,8 +45,15 @@ class DataPlane(abc.ABC):
         """Forget rows: ``{shard: rows}``."""
 
     @abc.abstractmethod
-    async def delete_fields(self, parts: Mapping[int, Sequence[int]], fields: Sequence[str]) -> None:
-        """Forget ``fields`` of rows (``{shard: rows}``), keeping the rows' other fields."""
+    async def delete_fields(self, parts: Mapping[int, Sequence[int]], fields: Sequence[str],
+                            write: int = 0) -> None:
+        """Forget ``fields`` of rows (``{shard: rows}``), keeping the rows' other fields;
+        with ``write``, only what that write stored, and drop its data should it still
+        arrive (see :meth:`streamrl.storage.StorageUnit.delete_fields`)."""
+
+    @abc.abstractmethod
+    async def inventory(self) -> list[dict[int, list[str]]]:
+        """Per storage unit, every row it holds and the fields it holds for it."""
 
     @abc.abstractmethod
     async def unit_stats(self) -> list[tuple[int, int]]:

@@ -24,10 +24,11 @@ class LocalDataPlane(DataPlane):
         self.units = list(units)
         self.num_shards = len(self.units)
 
-    async def put(self, parts: Sequence[tuple[int, Sequence[int], Mapping[str, Column]]]) -> None:
+    async def put(self, parts: Sequence[tuple[int, Sequence[int], Mapping[str, Column]]],
+                  write: int = 0) -> None:
         """Store columns on their units (no copy)."""
         for shard, rows, cols in parts:
-            self.units[shard].put(rows, cols)
+            self.units[shard].put(rows, cols, write)
 
     async def get(self, parts: Sequence[tuple[int, Sequence[int], Sequence[str]]]
                   ) -> list[dict[str, list[Column]]]:
@@ -39,10 +40,15 @@ class LocalDataPlane(DataPlane):
         for shard, rows in parts.items():
             self.units[shard].delete(rows)
 
-    async def delete_fields(self, parts: Mapping[int, Sequence[int]], fields: Sequence[str]) -> None:
+    async def delete_fields(self, parts: Mapping[int, Sequence[int]], fields: Sequence[str],
+                            write: int = 0) -> None:
         """Forget fields of rows on their units."""
         for shard, rows in parts.items():
-            self.units[shard].delete_fields(rows, fields)
+            self.units[shard].delete_fields(rows, fields, write)
+
+    async def inventory(self) -> list[dict[int, list[str]]]:
+        """Rows and fields held by each unit."""
+        return [u.inventory() for u in self.units]
 
     async def unit_stats(self) -> list[tuple[int, int]]:
         """(rows, bytes) held by each unit."""

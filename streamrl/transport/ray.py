@@ -175,6 +175,22 @@ def _send(rpc: RpcClient | None, actor: Any, method: str, *args: Any) -> None:
         getattr(actor, method).remote(*args)
 
 
+#: seconds a cancelled call waits for its effect to be taken back before it gives up
+UNDO_TIMEOUT = 10.0
+
+
+async def _undone(aw: Any, what: str) -> None:
+    """Wait (shielded from further cancellation, up to :data:`UNDO_TIMEOUT`) for the undo
+    of a cancelled call; a failure is logged (the lease or write timeout cleans up)."""
+    try:
+        await asyncio.wait_for(asyncio.shield(asyncio.ensure_future(aw)), UNDO_TIMEOUT)
+    except asyncio.CancelledError:
+        raise
+    except Exception as e:  # noqa: BLE001 - the caller's cancellation goes on regardless
+        log.warning("streamrl: could not take back a cancelled %s (%r); its lease or write "
+                    "times out instead", what, e)
+
+
 def _alive(pid: int) -> bool:
     """Whether process ``pid`` (on this node) still runs."""
     return os.path.exists(f"/proc/{pid}")
@@ -212,6 +228,7 @@ class _StorageActorImpl:
         self._controller: RpcClient | None = None  # for put_rows (from the socket thread)
         self._ids = [0, 0]  # [next, end) of the row ids leased for put_rows (socket thread)
         self._ids_lock: asyncio.Lock | None = None
+        self._puts: OrderedDict[str, asyncio.Future] = OrderedDict()  # put_rows by request id
 
     def endpoint(self, controller: Endpoint | None = None) -> Endpoint:
         """Start serving this unit's methods over a socket (see :mod:`.rpc`), from an
@@ -319,13 +336,13 @@ class _StorageActorImpl:
 
     # -- rows
 
-    def put(self, parts: list) -> None:
-        """Store ``(rows, columns)`` parts. Tensors come inline, or as blocks of this
-        unit's arena that the producer reserved and wrote."""
+    def put(self, parts: list, write: int = 0) -> None:
+        """Store ``(rows, columns)`` parts of write ``write``. Tensors come inline, or as
+        blocks of this unit's arena that the producer reserved and wrote."""
         with self.lock:
             keep = []
             for p in parts:
-                if not self.unit.forgotten(p[0]):
+                if not self.unit.forgotten(p[0], write):
                     keep.append(p)
                     continue
                 for t in _tensors_in(p[1]):  # aborted while its data was on its way
@@ -347,10 +364,10 @@ class _StorageActorImpl:
                 return t.pinned(self.arena.view(t.ref)) if isinstance(t.ref, ShmRef) else t
 
             for rows, cols in parts:
-                self.unit.put(rows, {f: _map_col(c, stored) for f, c in cols.items()})
+                self.unit.put(rows, {f: _map_col(c, stored) for f, c in cols.items()}, write)
 
     def put_rows(self, n: int, cols: dict, partition: str, fields: list[str], nbytes: dict,
-                 tags: dict, version: int | None):
+                 tags: dict, version: int | None, rid: str | None = None):
         """A small put of ``n`` new rows (inline data), admitted by this unit: it stores
         them under row ids the controller leased to it, then asks the controller to
         admit and commit them in one step, without waiting for room. Consumers waiting
@@ -359,8 +376,27 @@ class _StorageActorImpl:
         result))``; ``("busy", None)`` (nothing kept: the producer puts the usual way);
         ``("refused", error)`` (nothing kept) or ``("commit", error)`` (committed, then
         a filter failed, or the controller is gone)."""
-        return asyncio.shield(asyncio.ensure_future(
-            _put_rows(self, n, cols, partition, fields, nbytes, tags, version)))
+        fut = asyncio.ensure_future(
+            _put_rows(self, n, cols, partition, fields, nbytes, tags, version))
+        if rid is not None:  # the producer may give up: see cancel_put
+            self._puts[rid] = fut
+            while len(self._puts) > 4096:
+                self._puts.popitem(last=False)
+        return asyncio.shield(fut)
+
+    async def cancel_put(self, rid: str) -> None:
+        """The producer of put ``rid`` was cancelled while it waited for the answer:
+        once the put is done, rows it committed are dropped (``"cancelled"``), so a
+        cancelled put leaves nothing behind. Socket channel only."""
+        fut = self._puts.pop(rid, None)
+        if fut is None:
+            return
+        try:
+            status, val = await fut
+        except Exception:  # noqa: BLE001 - nothing committed
+            return
+        if status == "ok" and self._controller is not None:
+            await self._controller.call("retract_rows", val[0])
 
     def read(self, rows: list[int], fields: list[str], pid: int | None = None
              ) -> tuple[dict, int | None, dict | None]:
@@ -387,9 +423,13 @@ class _StorageActorImpl:
         with self.lock:
             return self.unit.delete(rows)
 
-    def delete_fields(self, rows: list[int], fields: list[str]) -> int:
+    def delete_fields(self, rows: list[int], fields: list[str], write: int = 0) -> int:
         with self.lock:
-            return self.unit.delete_fields(rows, fields)
+            return self.unit.delete_fields(rows, fields, write)
+
+    def inventory(self) -> dict[int, list[str]]:
+        with self.lock:
+            return self.unit.inventory()
 
     def stats(self) -> tuple[int, int]:
         with self.lock:
@@ -585,13 +625,14 @@ class RayDataPlane(DataPlane):
 
     # -- data plane
 
-    async def put(self, parts: Sequence[tuple[int, Sequence[int], Mapping[str, Column]]]) -> None:
+    async def put(self, parts: Sequence[tuple[int, Sequence[int], Mapping[str, Column]]],
+                  write: int = 0) -> None:
         by_shard: dict[int, list] = {}
         for shard, rows, cols in parts:
             by_shard.setdefault(shard, []).append((list(rows), _to_wire(cols)))
-        await asyncio.gather(*[self._put(s, p) for s, p in by_shard.items()])
+        await asyncio.gather(*[self._put(s, p, write) for s, p in by_shard.items()])
 
-    async def _put(self, shard: int, parts: list) -> None:
+    async def _put(self, shard: int, parts: list, write: int = 0) -> None:
         """Store wire-form ``parts`` on unit ``shard``: big tensors through its arena when
         this process maps it, everything else inline in the call."""
         rows = [r for rs, _ in parts for r in rs]
@@ -602,7 +643,7 @@ class RayDataPlane(DataPlane):
             got = await self._call(shard, "reserve", [t.nbytes for t in big], os.getpid(),
                                    rows=rows)
         if got is None:
-            await self._call(shard, "put", parts, rows=rows)
+            await self._call(shard, "put", parts, write, rows=rows)
             return
         refs, where = got
         by_id: dict[int, WireTensor] = {}  # id of a big tensor -> its block reference
@@ -619,7 +660,7 @@ class RayDataPlane(DataPlane):
                     by_id[id(t)] = t.by_reference(ref)
                 parts = [(rs, {f: _map_col(c, lambda t: by_id.get(id(t), t))
                                for f, c in cols.items()}) for rs, cols in parts]
-            await self._call(shard, "put", parts, rows=rows)
+            await self._call(shard, "put", parts, write, rows=rows)
         except BaseException:
             self._unreserve(shard, refs)
             raise
@@ -652,9 +693,15 @@ class RayDataPlane(DataPlane):
         wire = _to_wire(cols)
         self._next_unit = (self._next_unit + 1) % len(live)
         shard = live[self._next_unit]
+        rid = uuid.uuid4().hex
         try:
             ans = await self.rpcs[shard].call("put_rows", n, wire, partition, list(cols),
-                                              nbytes, tags, version)
+                                              nbytes, tags, version, rid)
+        except asyncio.CancelledError:
+            # the unit finishes the put (shielded) and then drops what it committed;
+            # the cancellation goes on once that is done, so a retry cannot race it
+            await _undone(self.rpcs[shard].call("cancel_put", rid), "put")
+            raise
         except ConnectFailed:  # nothing sent: the usual path finds out why
             self._unreachable.add(shard)
             return None
@@ -711,8 +758,14 @@ class RayDataPlane(DataPlane):
     async def delete(self, parts: Mapping[int, Sequence[int]]) -> None:
         await self._forget(parts, "delete")
 
-    async def delete_fields(self, parts: Mapping[int, Sequence[int]], fields: Sequence[str]) -> None:
-        await self._forget(parts, "delete_fields", list(fields))
+    async def delete_fields(self, parts: Mapping[int, Sequence[int]], fields: Sequence[str],
+                            write: int = 0) -> None:
+        await self._forget(parts, "delete_fields", list(fields), write)
+
+    async def inventory(self) -> list[dict[int, list[str]]]:
+        res = await asyncio.gather(*[self._call(s, "inventory") for s in range(self.num_shards)],
+                                   return_exceptions=True)
+        return [{} if isinstance(r, BaseException) else r for r in res]
 
     async def _forget(self, parts: Mapping[int, Sequence[int]], method: str, *args) -> None:
         """``method(rows, *args)`` on the unit of each ``{shard: rows}`` part,
@@ -760,6 +813,10 @@ class _ControllerActorImpl:
     async def report_lost(self, shard: int) -> None:
         self._lost(shard)
 
+    async def retract_rows(self, rows: list[int]) -> int:
+        """Drop the rows of a put whose producer was cancelled (see ``cancel_put``)."""
+        return await self.svc.retract_rows(rows)
+
     def handles(self) -> tuple[list, Endpoints | None]:
         return self.units, self._endpoints
 
@@ -796,6 +853,7 @@ class _ControllerActorImpl:
         task = self._inflight.pop(rid, None)
         if task is not None:
             task.cancel()
+            await asyncio.wait([task])  # it takes its own effect back (a retract) first
             return
         done = self._recent.pop(rid, None)
         if done is not None and done[1] is not None:
@@ -810,8 +868,13 @@ class _ControllerActorImpl:
         return await self._tracked(rid, self.svc.begin_write(*a, **kw), self.svc.abort,
                                    lambda tok: tok.id)
 
-    async def commit(self, *a, **kw):
-        return await self.svc.commit(*a, **kw)
+    async def commit(self, token, *a, rid: str | None = None, **kw):
+        # a client that gives up while it waits has the write taken back
+        return await self._tracked(rid, self.svc.commit(token, *a, **kw), self.svc.retract,
+                                   lambda _res: token)
+
+    async def audit(self):
+        return await self.svc.audit()
 
     async def put_rows(self, *a, **kw):
         res = await self.svc.put_rows(*a, **kw)
@@ -905,7 +968,7 @@ ControllerActor = ray.remote(num_cpus=0)(_ControllerActorImpl)
 
 #: Controller calls whose effect is taken back if the caller gives up while waiting
 #: (a take's lease, a write's admission): see ``_ControllerActorImpl.cancel``.
-_CANCELLABLE = frozenset({"take", "allocate", "begin_write"})
+_CANCELLABLE = frozenset({"take", "allocate", "begin_write", "commit"})
 
 
 class RayControl:
@@ -933,9 +996,11 @@ class RayControl:
                     pass  # nothing was sent: Ray tells whether the actor is gone
             return await getattr(self.actor, method).remote(*args, **kwargs)
         except asyncio.CancelledError:
-            # the cancel goes after the call on the same channel, so it cannot overtake it
+            # the cancel goes after the call on the same channel, so it cannot overtake
+            # it; the cancellation goes on once the call's effect is taken back, so a
+            # retry cannot race the undo
             if rid is not None:
-                _send(self.rpc, self.actor, "cancel", rid)
+                await _undone(self._cancel(rid), method)
             raise
         except ConnectionError as e:
             raise TransportError(
@@ -945,6 +1010,16 @@ class RayControl:
         except (ray.exceptions.RayTaskError, ray.exceptions.RayActorError,
                 ray.exceptions.ObjectLostError) as e:
             raise _unwrap(e, "controller actor") from None
+
+    async def _cancel(self, rid: str) -> None:
+        """Have the controller stop call ``rid`` or take its effect back (on the channel
+        the call went by, after it)."""
+        if self.rpc is not None:
+            try:
+                return await self.rpc.call("cancel", rid)
+            except ConnectFailed:
+                pass
+        return await self.actor.cancel.remote(rid)
 
     def __getattr__(self, method: str):
         if method.startswith("_"):

@@ -1,0 +1,195 @@
+"""Cancellation is an input: a put, write, get or materialize cancelled at any await leaves
+the queue consistent (controller and storage units agree, no lease stranded), and a retry
+never races the undo of the cancelled attempt. Run on every transport.
+
+The rule these tests check (docs/reliability.md): **a put or write that raises (cancelled
+included) leaves nothing behind**: new rows it admitted are gone, fields it was adding to
+existing rows are not written. An ``overwrite=True`` write is the exception: it is
+idempotent, so a cancelled one may leave each row with its old or its new value.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+
+import pytest
+import torch
+
+from streamrl import filters
+from streamrl.errors import DuplicateField
+
+pytestmark = pytest.mark.timeout(120)
+
+
+async def _settled(q, deadline=10.0):
+    """Wait until the controller and the storage units agree (undo work of a cancelled
+    call may still be on its way), and return the disagreements left (empty: agreed)."""
+    loop = asyncio.get_running_loop()
+    end = loop.time() + deadline
+    while True:
+        problems = await q.audit()
+        if not problems or loop.time() > end:
+            return problems
+        await asyncio.sleep(0.05)
+
+
+async def _cancel_after(coro, delay):
+    """Run ``coro``, cancelling it after ``delay`` seconds (0: after one loop turn).
+    Returns (completed, result)."""
+    task = asyncio.ensure_future(coro)
+    if delay:
+        await asyncio.sleep(delay)
+    else:
+        await asyncio.sleep(0)
+    task.cancel()
+    try:
+        return True, await task
+    except asyncio.CancelledError:
+        return False, None
+
+
+async def test_a_cancelled_write_of_a_new_field_then_retried_lands_whole(make_queue, transport):
+    """A write of a new field to existing rows, cancelled at a random point and retried,
+    leaves every row with the retried value, readable (the undo of the cancelled attempt
+    never deletes the retry's data)."""
+    q = make_queue(capacity=4096, num_shards=2)
+    rng = random.Random(7)
+    rounds = 60 if transport == "embedded" else 120
+    for i in range(rounds):
+        rows = await q.put({"x": torch.full((4, 64), float(i))}, partition="p")
+        val = torch.full((4, 4096), float(i))  # big enough to take the arena path on Ray
+        delay = rng.choice([0, 0, 0.0002, 0.0005, 0.001, 0.002, 0.004])
+        done, _ = await _cancel_after(q.put({"f": val}, rows=rows), delay)
+        # whatever happened, a retry succeeds: the cancelled write left nothing behind
+        if done:
+            continue
+        await q.put({"f": val}, rows=rows)
+        td = await rows.select("f").materialize()
+        assert torch.equal(td["f"], val), f"round {i}: wrong data after retry"
+    await q.seal("p")
+    n = 0
+    async for mb in q.stream("t", ["x", "f"], 16, partition="p", timeout=30):
+        td = await mb.materialize()
+        assert torch.equal(td["f"][:, 0], td["x"][:, 0])
+        n += len(mb)
+    assert n == 4 * rounds
+    assert await _settled(q) == []
+
+
+async def test_a_cancelled_put_of_new_rows_leaves_nothing(make_queue, transport):
+    """New rows of a put cancelled at any point are either all delivered (the put
+    completed) or all absent; retrying until success gives each sample exactly once."""
+    q = make_queue(capacity=4096, num_shards=3)
+    rng = random.Random(11)
+    rounds = 60 if transport == "embedded" else 120
+    for i in range(rounds):
+        # small (unit-admitted on Ray) and big (arena path) puts
+        width = rng.choice([8, 8192])
+        data = {"idx": torch.full((2,), i), "x": torch.zeros(2, width)}
+        done, _ = await _cancel_after(q.put(data, partition="p"),
+                                      rng.choice([0, 0.0002, 0.0005, 0.001, 0.003]))
+        if not done:
+            await q.put(data, partition="p")
+    await q.seal("p")
+    seen = []
+    async for mb in q.stream("t", ["idx"], 8, partition="p", timeout=30):
+        seen.extend((await mb.materialize())["idx"].tolist())
+    assert sorted(seen) == sorted(i for i in range(rounds) for _ in range(2))
+    st = await q.stats()
+    assert st.rows == 2 * rounds  # nothing extra held
+    assert st.put == st.rows + st.dropped  # every row put is held or dropped with a reason
+    assert await _settled(q) == []
+
+
+async def test_a_put_cancelled_while_its_async_filter_runs_leaves_nothing(make_queue):
+    """The filter a put's commit triggers runs in the put; cancelling the put there
+    takes the rows back, so a retry does not duplicate them."""
+    q = make_queue(capacity=256)
+
+    async def slow_keep(td):  # (on Ray it runs in the controller actor)
+        await asyncio.sleep(1.0)
+        return True
+
+    await q.add_filter(slow_keep, fields=["x"], name="slow")
+    task = asyncio.ensure_future(q.put({"idx": torch.arange(4), "x": torch.zeros(4, 2)},
+                                       partition="p"))
+    await asyncio.sleep(0.3)  # the put's filter runs now
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    await q.put({"idx": torch.arange(4), "x": torch.zeros(4, 2)}, partition="p")
+    await q.seal("p")
+    seen = []
+    async for mb in q.stream("t", ["idx", "x"], 8, partition="p", timeout=30):
+        seen.extend((await mb.materialize())["idx"].tolist())
+    assert sorted(seen) == [0, 1, 2, 3]
+    st = await q.stats()
+    assert st.dropped_by.get("cancelled", 0) == 4
+    assert await _settled(q) == []
+
+
+async def test_a_write_cancelled_while_its_filter_runs_can_be_retried(make_queue):
+    q = make_queue(capacity=256)
+
+    async def slow_keep(td):  # (on Ray it runs in the controller actor)
+        await asyncio.sleep(1.0)
+        return True
+
+    rows = await q.put({"idx": torch.arange(4)}, partition="p")
+    await q.add_filter(slow_keep, fields=["reward"], name="slow")
+    task = asyncio.ensure_future(q.put({"reward": torch.ones(4)}, rows=rows))
+    await asyncio.sleep(0.3)  # the put's filter runs now
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    await q.put({"reward": torch.ones(4) * 2}, rows=rows)  # no DuplicateField
+    mb = await q.get("t", ["idx", "reward"], 4, partition="p", timeout=30)
+    assert (await mb.materialize())["reward"].tolist() == [2.0] * 4
+    await mb.ack()
+    assert await _settled(q) == []
+
+
+async def test_a_cancelled_overwrite_leaves_old_or_new_values(make_queue):
+    """overwrite=True writes are idempotent: a cancelled one leaves each row with either
+    value, and the field stays readable."""
+    q = make_queue(capacity=256)
+    rows = await q.put({"idx": torch.arange(4), "f": torch.zeros(4, 4096)}, partition="p")
+    for delay in [0, 0.0002, 0.0005, 0.001, 0.002]:
+        await _cancel_after(q.put({"f": torch.ones(4, 4096)}, rows=rows, overwrite=True), delay)
+        td = await rows.select("f").materialize()  # the cache may hold either; read anew
+        mb = await q.get(f"t{delay}", ["f"], 4, partition="p", timeout=10)
+        got = (await mb.materialize())["f"]
+        for r in got:
+            assert torch.equal(r, torch.zeros(4096)) or torch.equal(r, torch.ones(4096))
+        await mb.ack()
+        assert td["f"].shape == (4, 4096)
+    assert await _settled(q) == []
+
+
+async def test_duplicate_field_still_refused_after_a_completed_write(make_queue):
+    q = make_queue(capacity=64)
+    rows = await q.put({"idx": torch.arange(2)}, partition="p")
+    await q.put({"f": torch.ones(2)}, rows=rows)
+    with pytest.raises(DuplicateField):
+        await q.put({"f": torch.ones(2)}, rows=rows)
+    assert await _settled(q) == []
+
+
+async def test_cancelled_filtered_put_with_ready_made_filter(make_queue):
+    """A put whose commit completes a GRPO group (judged by zero_variance), cancelled,
+    then retried: each group is judged once, nothing is left over."""
+    q = make_queue(capacity=256)
+    await q.add_filter(filters.zero_variance("reward", group_by="uid", group_size=4))
+    for g in range(10):
+        data = {"uid": torch.full((4,), g), "reward": torch.tensor([0., 1., 0., 1.])}
+        done, _ = await _cancel_after(q.put(data, partition="p"), 0)
+        if not done:
+            await q.put(data, partition="p")
+    await q.seal("p")
+    n = 0
+    async for mb in q.stream("t", ["uid", "reward"], 8, partition="p", group_by="uid",
+                             group_size=4, timeout=30):
+        n += len(mb)
+    assert n == 40
+    assert await _settled(q) == []
