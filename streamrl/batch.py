@@ -30,7 +30,7 @@ import numpy as np
 import torch
 from tensordict import TensorDict, TensorDictBase
 
-from .columns import Column, take_rows, to_columns, to_tensordict
+from .columns import Column, settle, take_rows, to_columns, to_tensordict
 from .errors import InvalidArgument, RowsDropped, SchemaError, UnknownField, rows_preview
 
 if TYPE_CHECKING:
@@ -42,12 +42,23 @@ __all__ = ["RemoteBatch", "RowRemoteBatch", "ColumnRemoteBatch", "BatchProxy"]
 class _Chunk:
     """Fetched (or written) values of one field for a list of rows."""
 
-    __slots__ = ("rows", "col", "_pos")
+    __slots__ = ("rows", "_col", "_settled", "_pos")
 
     def __init__(self, rows: np.ndarray, col: Column):
         self.rows = rows
-        self.col = col
+        self._col = col
+        self._settled = False
         self._pos: dict[int, int] | None = None
+
+    @property
+    def col(self) -> Column:
+        """The values as ``materialize`` gives them. Written values are kept as written
+        (a ragged put is a list of per-row tensors) until first read, then settled once
+        into the tensor or jagged nested tensor a fetch would give."""
+        if not self._settled:
+            self._col = settle(self._col)
+            self._settled = True
+        return self._col
 
     def pos(self) -> dict[int, int]:
         if self._pos is None:
@@ -407,7 +418,10 @@ class RowRemoteBatch(RemoteBatch):
         per storage unit. Tensor fields whose rows were put together come back as views of
         the stored tensor (no copy on the embedded transport): treat them as read-only, or
         pass ``copy=True``. Rows of different shapes in one field give a jagged nested
-        tensor; Python-object fields a non-tensor stack (``td[name]`` reads it as a list).
+        tensor (layout ``torch.jagged``), and any view of it works: a view whose rows all
+        have one shape gets a dense tensor instead (zero rows: ``[0, L, *rest]``, ``L``
+        meaningless), whether read from the cache or fetched. Python-object fields give
+        a non-tensor stack (``td[name]`` reads it as a list).
 
         Raises:
             UnknownField: a field is not written for these rows.
@@ -556,8 +570,8 @@ class ColumnRemoteBatch(RemoteBatch):
     """A lazy column: one field of some rows, keyed by the field (column) id.
 
     ``await col.materialize()`` returns the column itself: a tensor (or a jagged nested
-    tensor, or a list for Python objects), as ``td[field]`` would. Index it by rows like
-    the batch it came from.
+    tensor when the rows differ in shape, or a list for Python objects), as ``td[field]``
+    would. Index it by rows like the batch it came from; an int index gives the row.
 
     Examples:
         >>> # rewards = await mb["reward"].materialize()     # a [n] tensor

@@ -4,7 +4,10 @@ A *column* is the data of one field for ``n`` rows, either
 
 * a ``torch.Tensor`` whose first dimension is ``n`` (rows of one shape), or
 * a ``list`` of ``n`` values: Python objects (a chat history, a string), or tensors of
-  different shapes per row (ragged responses).
+  different shapes per row (ragged responses), or
+* a jagged nested tensor of ``n`` rows (``layout=torch.jagged``): how ragged rows come
+  back from storage. :func:`take_rows` indexes it (torch cannot index dim 0 of a nested
+  tensor); a nested tensor given to a put is taken as its list of rows.
 
 Stored columns come back from storage units as *pieces* (tensors of consecutive rows, or
 lists); :func:`assemble` joins them into one column without copying when the pieces are
@@ -28,13 +31,14 @@ from .storage import approx_size
 Column = Union[torch.Tensor, list]
 
 __all__ = ["Column", "to_columns", "row_nbytes", "tag_values", "assemble", "take_rows",
-           "to_tensordict", "approx_size"]
+           "settle", "to_tensordict", "approx_size"]
 
 
 def to_columns(data: Any) -> tuple[dict[str, Column], int]:
     """Normalise ``data`` (a TensorDict, or a mapping of field -> tensor / ndarray / list)
     into ``({field: column}, n_rows)``. Tensors are kept as given (no copy); numpy arrays
-    become tensors sharing their memory.
+    become tensors sharing their memory; a nested tensor (a ragged field, e.g. one
+    materialized before) becomes the list of its rows (``unbind``: views, no copy).
 
     Raises:
         SchemaError: fields of different lengths, a value that is not per-row.
@@ -94,6 +98,8 @@ def _column(name: str, v: Any) -> Column:
                 "tensor whose first dimension counts rows")
         if v.requires_grad:
             v = v.detach()
+        if v.is_nested:  # a ragged field (e.g. one materialized before): stored per row
+            return list(v.unbind(0))
         return v
     if isinstance(v, np.ndarray):
         if v.ndim == 0:
@@ -150,12 +156,87 @@ def tag_values(name: str, col: Column) -> list[Hashable]:
 
 
 def take_rows(col: Column, index: Sequence[int] | slice) -> Column:
-    """Rows ``index`` of a column (a view when ``index`` is a slice)."""
+    """Rows ``index`` of a column.
+
+    A regular tensor gives a view for a slice and one gather copy otherwise; a list gives
+    a new list of the same objects. A jagged nested tensor (a field whose rows differ in
+    shape) is handled by :func:`_take_jagged`: the picked rows come back as a jagged
+    nested tensor when their shapes differ and as a dense tensor when they agree (also
+    for zero rows), the rule :func:`assemble` follows for fetched rows.
+    """
+    if isinstance(col, torch.Tensor) and col.is_nested:
+        return _take_jagged(col, index)
     if isinstance(index, slice):
         return col[index]
     if isinstance(col, torch.Tensor):
         return col[torch.as_tensor(index, dtype=torch.long)]
     return [col[i] for i in index]
+
+
+def _take_jagged(nt: torch.Tensor, index: Sequence[int] | slice) -> torch.Tensor:
+    """Rows ``index`` of a nested tensor (torch cannot index or slice dim 0 of one).
+
+    Works on the packed values and offsets of a contiguous jagged tensor (the kind
+    :func:`_ragged` builds): a slice with step 1 narrows the values (no copy of the data;
+    only new offsets), any other index gathers the picked rows' values in one copy.
+    The result is
+
+    * a jagged nested tensor when the picked rows differ in shape;
+    * a dense ``[k, L, *rest]`` tensor when they all have length ``L`` (a view of the
+      values for a slice), so a view gives the same kind of column whether it is read
+      from the cache or fetched (:func:`assemble` stacks rows of one shape);
+    * a dense ``[0, 0, *rest]`` tensor of the field's dtype for zero rows (the size of
+      the ragged dim means nothing there).
+
+    Other nested tensors (strided layout, a ragged dim other than the first row dim, or
+    holes from ``narrow``) go through ``unbind`` and are rebuilt the same way (a copy).
+    """
+    n = nt.size(0)
+    if isinstance(index, slice):
+        picked = range(n)[index]
+        first = picked[0] if picked else 0
+        span = (first, first + len(picked)) if picked.step == 1 or len(picked) < 2 else None
+        positions: Sequence[int] = picked
+    else:
+        span, positions = None, [i + n if i < 0 else i for i in index]
+    if not (nt.layout == torch.jagged and nt.lengths() is None
+            and getattr(nt, "_ragged_idx", 1) == 1):
+        rows = nt.unbind(0)
+        return _stack_or_ragged([rows[i] for i in positions], nt.dtype, rows[0].shape[1:] if rows
+                                else ())
+    values, offsets = nt.values(), nt.offsets()
+    rest = tuple(values.shape[1:])
+    if span is not None:
+        a, b = span
+        lengths = offsets[a + 1:b + 1] - offsets[a:b]
+        picked_values = values[int(offsets[a]):int(offsets[b])]  # a view
+    else:
+        idx = torch.as_tensor(list(positions), dtype=torch.long, device=offsets.device)
+        starts = offsets[idx]
+        lengths = offsets[idx + 1] - starts
+        # the value rows of picked row j are starts[j] .. starts[j] + lengths[j]
+        begin = torch.cumsum(lengths, 0) - lengths
+        gather = torch.arange(int(lengths.sum()), device=offsets.device) + torch.repeat_interleave(
+            starts - begin, lengths)
+        picked_values = values[gather]
+    k = lengths.numel()
+    if k == 0:
+        return values.new_empty((0, 0) + rest)
+    lo, hi = int(lengths.min()), int(lengths.max())
+    if lo == hi:
+        return picked_values.reshape((k, lo) + rest)
+    new_offsets = torch.cat([lengths.new_zeros(1), torch.cumsum(lengths, 0)])
+    return torch.nested.nested_tensor_from_jagged(picked_values, new_offsets)
+
+
+def _stack_or_ragged(rows: Sequence[torch.Tensor], dtype: torch.dtype, rest: tuple) -> torch.Tensor:
+    """Per-row tensors as one column (a copy): stacked when their shapes agree, a jagged
+    nested tensor otherwise, ``[0, 0, *rest]`` of ``dtype`` when there are none."""
+    if not rows:
+        return torch.empty((0, 0) + tuple(rest), dtype=dtype)
+    if len({r.shape for r in rows}) == 1:
+        return torch.stack(list(rows))
+    return _ragged(list(rows))
 
 
 def _adjacent(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -221,11 +302,23 @@ def assemble(pieces: list[Column]) -> Column:
     return flat
 
 
+def settle(col: Column) -> Column:
+    """A column as ``materialize`` gives it: a list whose values are all tensors (a
+    ragged put, as given) becomes one tensor -- stacked when the rows agree in shape,
+    else a jagged nested tensor, as :func:`assemble` makes of fetched rows (a copy).
+    Other columns are returned as they are."""
+    if isinstance(col, list) and col and all(isinstance(x, torch.Tensor) for x in col):
+        return assemble([col])
+    return col
+
+
 def to_tensordict(columns: Mapping[str, Column], n: int) -> TensorDict:
     """A TensorDict of batch size ``[n]``; list columns become non-tensor stacks (read
-    back as lists with ``td[name]``)."""
+    back as lists with ``td[name]``), except lists of per-row tensors, which become a
+    tensor or a jagged nested tensor (see :func:`settle`)."""
     td = TensorDict({}, batch_size=[n])
     for name, col in columns.items():
+        col = settle(col)
         if isinstance(col, torch.Tensor):
             td.set(name, col)
         else:

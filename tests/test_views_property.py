@@ -2,11 +2,18 @@
 
 A random TensorDict of ``n`` rows is put into an embedded queue of ``k`` shards (in
 several puts, so rows land on different storage units; a Python-object field may be
-written later, as a partial sample), taken back as one leased batch, and every view
+written later, as a partial sample; a jagged field -- a list of per-row tensors of
+different lengths -- may come with it), taken back as one leased batch, and every view
 operation -- indexing by int / slice / list / LongTensor / numpy array / bool mask,
 ``select``, ``exclude``, chains of them, ``split``, ``chunk``, ``repeat``,
 ``repeat_interleave``, ``concat`` and lazy columns -- must materialize to exactly what the
 same operation gives on the TensorDict (values, dtypes, shapes, batch size).
+
+A TensorDict cannot index a jagged nested tensor, so the expected TensorDict holds the
+jagged field's rows as opaque objects (a non-tensor stack of :class:`Rag`), which it
+indexes, splits, repeats and concatenates like any object field; the materialized
+column is then compared row by row: a dense tensor when the picked rows share a shape
+(``[0, ...]`` for none), a jagged nested tensor of exactly those rows otherwise.
 
 The queue may hand rows out in another order than they were put, so the expected
 TensorDict is the source reordered by the batch's own ``idx`` column, read through a
@@ -56,6 +63,50 @@ def run(coro):
     return asyncio.run(asyncio.wait_for(coro, 30))
 
 
+# kind of the jagged field -> (dtype, per-row trailing shape after the ragged length)
+JAG_MENU: dict[str, tuple[torch.dtype, tuple[int, ...]]] = {
+    "1d": (torch.int64, ()),
+    "2d": (torch.float32, (3,)),
+    "2d_bf16": (torch.bfloat16, (2,)),
+}
+
+
+class Rag:
+    """One row of the jagged field in the expected TensorDict: an opaque object (equal
+    only to itself), so TensorDict moves it around without looking inside."""
+
+    __slots__ = ("t",)
+
+    def __init__(self, t: torch.Tensor):
+        self.t = t
+
+    def __repr__(self) -> str:
+        return f"Rag({tuple(self.t.shape)})"
+
+
+def assert_jagged_equal(got, exp, what: str) -> None:
+    """``got`` (a materialized jagged column, or one row of it for a 0-d view) holds the
+    rows of ``exp`` (a list of :class:`Rag`, or one)."""
+    assert isinstance(got, torch.Tensor), f"{what}: expected a tensor, got {type(got).__name__}"
+    if isinstance(exp, Rag):  # 0-d view: the row itself
+        assert not got.is_nested, f"{what}: one row should be a plain tensor"
+        assert_values_equal(got, exp.t, what)
+        return
+    rows = [r.t for r in exp]
+    assert got.shape[0] == len(rows), f"{what}: {got.shape[0]} rows, expected {len(rows)}"
+    if not rows:
+        assert not got.is_nested, f"{what}: zero rows should be a dense tensor"
+        return
+    assert got.dtype == rows[0].dtype, f"{what}: dtype {got.dtype} != {rows[0].dtype}"
+    if len({r.shape for r in rows}) == 1:
+        assert not got.is_nested, f"{what}: rows of one shape should be a dense tensor"
+        assert_values_equal(got, torch.stack(rows), what)
+        return
+    assert got.is_nested and got.layout == torch.jagged, f"{what}: expected a jagged tensor"
+    for j, (g, e) in enumerate(zip(got.unbind(), rows)):
+        assert_values_equal(g, e, f"{what} row {j}")
+
+
 def _value(td: TensorDictBase, key: str):
     """``td[key]`` normalised for comparison: a tensor, a list (non-tensor stack) or the
     object itself (0-d non-tensor)."""
@@ -86,6 +137,9 @@ def assert_td_equal(got, exp: TensorDictBase, what: str = "view") -> None:
     for k in exp.keys():
         gk, gv = _value(got, k)
         ek, ev = _value(exp, k)
+        if k == "jag":
+            assert_jagged_equal(gv, ev, f"{what}[{k!r}]")
+            continue
         assert gk == ek, f"{what}[{k!r}]: a {gk} field, expected a {ek} field"
         assert_values_equal(gv, ev, f"{what}[{k!r}]")
 
@@ -117,6 +171,8 @@ class Setup:
     obj_separately: bool
     seed: int
     fields: list[str] = field(default_factory=list)
+    jag: str | None = None  # a key of JAG_MENU: the batch has a jagged field "jag"
+    jag_lengths: list[int] = field(default_factory=list)
 
     def source(self) -> tuple[TensorDict, list | None]:
         gen = torch.Generator().manual_seed(self.seed)
@@ -128,6 +184,14 @@ class Setup:
         objs = [make_obj(i) for i in range(self.n)] if self.with_obj else None
         return td, objs
 
+    def jag_rows(self) -> list[torch.Tensor] | None:
+        """The jagged field's rows: ``[L_i, *rest]`` tensors, distinct per row."""
+        if self.jag is None:
+            return None
+        dtype, rest = JAG_MENU[self.jag]
+        gen = torch.Generator().manual_seed(self.seed + 1)
+        return [make_tensor(dtype, rest, L, gen) + i for i, L in enumerate(self.jag_lengths)]
+
 
 @st.composite
 def setups(draw, max_n: int = 40) -> Setup:
@@ -138,25 +202,39 @@ def setups(draw, max_n: int = 40) -> Setup:
                                   unique=True))
     with_obj = draw(st.booleans())
     s = Setup(n, k, cuts, tensor_fields, with_obj, draw(st.booleans()), draw(st.integers(0, 2**31)))
-    s.fields = ["idx", *tensor_fields] + (["obj"] if with_obj else [])
+    s.jag = draw(st.none() | st.sampled_from(sorted(JAG_MENU)))
+    if s.jag is not None:  # few lengths, so views often pick rows of one length (dense)
+        s.jag_lengths = draw(st.lists(st.integers(0, 3), min_size=n, max_size=n))
+    s.fields = ["idx", *tensor_fields] + (["obj"] if with_obj else []) + (["jag"] if s.jag else [])
     return s
 
 
 async def fill(q: streamrl.StreamQueue, s: Setup, partition: str = "p") -> tuple[TensorDict, list | None]:
     """Put the source in several puts (one per span between cuts); the object field goes
-    in the same put as a dict, or later as a partial-sample write to the same rows."""
+    in the same put as a dict, or later as a partial-sample write to the same rows; the
+    jagged field (a list of per-row tensors) goes in the same put as the tensors.
+
+    Returns the source TensorDict, with the jagged field as a non-tensor stack of
+    :class:`Rag` (the expected side), and the objects."""
     src, objs = s.source()
+    jag = s.jag_rows()
     bounds = [0, *s.cuts, s.n]
     for a, b in zip(bounds, bounds[1:]):
-        if objs is not None and not s.obj_separately:
+        if (objs is not None and not s.obj_separately) or jag is not None:
             data = {key: src[a:b].get(key) for key in src.keys()}
-            data["obj"] = objs[a:b]
-            await q.put(data, partition=partition)
+            if objs is not None and not s.obj_separately:
+                data["obj"] = objs[a:b]
+            if jag is not None:
+                data["jag"] = jag[a:b]
+            rows = await q.put(data, partition=partition)
         else:
             rows = await q.put(src[a:b], partition=partition)
-            if objs is not None:
-                await q.put({"obj": objs[a:b]}, rows=rows)
+        if objs is not None and s.obj_separately:
+            await q.put({"obj": objs[a:b]}, rows=rows)
     await q.seal(partition)
+    if jag is not None:
+        src = src.clone()
+        src.set("jag", obj_stack([Rag(t) for t in jag]))
     return src, objs
 
 
@@ -406,13 +484,14 @@ def test_columns_match_td_getitem(s: Setup, data):
             f = data.draw(st.sampled_from(fields), label="column")
             col = view[f]
             assert isinstance(col, ColumnRemoteBatch) and col.field == f
+            check = assert_jagged_equal if f == "jag" else assert_values_equal
             kind, want = _value(e, f)
-            assert_values_equal(await col.materialize(), want, f"{path}[{f!r}]")
+            check(await col.materialize(), want, f"{path}[{f!r}]")
             if e.batch_size:
                 # rows of the lazy column index like the TensorDict's
                 i_mb, i_td, label = draw_row_index(data, len(col), allow_int=True)
                 kind, want = _value(e[i_td], f)
-                assert_values_equal(await col[i_mb].materialize(), want, f"{path}[{f!r}]{label}")
+                check(await col[i_mb].materialize(), want, f"{path}[{f!r}]{label}")
             await mb.ack()
 
     run(body())
