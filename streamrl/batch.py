@@ -343,7 +343,7 @@ class RowRemoteBatch(RemoteBatch):
         if not batches:
             raise InvalidArgument("concat needs at least one batch")
         q = batches[0]._q
-        if any(b._q is not q for b in batches):
+        if any(b._q is not q and b._q.queue_id != q.queue_id for b in batches):
             raise InvalidArgument("concat needs batches of one queue")
         if any(b._scalar for b in batches):
             raise InvalidArgument("cannot concat 0-d views (from an int index); use slices")

@@ -30,7 +30,7 @@ from .storage import approx_size
 
 Column = Union[torch.Tensor, list]
 
-__all__ = ["Column", "to_columns", "row_nbytes", "tag_values", "assemble", "take_rows",
+__all__ = ["Column", "to_columns", "column_dtype", "row_nbytes", "tag_values", "assemble", "take_rows",
            "settle", "to_tensordict", "approx_size"]
 
 
@@ -114,6 +114,28 @@ def _column(name: str, v: Any) -> Column:
     raise SchemaError(
         f"field {name!r} has a {type(v).__name__}, which is not per-row data; give a tensor "
         "(first dim = rows) or a list with one value per row")
+
+
+def column_dtype(name: str, col: Column) -> str:
+    """The dtype a column gives its field: the tensor dtype (``"torch.int64"``, also for
+    a list of per-row tensors) or ``"object"`` (Python objects). A field holds one dtype
+    in a queue (the controller checks it).
+
+    Raises:
+        SchemaError: a list of per-row tensors of different dtypes.
+    """
+    if isinstance(col, torch.Tensor):
+        return str(col.dtype)
+    dtypes = {x.dtype for x in col if isinstance(x, torch.Tensor)}
+    if not dtypes:
+        return "object"
+    if len(dtypes) > 1 or len(col) and not all(isinstance(x, torch.Tensor) for x in col):
+        kinds = sorted(str(d) for d in dtypes) + (
+            ["Python objects"] if not all(isinstance(x, torch.Tensor) for x in col) else [])
+        raise SchemaError(
+            f"the rows of field {name!r} mix {', '.join(kinds)}; a field has one dtype: "
+            "convert the per-row tensors to one dtype (t.to(dtype)) before the put")
+    return str(dtypes.pop())
 
 
 def row_nbytes(col: Column, n: int) -> list[int]:

@@ -30,7 +30,7 @@ import itertools
 import math
 import time
 from collections import OrderedDict, deque
-from collections.abc import Callable, Hashable, Iterable, Sequence
+from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 from .errors import (
@@ -41,6 +41,7 @@ from .errors import (
     QueueClosed,
     QueueFull,
     RowsDropped,
+    SchemaError,
     StreamTimeout,
     rows_preview,
 )
@@ -357,6 +358,7 @@ class Controller:
         self.c_writes_expired = 0
         self._dispatchers: dict[tuple, _Dispatcher] = {}
 
+        self.dtypes: dict[str, str] = {}  # field -> its one dtype ("torch.int64", "object")
         self.tag_fields: set[str] = set()
         self._tbits: dict[str, int] = {}  # task -> bit
         self._fbits: dict[str, int] = {}  # filter -> bit
@@ -540,15 +542,19 @@ class Controller:
 
     def allocate(self, partition: str, n: int, fields: Sequence[str], *, nbytes: int = 0,
                  version: int | None = None, ids: Sequence[int] | None = None,
-                 shard: int | None = None) -> WriteToken:
+                 shard: int | None = None, dtypes: Mapping[str, str] | None = None
+                 ) -> WriteToken:
         """Admit ``n`` new rows in ``partition`` whose ``fields`` are about to be written.
 
         With ``ids`` and ``shard``, the rows are the ones storage unit ``shard`` already
-        stored under ids leased to it by :meth:`unit_ids`.
+        stored under ids leased to it by :meth:`unit_ids`. ``dtypes`` (field -> dtype
+        name) are checked against the dtypes the fields already have (see
+        :meth:`check_dtypes`).
 
         Raises :class:`QueueFull` when they do not fit now (callers wait and retry),
-        :class:`QueueClosed` after close and :class:`InvalidArgument` for a sealed partition
-        (or for ``ids`` that are not the unit's next unused ones).
+        :class:`QueueClosed` after close, :class:`InvalidArgument` for a sealed partition
+        (or for ``ids`` that are not the unit's next unused ones) and
+        :class:`SchemaError` for a field given another dtype than it has.
         """
         if not isinstance(n, int) or n <= 0:
             raise InvalidArgument(f"a put needs at least one row, got {n!r}")
@@ -576,6 +582,7 @@ class Controller:
             version = self.version
         elif not isinstance(version, int):
             raise InvalidArgument(f"version must be an int, got {version!r}")
+        self.check_dtypes(dtypes)
         if ids is None:
             ids = [next(self._ids) for _ in range(n)]
             shards = self._place(n)
@@ -588,6 +595,7 @@ class Controller:
                     f"{shard}; admit them without ids")
             block[0] = ids[-1] + 1  # used
             ids, shards = list(ids), [shard] * n
+        self._learn_dtypes(dtypes)
         pending = 0
         for name in self.filters:
             pending |= self._fbits[name]
@@ -606,6 +614,26 @@ class Controller:
             # admitted and immediately stale: it will never be delivered
             self._drop_rows([self.rows[r] for r in ids], DropReason.STALE, group=True)
         return tok
+
+    def check_dtypes(self, dtypes: Mapping[str, str] | None) -> None:
+        """Raise :class:`SchemaError` if a field would get another dtype than the one it
+        has in this queue: a field has one dtype, so that rows of different puts read in
+        one batch are never converted (an int64 ``2**40 + 1`` read as float32 changes)."""
+        if not dtypes:
+            return
+        for f, d in dtypes.items():
+            have = self.dtypes.get(f)
+            if have is not None and have != d:
+                raise SchemaError(
+                    f"field {f!r} holds {_dtype_name(have)} in this queue and this write gives "
+                    f"{_dtype_name(d)}; a field has one dtype (rows of different puts are read "
+                    "together, never converted): convert the data before the put, or use "
+                    "another field name")
+
+    def _learn_dtypes(self, dtypes: Mapping[str, str] | None) -> None:
+        if dtypes:
+            for f, d in dtypes.items():
+                self.dtypes.setdefault(f, d)
 
     def _wmask(self, fields: Iterable[str]) -> int:
         m = 0
@@ -630,13 +658,16 @@ class Controller:
     # ------------------------------------------------------------------ writes
 
     def begin_write(self, rows: Sequence[int], fields: Sequence[str], *,
-                    overwrite: bool = False) -> WriteToken:
+                    overwrite: bool = False, dtypes: Mapping[str, str] | None = None
+                    ) -> WriteToken:
         """Admit a write of ``fields`` to existing ``rows``.
 
-        Raises :class:`RowsDropped` if any row is gone and :class:`DuplicateField` if a
-        field is already written (or being written) and ``overwrite`` is false. Nothing
+        Raises :class:`RowsDropped` if any row is gone, :class:`DuplicateField` if a
+        field is already written (or being written) and ``overwrite`` is false, and
+        :class:`SchemaError` for a field given another dtype than it has. Nothing
         changes when it raises.
         """
+        self.check_dtypes(dtypes)
         dead = [r for r in rows if r not in self.rows]
         if dead:
             raise RowsDropped(
@@ -653,6 +684,7 @@ class Controller:
                     raise DuplicateField(
                         f"field {f!r} is already written to rows {rows_preview(dup)}; pass "
                         "overwrite=True to replace it, or write it under another name")
+        self._learn_dtypes(dtypes)
         for r in objs:
             r.writing |= wmask
         tok = WriteToken(next(self._token_ids), list(rows), [r.shard for r in objs],
@@ -1594,6 +1626,10 @@ class Controller:
 
 
 _MISSING = object()
+
+
+def _dtype_name(d: str) -> str:
+    return "Python objects" if d == "object" else d.replace("torch.", "")
 
 
 def _by_shard_of(rows: Iterable[Row]) -> dict[int, list[int]]:

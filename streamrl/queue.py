@@ -14,7 +14,8 @@ import torch
 from tensordict import TensorDictBase
 
 from .batch import ColumnRemoteBatch, RemoteBatch, RowRemoteBatch
-from .columns import Column, assemble, row_nbytes, tag_values, take_rows, to_columns
+from .columns import (Column, assemble, column_dtype, row_nbytes, tag_values, take_rows,
+                      to_columns)
 from .controller import Controller, Delivery, FilterSpec, Request, validate_request
 from .errors import (EndOfStream, InvalidArgument, LeaseExpired, SchemaError, StreamTimeout,
                      TransportError)
@@ -137,6 +138,23 @@ class StreamQueue:
         return self._transport.data
 
     @property
+    def queue_id(self) -> str:
+        """An id of the queue itself, the same in every handle of it (Ray: in every
+        process): batches carry their queue, and a queue refuses another queue's."""
+        return self._transport.queue_id
+
+    def _own(self, batch: RowRemoteBatch, what: str) -> None:
+        """Refuse a batch of another queue: its row ids mean other rows here."""
+        if batch._q is not self and batch._q.queue_id != self.queue_id:
+            raise InvalidArgument(
+                f"cannot {what} a batch of another queue ({batch._q!r}) through {self!r}: "
+                "row ids are per queue. Use the batch's own queue (batch.queue)")
+
+    def __repr__(self) -> str:
+        name = f" {self.name!r}" if self.name else ""
+        return f"<StreamQueue{name} transport={self.transport}>"
+
+    @property
     def num_shards(self) -> int:
         """The number of storage units."""
         return self._data.num_shards
@@ -209,13 +227,15 @@ class StreamQueue:
         cols, n = to_columns(data)
         names = tuple(cols)
         nbytes = {f: row_nbytes(c, n) for f, c in cols.items()}
+        dtypes = {f: column_dtype(f, c) for f, c in cols.items()}
         ctl = self._control
         target: RowRemoteBatch | None = None
         tags = {f: tag_values(f, cols[f]) for f in names if f in self._tag_fields}
         if rows is None:
             part = DEFAULT_PARTITION if partition is None else partition
             fast = getattr(self._data, "put_rows", None)  # one call, no waiting (Ray)
-            done = None if fast is None else await fast(part, cols, n, nbytes, tags, version)
+            done = (None if fast is None
+                    else await fast(part, cols, n, nbytes, tags, version, dtypes))
             if done is not None:
                 self._tag_fields = done[2].tag_fields
                 out = RowRemoteBatch(self, done[0], done[1], names, partition=part)
@@ -223,7 +243,7 @@ class StreamQueue:
                 return out
             total = sum(sum(v) for v in nbytes.values())
             tok = await ctl.allocate(part, n, names, nbytes=total, version=version,
-                                     timeout=timeout, nowait=nowait)
+                                     timeout=timeout, nowait=nowait, dtypes=dtypes)
         else:
             if version is not None:
                 raise InvalidArgument(
@@ -233,6 +253,7 @@ class StreamQueue:
             if isinstance(rows, ColumnRemoteBatch):
                 rows = rows.batch
             if isinstance(rows, RowRemoteBatch):
+                self._own(rows, "write to")
                 target = rows
                 ids = rows.rows
                 part = rows.partition
@@ -245,7 +266,7 @@ class StreamQueue:
                     "target row")
             if len(set(ids)) != len(ids):
                 raise SchemaError("the target rows repeat; write each row once")
-            tok = await ctl.begin_write(ids, names, overwrite=overwrite)
+            tok = await ctl.begin_write(ids, names, overwrite=overwrite, dtypes=dtypes)
         split = _split_by_shard(tok.rows, tok.shards, cols)
         try:
             await self._data.put(split, tok.id)
@@ -422,6 +443,7 @@ class StreamQueue:
         """Delete rows for good and free their bytes (idempotent). Returns rows dropped."""
         if isinstance(rows, (RowRemoteBatch, ColumnRemoteBatch)):
             b = rows if isinstance(rows, RowRemoteBatch) else rows.batch
+            self._own(b, "drop")
             await b.drop()
             return len(b)
         return await self._control.drop(_row_ids(rows))

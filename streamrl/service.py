@@ -180,7 +180,8 @@ class ControllerService:
 
     async def allocate(self, partition: str, n: int, fields: Sequence[str], *, nbytes: int = 0,
                        version: int | None = None, timeout: float | None = None,
-                       nowait: bool = False) -> WriteToken:
+                       nowait: bool = False, dtypes: dict[str, str] | None = None
+                       ) -> WriteToken:
         """Admit ``n`` new rows, waiting (FIFO, up to ``timeout``) for capacity and for
         version pacing. ``nowait`` raises :class:`~streamrl.errors.QueueFull` instead."""
         ctl = self.ctl
@@ -189,14 +190,17 @@ class ControllerService:
                 ctl.check_fits(n, nbytes)
                 raise QueueFull(f"no room for {n} rows: other producers are waiting for space; "
                                 "use put to wait your turn")
-            tok = ctl.allocate(partition, n, fields, nbytes=nbytes, version=version)
+            tok = ctl.allocate(partition, n, fields, nbytes=nbytes, version=version,
+                               dtypes=dtypes)
             await self._after()
             return tok
         if not self._space_q and ctl.admission(n, nbytes, version) is None:
             # fast path: room now and nobody ahead of us
-            tok = ctl.allocate(partition, n, fields, nbytes=nbytes, version=version)
+            tok = ctl.allocate(partition, n, fields, nbytes=nbytes, version=version,
+                               dtypes=dtypes)
             await self._after()
             return tok
+        ctl.check_dtypes(dtypes)  # a put that can never be admitted does not wait
         deadline = None if timeout is None else ctl.clock() + timeout
         if ctl.admission(n, nbytes, version) == "ahead":
             # version pacing: wait until this producer is no longer too far ahead
@@ -211,7 +215,8 @@ class ControllerService:
         try:
             while True:
                 if next(iter(self._space_q)) is me and ctl.admission(n, nbytes, None) is None:
-                    tok = ctl.allocate(partition, n, fields, nbytes=nbytes, version=version)
+                    tok = ctl.allocate(partition, n, fields, nbytes=nbytes, version=version,
+                               dtypes=dtypes)
                     return tok
                 ev = self._space_q[me] = anyio.Event()
                 if not await self._wait(ev, deadline) and _past(ctl, deadline):
@@ -250,7 +255,8 @@ class ControllerService:
     async def put_rows(self, partition: str, fields: Sequence[str], ids: Sequence[int],
                        shard: int, nbytes: dict[str, Sequence[int]],
                        tags: dict[str, Sequence[Hashable]] | None = None,
-                       version: int | None = None) -> tuple[str, Any]:
+                       version: int | None = None, dtypes: dict[str, str] | None = None
+                       ) -> tuple[str, Any]:
         """Admit and commit, in one step, new rows that storage unit ``shard`` already
         stored under ``ids`` (leased by :meth:`Controller.unit_ids`): the unit's fast path
         for small puts, with no wait. Answers ``("ok", commit result)``; ``("busy",
@@ -263,21 +269,23 @@ class ControllerService:
         n = len(ids)
         total = sum(sum(v) for v in nbytes.values())
         try:
+            ctl.check_dtypes(dtypes)
             if (self._space_q or ctl.admission(n, total, version) is not None
                     or not ctl.owns_ids(shard, ids)):
                 return "busy", None
             tok = ctl.allocate(partition, n, fields, nbytes=total, version=version, ids=ids,
-                               shard=shard)
+                               shard=shard, dtypes=dtypes)
         except StreamRLError as e:
             return "refused", e
         return "ok", await self.commit(tok, nbytes, tags)
 
     async def begin_write(self, rows: Sequence[int], fields: Sequence[str], *,
-                          overwrite: bool = False) -> WriteToken:
+                          overwrite: bool = False, dtypes: dict[str, str] | None = None
+                          ) -> WriteToken:
         """Admit a write of new fields to existing rows (see :meth:`Controller.begin_write`)."""
         if self.ctl.closed:
             raise QueueClosed("the queue is closed; no fields can be written any more")
-        return self.ctl.begin_write(rows, fields, overwrite=overwrite)
+        return self.ctl.begin_write(rows, fields, overwrite=overwrite, dtypes=dtypes)
 
     async def commit(self, token: WriteToken, nbytes: dict[str, Sequence[int]],
                      tags: dict[str, Sequence[Hashable]] | None = None) -> CommitResult:

@@ -475,7 +475,7 @@ async def test_a_small_put_is_one_call_to_a_storage_unit(rq, monkeypatch):
         return await call(self, method, *args, **kwargs)
 
     monkeypatch.setattr(RpcClient, "call", counted)
-    put = await q.put({"x": torch.arange(3), "chat": [{"t": i} for i in range(3)]},
+    put = await q.put({"x": torch.arange(3.0), "chat": [{"t": i} for i in range(3)]},
                       partition="p")
     assert calls == ["put_rows"]
     calls.clear()
@@ -484,7 +484,7 @@ async def test_a_small_put_is_one_call_to_a_storage_unit(rq, monkeypatch):
     monkeypatch.undo()
     mb = await q.get("t", ["x", "chat"], 3, partition="p", timeout=10)
     td = await mb.materialize()
-    assert mb.rows == put.rows and torch.equal(td["x"], torch.arange(3))
+    assert mb.rows == put.rows and torch.equal(td["x"], torch.arange(3.0))
     assert [c["t"] for c in td["chat"]] == [0, 1, 2]
 
 

@@ -779,3 +779,57 @@ async def test_unencodable_object_is_refused_and_queue_stays_consistent(make_que
     st = await q.stats()
     assert st.rows == 2 and st.bytes == st.bytes_put - st.bytes_freed and sum(st.unit_rows) == 2
     assert st.bytes_in_flight == 0
+
+
+# ---------------------------------------------------------------- one dtype, one queue
+
+
+async def test_a_field_has_one_dtype(make_queue):
+    """Rows of different puts are read together and never converted: a second put that
+    gives a field another dtype is refused (int64 2**40 + 1 read as float32 would change)."""
+    q = make_queue(num_shards=2)
+    big = 2 ** 40 + 1
+    await q.put({"idx": torch.tensor([0]), "v": torch.tensor([big])}, partition="p")
+    with pytest.raises(SchemaError, match=r"'v' holds int64.*gives float32"):
+        await q.put({"idx": torch.tensor([1]), "v": torch.tensor([1.5])}, partition="p")
+    with pytest.raises(SchemaError, match="Python objects"):
+        await q.put({"idx": torch.tensor([1]), "v": ["x"]}, partition="p")
+    rows = await q.put({"idx": torch.tensor([2]), "v": torch.tensor([big + 1])}, partition="p")
+    with pytest.raises(SchemaError, match="'idx' holds int64"):
+        await q.put({"idx": torch.tensor([2.0])}, rows=rows, overwrite=True)
+    with pytest.raises(SchemaError, match="mix"):  # per-row tensors of two dtypes
+        await q.put({"idx": torch.tensor([3, 4]),
+                     "r": [torch.zeros(2), torch.zeros(3, dtype=torch.float64)]}, partition="p")
+    await q.seal("p")
+    got = []
+    async for mb in q.stream("t", ["idx", "v"], 8, partition="p", timeout=10):
+        td = await mb.materialize()
+        assert td["v"].dtype == torch.int64
+        got.extend(td["v"].tolist())
+    assert sorted(got) == [big, big + 1]  # exact: the refused puts left nothing
+    st = await q.stats()
+    assert st.rows == 2 and st.put == 2
+    assert await q.audit() == []
+
+
+async def test_a_batch_of_one_queue_is_refused_by_another(make_queue):
+    """Row ids are per queue: q2 must not write onto its own rows with q1's ids, nor
+    delete q1's rows."""
+    q1, q2 = make_queue(), make_queue()
+    r1 = await q1.put(rows_of(4), partition="p")
+    r2 = await q2.put(rows_of(4, 100), partition="p")
+    assert r1.rows == r2.rows  # same ids, different rows
+    with pytest.raises(InvalidArgument, match="another queue"):
+        await q2.put({"f": torch.ones(4)}, rows=r1)
+    with pytest.raises(InvalidArgument, match="another queue"):
+        await q2.put({"f": torch.ones(4)}, rows=r1["idx"])
+    with pytest.raises(InvalidArgument, match="another queue"):
+        await q2.drop(r1)
+    with pytest.raises(InvalidArgument, match="one queue"):
+        RowRemoteBatch.concat([r1, r2])
+    assert (await q1.stats()).rows == 4 and (await q2.stats()).rows == 4
+    back = pickle.loads(pickle.dumps(r1))  # the same queue, through a pickled handle
+    await q1.put({"f": torch.ones(4)}, rows=back)
+    assert (await r1.materialize(["f"]))["f"].tolist() == [1.0] * 4
+    assert "f" not in (await q2.get("t", ["idx"], 4, partition="p", timeout=10)).known_fields
+    assert await q1.audit() == [] and await q2.audit() == []

@@ -71,6 +71,16 @@ class Transport(abc.ABC):
     name: str
 
     @property
+    def queue_id(self) -> str:
+        """The queue's identity, equal in every handle of it (in any process)."""
+        qid = getattr(self, "_queue_id", None)
+        if qid is None:
+            import uuid
+
+            qid = self._queue_id = uuid.uuid4().hex
+        return qid
+
+    @property
     @abc.abstractmethod
     def control(self):
         """The control-plane object (service or proxy)."""

@@ -367,7 +367,8 @@ class _StorageActorImpl:
                 self.unit.put(rows, {f: _map_col(c, stored) for f, c in cols.items()}, write)
 
     def put_rows(self, n: int, cols: dict, partition: str, fields: list[str], nbytes: dict,
-                 tags: dict, version: int | None, rid: str | None = None):
+                 tags: dict, version: int | None, rid: str | None = None,
+                 dtypes: dict | None = None):
         """A small put of ``n`` new rows (inline data), admitted by this unit: it stores
         them under row ids the controller leased to it, then asks the controller to
         admit and commit them in one step, without waiting for room. Consumers waiting
@@ -377,7 +378,7 @@ class _StorageActorImpl:
         ``("refused", error)`` (nothing kept) or ``("commit", error)`` (committed, then
         a filter failed, or the controller is gone)."""
         fut = asyncio.ensure_future(
-            _put_rows(self, n, cols, partition, fields, nbytes, tags, version))
+            _put_rows(self, n, cols, partition, fields, nbytes, tags, version, dtypes))
         if rid is not None:  # the producer may give up: see cancel_put
             self._puts[rid] = fut
             while len(self._puts) > 4096:
@@ -456,8 +457,8 @@ class _StorageActorImpl:
 
 
 async def _put_rows(unit: _StorageActorImpl, n: int, cols: dict, partition: str,
-                    fields: list[str], nbytes: dict, tags: dict, version: int | None
-                    ) -> tuple[str, Any]:
+                    fields: list[str], nbytes: dict, tags: dict, version: int | None,
+                    dtypes: dict | None = None) -> tuple[str, Any]:
     # shielded from the producer's cancellation (see put_rows): what it stores is either
     # committed or deleted here, never left behind
     ctl = unit._controller
@@ -480,7 +481,7 @@ async def _put_rows(unit: _StorageActorImpl, n: int, cols: dict, partition: str,
         return "refused", e
     try:
         ans = await ctl.call("put_rows", partition, fields, ids, unit.index, nbytes, tags,
-                             version)
+                             version, dtypes)
     except ConnectFailed:
         ans = ("busy", None)  # nothing sent
     except ConnectionError as e:
@@ -677,8 +678,8 @@ class RayDataPlane(DataPlane):
         self._local[shard] = False
 
     async def put_rows(self, partition: str, cols: Mapping[str, Column], n: int,
-                       nbytes: dict, tags: dict, version: int | None
-                       ) -> tuple[list[int], list[int], Any] | None:
+                       nbytes: dict, tags: dict, version: int | None,
+                       dtypes: dict | None = None) -> tuple[list[int], list[int], Any] | None:
         """A small put of ``n`` new rows, admitted and committed by one storage unit
         (see :meth:`_StorageActorImpl.put_rows`): one call instead of asking the
         controller for room first. Returns ``(rows, shards, commit result)``, or ``None``
@@ -696,7 +697,7 @@ class RayDataPlane(DataPlane):
         rid = uuid.uuid4().hex
         try:
             ans = await self.rpcs[shard].call("put_rows", n, wire, partition, list(cols),
-                                              nbytes, tags, version, rid)
+                                              nbytes, tags, version, rid, dtypes)
         except asyncio.CancelledError:
             # the unit finishes the put (shielded) and then drops what it committed;
             # the cancellation goes on once that is done, so a retry cannot race it
@@ -1158,6 +1159,11 @@ class RayTransport(Transport):
                 + "; create it with StreamQueue(transport='ray', name=...) first") from None
         units, endpoints = ray.get(controller.handles.remote())
         return cls(controller, units, owner=False, endpoints=endpoints)
+
+    @property
+    def queue_id(self) -> str:
+        """The controller actor's id: the same in every handle of the queue."""
+        return self._key
 
     @property
     def handle(self) -> tuple:
