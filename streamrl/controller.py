@@ -31,8 +31,10 @@ import math
 import time
 from collections import OrderedDict, deque
 from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
-from dataclasses import dataclass
 
+from .config import QueueConfig, Request, validate_request
+from .messages import (END, CommitResult, Delivery, DropReason, FilterJob, FilterSpec, Undo,
+                       WriteToken, _End)
 from .errors import (
     DispatchError,
     DuplicateField,
@@ -47,29 +49,6 @@ from .errors import (
 )
 
 __all__ = ["Controller", "validate_request", "Request", "Delivery", "END", "FilterSpec", "FilterJob", "DropReason", "Undo"]
-
-
-class DropReason:
-    """Why rows left the queue (the keys of ``stats().dropped_by``)."""
-
-    DROPPED = "dropped"  # drop() by a user
-    CLEARED = "cleared"  # clear(partition)
-    FILTERED = "filtered"  # rejected by a filter
-    FILTER_ERROR = "filter_error"  # the filter raised or returned garbage
-    STALE = "stale"  # older than the staleness bound
-    CONSUMED = "consumed"  # every declared consumer acknowledged it
-    DP_REMAINDER = "dp_remainder"  # left over by DP dispatch with dp_remainder="drop"
-    LOST = "lost"  # its storage unit died
-    CANCELLED = "cancelled"  # the put that created it was cancelled after it landed
-
-
-class _End:
-    def __repr__(self) -> str:
-        return "END"
-
-
-#: Returned by :meth:`Controller.take` when the request can never be satisfied again.
-END = _End()
 
 
 class Row:
@@ -116,107 +95,6 @@ class Partition:
 
     def remaining(self, task: str) -> int:
         return len(self.rows) - self.acked.get(task, 0)
-
-
-@dataclass(frozen=True)
-class Request:
-    """What a consumer asks for. Validated by :meth:`Controller.validate_request`."""
-
-    task: str
-    fields: tuple[str, ...]
-    batch_size: int
-    partition: str | None = None
-    group_by: str | None = None
-    group_size: int | None = None
-    drop_last: bool = False
-    max_staleness: int | None = None
-    dp_rank: int = 0
-    dp_size: int = 1
-    balance_by: str | None = None
-    dp_remainder: str = "error"
-    lease_timeout: float | None = None
-
-    def sub_key(self) -> tuple:
-        """The subscription this request belongs to (requests differing only in batch size, timeouts or DP options share one)."""
-        return (self.task, frozenset(self.fields), self.partition, self.group_by, self.group_size)
-
-
-@dataclass
-class Delivery:
-    """A leased batch handed to a consumer: metadata only."""
-
-    lease: int
-    task: str
-    rows: list[int]
-    shards: list[int]
-    versions: list[int]
-    fields: tuple[str, ...]  # the fields asked for
-    partition: str | None
-    dp_rank: int = 0
-    dispatch: int | None = None
-    known: tuple[str, ...] = ()  # every field written on all rows of the batch
-    nbytes: int = 0  # bytes of the asked-for fields of these rows, as put
-
-
-@dataclass(frozen=True)
-class FilterSpec:
-    """A filter as the controller sees it (the function lives in the service)."""
-
-    name: str
-    fields: frozenset[str]
-    group_by: str | None = None
-    group_size: int | None = None
-
-
-@dataclass
-class FilterJob:
-    """A set of rows a filter must judge now."""
-
-    id: int
-    filter: str
-    rows: list[int]
-    shards: list[int]
-    fields: tuple[str, ...]
-
-
-@dataclass
-class WriteToken:
-    """An admitted write: rows whose ``fields`` are being written to storage. Its
-    ``id`` tags the data in storage (see :meth:`StorageUnit.put`)."""
-
-    id: int
-    rows: list[int]
-    shards: list[int]
-    fields: tuple[str, ...]
-    reserved_bytes: int = 0
-    new_rows: bool = False
-    overwrite: bool = False
-
-
-@dataclass
-class Undo:
-    """What storage must forget after a write failed (:meth:`Controller.abort`) or was
-    taken back (:meth:`Controller.retract`).
-
-    New rows are dropped through :attr:`Controller.deletes` as usual. For a write to
-    existing rows, each ``(fields, {shard: rows})`` of :attr:`parts` names what the
-    write may have stored and the rows do not hold committed: storage forgets those
-    entries *only if this write stored them* (:meth:`StorageUnit.delete_fields` with
-    ``write``), and drops the write's data should it still arrive. :attr:`shards` lists
-    every unit the write went to: each is told, even with nothing to forget."""
-
-    write: int
-    shards: frozenset[int]
-    parts: list[tuple[tuple[str, ...], dict[int, list[int]]]]
-
-
-@dataclass
-class CommitResult:
-    """What :meth:`Controller.commit` tells the writer."""
-
-    dead: dict[int, list[int]]  # shard -> rows dropped while the write was in flight
-    tag_fields: frozenset[str]  # tags the controller wants with writes of those fields
-    missing_tags: dict[str, list[int]]  # tag field -> rows written without that tag
 
 
 class _Sub:
@@ -308,17 +186,11 @@ class Controller:
         consumers: Sequence[str] | None = None,
         clock: Callable[[], float] = time.monotonic,
     ):
-        if not isinstance(capacity, int) or capacity <= 0:
-            raise InvalidArgument(f"capacity must be a positive int of rows, got {capacity!r}")
-        if capacity_bytes is not None and (not isinstance(capacity_bytes, int) or capacity_bytes <= 0):
-            raise InvalidArgument(
-                f"capacity_bytes must be a positive int or None, got {capacity_bytes!r}")
-        if not isinstance(num_shards, int) or num_shards <= 0:
-            raise InvalidArgument(f"num_shards must be a positive int, got {num_shards!r}")
-        if not lease_timeout or lease_timeout <= 0:
-            raise InvalidArgument(f"lease_timeout must be > 0 seconds, got {lease_timeout!r}")
-        _check_staleness("max_staleness", max_staleness)
-        _check_staleness("max_lead", max_lead)
+        self.config = QueueConfig(
+            capacity=capacity, capacity_bytes=capacity_bytes, num_shards=num_shards,
+            lease_timeout=lease_timeout, max_staleness=max_staleness, max_lead=max_lead,
+            consumers=consumers)  # validates
+        lease_timeout = self.config.lease_timeout
         self.capacity = capacity
         self.capacity_bytes = capacity_bytes
         self.num_shards = num_shards
@@ -389,6 +261,27 @@ class Controller:
         self.c_acked: dict[str, int] = {}
         self.c_redelivered: dict[str, int] = {}
         self.c_expired: dict[str, int] = {}
+
+    @classmethod
+    def from_config(cls, config: QueueConfig, *,
+                    clock: Callable[[], float] = time.monotonic) -> "Controller":
+        """The controller of a queue configured by ``config``."""
+        return cls(config.capacity, capacity_bytes=config.capacity_bytes,
+                   num_shards=config.num_shards, lease_timeout=config.lease_timeout,
+                   max_staleness=config.max_staleness, max_lead=config.max_lead,
+                   consumers=config.consumers, clock=clock)
+
+    def mark_lost(self, shard: int) -> int:
+        """Storage unit ``shard`` is gone: its rows are dropped as ``"lost"`` (nothing is
+        deleted from it), and new rows are placed on the living units. Idempotent;
+        returns the rows lost now."""
+        if shard in self.dead_shards:
+            return 0
+        self.dead_shards.add(shard)
+        lost = [r for r in self.rows.values() if r.shard == shard]
+        self._drop_rows(lost, DropReason.LOST)
+        self.deletes.pop(shard, None)  # nothing to delete on a dead unit
+        return len(lost)
 
     # ------------------------------------------------------------------ partitions
 
@@ -1637,37 +1530,6 @@ def _by_shard_of(rows: Iterable[Row]) -> dict[int, list[int]]:
     for r in rows:
         out.setdefault(r.shard, []).append(r.id)
     return out
-
-
-def validate_request(req: Request) -> None:
-    """Raise :class:`InvalidArgument` for a request that can never be served."""
-    if not isinstance(req.task, str) or not req.task:
-        raise InvalidArgument(f"task must be a non-empty str, got {req.task!r}")
-    if not req.fields or not all(isinstance(f, str) and f for f in req.fields):
-        raise InvalidArgument(
-            f"fields must be a non-empty list of field names, got {list(req.fields)!r}")
-    if not isinstance(req.batch_size, int) or isinstance(req.batch_size, bool) or req.batch_size <= 0:
-        raise InvalidArgument(f"batch_size must be a positive int, got {req.batch_size!r}")
-    if req.group_size is not None:
-        if req.group_by is None:
-            raise InvalidArgument("group_size needs group_by (the field whose value groups rows)")
-        if not isinstance(req.group_size, int) or req.group_size <= 0:
-            raise InvalidArgument(f"group_size must be a positive int, got {req.group_size!r}")
-        if req.batch_size % req.group_size:
-            raise InvalidArgument(
-                f"group_size={req.group_size} does not divide batch_size={req.batch_size}; "
-                "a batch holds whole groups, so pick a batch_size that is a multiple of it")
-    _check_staleness("max_staleness", req.max_staleness)
-    if not isinstance(req.dp_size, int) or req.dp_size <= 0:
-        raise InvalidArgument(f"dp_size must be a positive int, got {req.dp_size!r}")
-    if not isinstance(req.dp_rank, int) or not 0 <= req.dp_rank < req.dp_size:
-        raise InvalidArgument(
-            f"dp_rank must be an int in [0, dp_size={req.dp_size}), got {req.dp_rank!r}")
-    if req.dp_remainder not in ("error", "drop", "pad"):
-        raise InvalidArgument(
-            f"dp_remainder must be 'error', 'drop' or 'pad', got {req.dp_remainder!r}")
-    if req.lease_timeout is not None and req.lease_timeout <= 0:
-        raise InvalidArgument(f"lease_timeout must be > 0 seconds, got {req.lease_timeout!r}")
 
 
 def _consumers(consumers: Sequence[str] | None) -> frozenset[str] | None:

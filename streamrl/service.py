@@ -29,7 +29,9 @@ from typing import Any
 
 import anyio
 
-from .controller import END, CommitResult, Controller, Delivery, FilterJob, FilterSpec, Request, WriteToken
+from .controller import Controller
+from .messages import (END, CommitResult, Delivery, DropReason, FilterJob, FilterSpec, PutAnswer,
+                       PutStatus, Request, WriteToken)
 from .errors import (FilterError, InvalidArgument, QueueClosed, QueueFull, RowsDropped,
                      StreamRLError, StreamTimeout)
 from .stats import Stats, TaskStats
@@ -256,15 +258,15 @@ class ControllerService:
                        shard: int, nbytes: dict[str, Sequence[int]],
                        tags: dict[str, Sequence[Hashable]] | None = None,
                        version: int | None = None, dtypes: dict[str, str] | None = None
-                       ) -> tuple[str, Any]:
+                       ) -> PutAnswer:
         """Admit and commit, in one step, new rows that storage unit ``shard`` already
-        stored under ``ids`` (leased by :meth:`Controller.unit_ids`): the unit's fast path
-        for small puts, with no wait. Answers ``("ok", commit result)``; ``("busy",
-        None)`` when the rows would have to wait for room or pacing (or other producers
-        wait): the unit deletes them and the producer puts the usual way; ``("refused",
-        error)`` when they can never be admitted now (closed, sealed): the unit deletes
-        them and the producer raises ``error``. A commit error (a filter failed) is raised
-        as from :meth:`commit`."""
+        stored under ``ids`` (leased by :meth:`unit_ids`): the unit's fast path for small
+        puts, with no wait. Answers :attr:`~PutStatus.OK` with the commit result;
+        :attr:`~PutStatus.BUSY` when the rows would have to wait for room or pacing (or
+        other producers wait): the unit deletes them and the producer puts the usual
+        way; :attr:`~PutStatus.REFUSED` with the error when they can never be admitted
+        now (closed, sealed, another dtype): the unit deletes them and the producer
+        raises it. A commit error (a filter failed) is raised as from :meth:`commit`."""
         ctl = self.ctl
         n = len(ids)
         total = sum(sum(v) for v in nbytes.values())
@@ -272,12 +274,24 @@ class ControllerService:
             ctl.check_dtypes(dtypes)
             if (self._space_q or ctl.admission(n, total, version) is not None
                     or not ctl.owns_ids(shard, ids)):
-                return "busy", None
+                return PutAnswer(PutStatus.BUSY)
             tok = ctl.allocate(partition, n, fields, nbytes=total, version=version, ids=ids,
                                shard=shard, dtypes=dtypes)
         except StreamRLError as e:
-            return "refused", e
-        return "ok", await self.commit(tok, nbytes, tags)
+            return PutAnswer(PutStatus.REFUSED, error=e)
+        return PutAnswer(PutStatus.OK, await self.commit(tok, nbytes, tags), rows=list(ids))
+
+    async def unit_ids(self, shard: int, n: int) -> tuple[int, int]:
+        """Lease ``n`` fresh row ids ``[start, end)`` to storage unit ``shard`` for the
+        puts it admits itself (:meth:`put_rows`)."""
+        return self.ctl.unit_ids(shard, n)
+
+    async def report_lost(self, shard: int) -> None:
+        """Storage unit ``shard`` is gone: its rows are dropped as ``"lost"``."""
+        n = self.ctl.mark_lost(shard)
+        if n:
+            log.error("streamrl: storage unit %d died; %d rows lost", shard, n)
+        await self._after()
 
     async def begin_write(self, rows: Sequence[int], fields: Sequence[str], *,
                           overwrite: bool = False, dtypes: dict[str, str] | None = None
@@ -323,8 +337,6 @@ class ControllerService:
 
     async def retract_rows(self, rows: Sequence[int]) -> int:
         """Drop new rows whose put was cancelled after it landed (``"cancelled"``)."""
-        from .controller import DropReason
-
         n = self.ctl.drop(rows, DropReason.CANCELLED)
         await self._after()
         return n
@@ -557,7 +569,8 @@ class ControllerService:
             bytes_in_flight=ctl.reserved_bytes, capacity=ctl.capacity,
             capacity_bytes=ctl.capacity_bytes, version=ctl.version,
             put=ctl.c_put, bytes_put=ctl.c_bytes_put, bytes_freed=ctl.c_bytes_freed,
-            dropped=sum(ctl.c_dropped.values()), dropped_by=dict(ctl.c_dropped),
+            dropped=sum(ctl.c_dropped.values()),
+            dropped_by={str(k): v for k, v in ctl.c_dropped.items()},
             filtered=sum(ctl.c_filtered_by.values()), filtered_by=dict(ctl.c_filtered_by),
             filter_errors=sum(ctl.c_filter_errors.values()),
             filter_pending=ctl.pending_filter_rows(),

@@ -285,12 +285,13 @@ def test_balanced_split_beats_round_robin():
 
 
 def test_request_validation():
-    c = Controller(10)
-    for bad in (req(bs=0), req(bs=-1), req(fields=()), req(bs=6, group_by="u", group_size=4),
-                req(group_size=2), req(dp_size=2, dp_rank=2), req(max_staleness=-1),
-                req(dp_remainder="x")):
+    bad = [dict(bs=0), dict(bs=-1), dict(fields=()), dict(bs=6, group_by="u", group_size=4),
+           dict(group_size=2), dict(dp_size=2, dp_rank=2), dict(max_staleness=-1),
+           dict(dp_remainder="x"), dict(lease_timeout=float("nan")), dict(partition=""),
+           dict(partition=1), dict(group_by=""), dict(lease_timeout=-1.0)]
+    for kw in bad:  # a request is validated when it is made
         with pytest.raises(InvalidArgument):
-            c.validate_request(bad)
+            req(**kw)
 
 
 def test_storage_unit_delete_fields_keeps_rows_and_other_fields():

@@ -58,8 +58,9 @@ import numpy as np
 import ray
 
 from ..arena import Arena, ShmRef, map_segment
-from ..controller import Controller, DropReason, FilterSpec
+from ..controller import Controller, FilterSpec
 from ..errors import RowsLost, TransportError, rows_preview
+from ..messages import PutAnswer, PutStatus
 from ..service import ControllerService
 from ..wire import WireTensor
 from .base import Column, DataPlane, Transport
@@ -373,10 +374,10 @@ class _StorageActorImpl:
         them under row ids the controller leased to it, then asks the controller to
         admit and commit them in one step, without waiting for room. Consumers waiting
         for them hear of them two hops sooner than if the producer asked for room first.
-        Socket channel only (it returns a coroutine). Answers ``("ok", (rows, commit
-        result))``; ``("busy", None)`` (nothing kept: the producer puts the usual way);
-        ``("refused", error)`` (nothing kept) or ``("commit", error)`` (committed, then
-        a filter failed, or the controller is gone)."""
+        Socket channel only (it returns a coroutine). Answers a :class:`PutAnswer`:
+        ``OK`` (with rows and commit result); ``BUSY`` (nothing kept: the producer puts
+        the usual way); ``REFUSED`` (nothing kept) or ``FAILED`` (committed, then a
+        filter failed, or the controller is gone), with the error."""
         fut = asyncio.ensure_future(
             _put_rows(self, n, cols, partition, fields, nbytes, tags, version, dtypes))
         if rid is not None:  # the producer may give up: see cancel_put
@@ -393,11 +394,11 @@ class _StorageActorImpl:
         if fut is None:
             return
         try:
-            status, val = await fut
+            ans = await fut
         except Exception:  # noqa: BLE001 - nothing committed
             return
-        if status == "ok" and self._controller is not None:
-            await self._controller.call("retract_rows", val[0])
+        if ans.status is PutStatus.OK and self._controller is not None:
+            await self._controller.call("retract_rows", ans.rows)
 
     def read(self, rows: list[int], fields: list[str], pid: int | None = None
              ) -> tuple[dict, int | None, dict | None]:
@@ -463,7 +464,7 @@ async def _put_rows(unit: _StorageActorImpl, n: int, cols: dict, partition: str,
     # committed or deleted here, never left behind
     ctl = unit._controller
     if ctl is None:
-        return "busy", None
+        return PutAnswer(PutStatus.BUSY)
     if unit._ids_lock is None:
         unit._ids_lock = asyncio.Lock()
     try:
@@ -473,27 +474,26 @@ async def _put_rows(unit: _StorageActorImpl, n: int, cols: dict, partition: str,
             start = unit._ids[0]
             unit._ids[0] += n
     except Exception:  # noqa: BLE001 - no ids (controller busy or gone): the usual path says why
-        return "busy", None
+        return PutAnswer(PutStatus.BUSY)
     ids = list(range(start, start + n))
     try:
         unit.put([(ids, cols)])
     except Exception as e:  # noqa: BLE001 - nothing stored
-        return "refused", e
+        return PutAnswer(PutStatus.REFUSED, error=e)
     try:
         ans = await ctl.call("put_rows", partition, fields, ids, unit.index, nbytes, tags,
                              version, dtypes)
     except ConnectFailed:
-        ans = ("busy", None)  # nothing sent
+        ans = PutAnswer(PutStatus.BUSY)  # nothing sent
     except ConnectionError as e:
-        return "commit", TransportError(
+        return PutAnswer(PutStatus.FAILED, error=TransportError(
             f"storage unit {unit.index} lost the connection to the queue's controller ({e}); "
-            "it is gone or unreachable: the queue cannot be used any more")
+            "it is gone or unreachable: the queue cannot be used any more"))
     except Exception as e:  # noqa: BLE001 - committed; the controller dropped what it had to
-        return "commit", e
-    if ans[0] != "ok":
+        return PutAnswer(PutStatus.FAILED, error=e)
+    if ans.status is not PutStatus.OK:
         unit.delete(ids)
-        return ans
-    return "ok", (ids, ans[1])
+    return ans
 
 
 StorageActor = ray.remote(num_cpus=0, max_concurrency=4)(_StorageActorImpl)
@@ -710,12 +710,12 @@ class RayDataPlane(DataPlane):
             raise TransportError(
                 f"lost the connection to storage unit {shard} during a put ({e}); the rows "
                 "may or may not have been put") from None
-        if ans[0] == "busy":  # no room now: wait the usual way (and for a while)
+        if ans.status is PutStatus.BUSY:  # no room now: wait the usual way (and for a while)
             self._busy_until = time.monotonic() + _BUSY_PAUSE
             return None
-        if ans[0] != "ok":
-            raise ans[1]
-        rows, res = ans[1]
+        if ans.status is not PutStatus.OK:
+            raise ans.error
+        rows, res = ans.rows, ans.result
         return rows, [shard] * n, res
 
     async def get(self, parts: Sequence[tuple[int, Sequence[int], Sequence[str]]]
@@ -803,12 +803,8 @@ class _ControllerActorImpl:
         if shard in self.dead:
             return
         self.dead.add(shard)
-        ctl = self.svc.ctl
-        ctl.dead_shards.add(shard)
-        lost = [r for r in ctl.rows.values() if r.shard == shard]
-        ctl._drop_rows(lost, DropReason.LOST)
-        ctl.deletes.pop(shard, None)  # nothing to delete on a dead unit
-        log.error("streamrl: storage unit %d died; %d rows lost", shard, len(lost))
+        n = self.svc.ctl.mark_lost(shard)
+        log.error("streamrl: storage unit %d died; %d rows lost", shard, n)
         asyncio.get_running_loop().create_task(self.svc._after())
 
     async def report_lost(self, shard: int) -> None:
