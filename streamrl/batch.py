@@ -35,6 +35,7 @@ from .errors import InvalidArgument, RowsDropped, SchemaError, UnknownField, row
 
 if TYPE_CHECKING:
     from .queue import StreamQueue
+    from .session import Session
 
 __all__ = ["RemoteBatch", "RowRemoteBatch", "ColumnRemoteBatch", "BatchProxy"]
 
@@ -177,7 +178,7 @@ class RowRemoteBatch(RemoteBatch):
         [1, 2]
     """
 
-    __slots__ = ("_q", "_rows", "_shards", "_versions", "_fields", "_known", "_cache", "_lease",
+    __slots__ = ("_s", "_rows", "_shards", "_versions", "_fields", "_known", "_cache", "_lease",
                  "_task", "_partition", "_scalar", "nbytes", "__weakref__")
 
     def __init__(self, queue: "StreamQueue", rows: Sequence[int] | np.ndarray,
@@ -187,7 +188,7 @@ class RowRemoteBatch(RemoteBatch):
                  partition: str | None = None, cache: _Cache | None = None,
                  lease: _Lease | None = None, scalar: bool = False,
                  known: Iterable[str] = ()):
-        self._q = queue
+        self._s: Session = queue.session
         self._rows = np.asarray(rows, dtype=np.int64)
         self._shards = np.asarray(shards, dtype=np.int32)
         self._versions = None if versions is None else np.asarray(versions, dtype=np.int64)
@@ -254,7 +255,7 @@ class RowRemoteBatch(RemoteBatch):
     @property
     def queue(self) -> "StreamQueue":
         """The queue the rows belong to."""
-        return self._q
+        return self._s.queue
 
     def __len__(self) -> int:
         return len(self._rows)
@@ -274,7 +275,8 @@ class RowRemoteBatch(RemoteBatch):
     def _view(self, idx: Any, *, fields: Iterable[str] | None = None, scalar: bool = False
               ) -> "RowRemoteBatch":
         return RowRemoteBatch(
-            self._q, self._rows[idx], self._shards[idx], self._fields if fields is None else fields,
+            self._s.queue, self._rows[idx], self._shards[idx],
+            self._fields if fields is None else fields,
             versions=None if self._versions is None else self._versions[idx], task=self._task,
             partition=self._partition, cache=self._cache, lease=self._lease, scalar=scalar,
             known=self._known)
@@ -342,8 +344,9 @@ class RowRemoteBatch(RemoteBatch):
         batches = list(batches)
         if not batches:
             raise InvalidArgument("concat needs at least one batch")
-        q = batches[0]._q
-        if any(b._q is not q and b._q.queue_id != q.queue_id for b in batches):
+        q = batches[0].queue
+        if any(b._s is not batches[0]._s and b._s.queue_id != batches[0]._s.queue_id
+               for b in batches):
             raise InvalidArgument("concat needs batches of one queue")
         if any(b._scalar for b in batches):
             raise InvalidArgument("cannot concat 0-d views (from an int index); use slices")
@@ -456,7 +459,7 @@ class RowRemoteBatch(RemoteBatch):
             else:
                 first = np.unique(rows, return_index=True)[1]
                 fetch_rows, fetch_shards = uniq, self._shards[first]
-            got = await self._q._fetch(fetch_rows, fetch_shards, missing)
+            got = await self._s.fetch(fetch_rows, fetch_shards, missing)
             for f in missing:
                 self._cache.add(f, fetch_rows, got[f])
                 out[f] = got[f] if inverse is None else take_rows(got[f], inverse.tolist())
@@ -478,7 +481,7 @@ class RowRemoteBatch(RemoteBatch):
                 raise SchemaError(f"cannot tell the dtype and shape of {need} for a batch of "
                                   "0 rows that never had rows; materialize a non-empty batch")
             rows, shards = self._cache.probe
-            got = await self._q._fetch(rows, shards, need)
+            got = await self._s.fetch(rows, shards, need)
             for f in need:
                 self._cache.add(f, rows, got[f])
                 out[f] = take_rows(got[f], slice(0, 0))
@@ -500,7 +503,7 @@ class RowRemoteBatch(RemoteBatch):
         if len(np.unique(self._rows)) != len(self._rows):
             raise SchemaError("this batch repeats rows (repeat/concat of overlapping views); "
                               "write through a batch where each row appears once")
-        await self._q.put(data, rows=self, overwrite=overwrite)
+        await self._s.write(self, data, overwrite=overwrite)
         return self
 
     def _learn(self, cols: Mapping[str, Column]) -> None:
@@ -521,7 +524,7 @@ class RowRemoteBatch(RemoteBatch):
         if not self._lease.open:
             return
         self._lease.close()
-        await self._q._control.ack(list(self._lease.ids))
+        await self._s.ack(self._lease.ids)
 
     async def release(self) -> None:
         """Give the delivered batch back unacknowledged: its rows are delivered again to
@@ -529,7 +532,7 @@ class RowRemoteBatch(RemoteBatch):
         if not self._lease.open:
             return
         self._lease.close()
-        await self._q._control.release(list(self._lease.ids))
+        await self._s.release(self._lease.ids)
 
     async def drop(self) -> None:
         """Delete these rows from the queue for good (idempotent) and free their bytes.
@@ -538,24 +541,23 @@ class RowRemoteBatch(RemoteBatch):
         rows = [r for r in self._rows.tolist() if r not in self._lease.dropped]
         if rows:
             self._lease.dropped.update(rows)
-            self._cache.forget(self._lease.dropped)
-            self._q._data.released()  # views that went with the cache, before the drop
-            await self._q._control.drop(rows)
+            self._cache.forget(self._lease.dropped)  # (their views may be reused: see Session.drop)
+            await self._s.drop(rows)
         if self._lease.open and self._lease.ids:
-            remaining = await self._q._lease_rows(self._lease.ids)
+            remaining = await self._s.lease_rows(self._lease.ids)
             if not remaining:
                 self._lease.close()
 
     # ------------------------------------------------------------------ pickling
 
     def __getstate__(self):
-        return {"q": self._q, "rows": self._rows, "shards": self._shards,
+        return {"q": self._s.queue, "rows": self._rows, "shards": self._shards,
                 "versions": self._versions, "fields": self._fields, "known": self._known, "leases": self._lease.ids,
                 "open": self._lease.open, "nbytes": self.nbytes, "task": self._task, "partition": self._partition,
                 "scalar": self._scalar, "probe": self._cache.probe}
 
     def __setstate__(self, st):
-        self._q = st["q"]
+        self._s = st["q"].session
         self._rows, self._shards, self._versions = st["rows"], st["shards"], st["versions"]
         self._fields = st["fields"]
         self._known = st["known"]

@@ -14,9 +14,14 @@ import torch
 from tensordict import TensorDictBase
 
 from .batch import ColumnRemoteBatch, RemoteBatch, RowRemoteBatch
-from .columns import (Column, assemble, column_dtype, row_nbytes, tag_values, take_rows,
+from .columns import (Column, column_dtype, row_nbytes, tag_values, take_rows,
                       to_columns)
-from .controller import Controller, Delivery, FilterSpec, Request, validate_request
+from .config import QueueConfig, check_timeout
+from .control import ControlPlane
+from .messages import Delivery, FilterSpec, Request
+from .session import Session
+from .transport import registry
+from .transport.base import DataPlane, Transport
 from .errors import (EndOfStream, InvalidArgument, LeaseExpired, SchemaError, StreamTimeout,
                      TransportError)
 from .stats import Stats
@@ -47,8 +52,9 @@ class StreamQueue:
             Rows that leave early (filtered, stale, dropped) free their room at once, so
             producers can run further ahead than the consumers' pace; pace them by version
             (``max_lead``, :meth:`wait_version`) when that matters.
-        transport: ``"embedded"`` (default: everything in this process and event loop) or
-            ``"ray"`` (controller and storage units as Ray actors; see the deployment docs).
+        transport: ``"embedded"`` (default: everything in this process and event loop),
+            ``"ray"`` (controller and storage units as Ray actors; see the deployment docs),
+            or any transport registered with :func:`streamrl.transport.register`.
         lease_timeout: seconds a delivered batch stays leased without ``ack`` before its
             rows are delivered again (default 600; per stream/get too).
         max_staleness: drop rows whose version is older than ``version - max_staleness``
@@ -58,7 +64,15 @@ class StreamQueue:
         consumers: tasks that must each acknowledge a row before it is dropped
             automatically (consumer-set cleanup); per partition with :meth:`declare`.
         name: name of the queue (Ray: actor names, :meth:`connect`).
+        storage: the storage units' backend: ``"memory"`` (default), or a registered
+            backend by name or as ``{"backend": name, **options}`` (docs/storage.md).
+        sampler: how ready rows are picked for a request unless the request names its
+            own: ``"fifo"`` (commit order, default) or a registered sampler by name or as
+            ``{"sampler": name, **options}`` (docs/sampling.md).
         **options: transport options (see :mod:`streamrl.transport`).
+
+    Every option is a field of :class:`streamrl.config.QueueConfig`; build a queue from a
+    dict or a YAML/OmegaConf config with :meth:`from_config`.
 
     Examples:
         >>> import asyncio, torch, streamrl
@@ -78,36 +92,62 @@ class StreamQueue:
     """
 
     def __init__(self, capacity: int = 4096, num_shards: int = 4, *,
-                 capacity_bytes: int | None = None, transport: str = "embedded",
+                 capacity_bytes: int | None = None, transport: "str | Transport" = "embedded",
                  lease_timeout: float = 600.0, max_staleness: int | None = None,
                  max_lead: int | None = None, consumers: Sequence[str] | None = None,
-                 name: str | None = None, **options: Any):
+                 name: str | None = None, storage: Any = "memory", sampler: Any = "fifo",
+                 **options: Any):
+        if isinstance(transport, Transport):  # an already built deployment (connect, attach)
+            self._config = None
+            self._start(transport, name)
+            return
+        config = QueueConfig(
+            capacity=capacity, num_shards=num_shards, capacity_bytes=capacity_bytes,
+            transport=transport, lease_timeout=lease_timeout, max_staleness=max_staleness,
+            max_lead=max_lead, consumers=consumers, name=name, storage=storage,
+            sampler=sampler, options=options)
+        self._config = config
+        self._start(registry.resolve(config.transport)(config), name)
+
+    def _start(self, transport: Transport, name: str | None) -> None:
         self.name = name
         self._closed_locally = False
         self._tag_fields: frozenset[str] = frozenset()
-        if isinstance(transport, str) and transport == "embedded":
-            if options:
-                raise InvalidArgument(f"unknown options for the embedded transport: {sorted(options)}")
-            from .transport.embedded import EmbeddedTransport
-
-            ctl = Controller(capacity, capacity_bytes=capacity_bytes, num_shards=num_shards,
-                             lease_timeout=lease_timeout, max_staleness=max_staleness,
-                             max_lead=max_lead, consumers=consumers)
-            self._transport = EmbeddedTransport(ctl)
-        elif isinstance(transport, str) and transport == "ray":
-            from .transport.ray import RayTransport
-
-            self._transport = RayTransport.create(
-                capacity=capacity, capacity_bytes=capacity_bytes, num_shards=num_shards,
-                lease_timeout=lease_timeout, max_staleness=max_staleness, max_lead=max_lead,
-                consumers=consumers, name=name, **options)
-        elif not isinstance(transport, str) and hasattr(transport, "control"):
-            self._transport = transport  # an already built transport
-        else:
-            raise InvalidArgument(
-                f"transport must be 'embedded' or 'ray', got {transport!r}")
+        self._transport = transport
+        self._session = Session(self, transport)
         self._id = next(_ids)
         _registry[self._id] = self
+
+    @classmethod
+    def from_config(cls, config: "Mapping[str, Any] | QueueConfig | None" = None,
+                    **overrides: Any) -> "StreamQueue":
+        """A queue from a mapping of its options: a plain dict, or a YAML/OmegaConf-loaded
+        config (the way verl and ROLL configure everything), with ``overrides`` on top.
+        Transport options go under ``options:``.
+
+        Raises:
+            InvalidArgument: a key that is not an option (the message lists the valid
+                ones), or a bad value.
+
+        Examples:
+            >>> import streamrl
+            >>> q = streamrl.StreamQueue.from_config({"capacity": 64, "num_shards": 2})
+            >>> q.num_shards
+            2
+        """
+        if isinstance(config, QueueConfig):
+            cfg = config.replace(**overrides) if overrides else config
+        else:
+            cfg = QueueConfig.from_mapping(config, **overrides)
+        kw = cfg.to_dict()
+        options = kw.pop("options")
+        return cls(**kw, **options)
+
+    @property
+    def config(self) -> "QueueConfig | None":
+        """The options this queue was created with (``None`` for a handle attached to a
+        queue created elsewhere)."""
+        return self._config
 
     @classmethod
     def connect(cls, name: str, *, namespace: str | None = None) -> "StreamQueue":
@@ -126,15 +166,20 @@ class StreamQueue:
 
     @property
     def transport(self) -> str:
-        """The transport's name (``"embedded"`` or ``"ray"``)."""
+        """The transport's name (``"embedded"``, ``"ray"``, ...)."""
         return self._transport.name
 
     @property
-    def _control(self):
+    def session(self) -> Session:
+        """What batch views of this queue talk to (see :mod:`streamrl.session`)."""
+        return self._session
+
+    @property
+    def _control(self) -> ControlPlane:
         return self._transport.control
 
     @property
-    def _data(self):
+    def _data(self) -> DataPlane:
         return self._transport.data
 
     @property
@@ -145,9 +190,9 @@ class StreamQueue:
 
     def _own(self, batch: RowRemoteBatch, what: str) -> None:
         """Refuse a batch of another queue: its row ids mean other rows here."""
-        if batch._q is not self and batch._q.queue_id != self.queue_id:
+        if batch.queue is not self and batch.queue.queue_id != self.queue_id:
             raise InvalidArgument(
-                f"cannot {what} a batch of another queue ({batch._q!r}) through {self!r}: "
+                f"cannot {what} a batch of another queue ({batch.queue!r}) through {self!r}: "
                 "row ids are per queue. Use the batch's own queue (batch.queue)")
 
     def __repr__(self) -> str:
@@ -160,9 +205,9 @@ class StreamQueue:
         return self._data.num_shards
 
     def __reduce__(self):
-        handle = getattr(self._transport, "handle", None)
+        handle = self._transport.handle
         if handle is not None:
-            return (_from_handle, (handle, self.name))
+            return (_from_handle, (type(self._transport), handle, self.name))
         return (_attach_embedded, (self._id,))
 
     async def __aenter__(self) -> "StreamQueue":
@@ -233,9 +278,9 @@ class StreamQueue:
         tags = {f: tag_values(f, cols[f]) for f in names if f in self._tag_fields}
         if rows is None:
             part = DEFAULT_PARTITION if partition is None else partition
-            fast = getattr(self._data, "put_rows", None)  # one call, no waiting (Ray)
-            done = (None if fast is None
-                    else await fast(part, cols, n, nbytes, tags, version, dtypes))
+            done = None
+            if self._data.caps.unit_admitted_puts:  # one call, no waiting (Ray)
+                done = await self._data.put_rows(part, cols, n, nbytes, tags, version, dtypes)
             if done is not None:
                 self._tag_fields = done[2].tag_fields
                 out = RowRemoteBatch(self, done[0], done[1], names, partition=part)
@@ -297,20 +342,20 @@ class StreamQueue:
 
     # ------------------------------------------------------------------ get / stream
 
-    def _request(self, task, fields, batch_size, **kw) -> Request:
-        if isinstance(fields, str):
-            fields = [fields]
-        req = Request(task, tuple(fields) if fields is not None else (), batch_size, **kw)
-        validate_request(req)
-        return req
+    @staticmethod
+    def _request(args: dict[str, Any]) -> Request:
+        """The request of a ``get``/``stream`` call, from its arguments (``locals()``):
+        their options are exactly :class:`~streamrl.config.Request`'s fields."""
+        return Request(args["task"], args["fields"], args["batch_size"],
+                       **{k: args[k] for k in Request.options()})
 
     async def get(self, task: str, fields: Sequence[str], batch_size: int, *,
                   partition: str | None = None, timeout: float | None = None,
                   group_by: str | None = None, group_size: int | None = None,
                   drop_last: bool = False, max_staleness: int | None = None,
                   dp_rank: int = 0, dp_size: int = 1, balance_by: str | None = None,
-                  dp_remainder: str = "error", lease_timeout: float | None = None
-                  ) -> RowRemoteBatch:
+                  dp_remainder: str = "error", lease_timeout: float | None = None,
+                  sampler: Any = None) -> RowRemoteBatch:
         """One leased micro-batch for ``task`` (see :meth:`stream` for the arguments).
 
         The batch stays leased until ``ack()``, ``drop()``, ``release()`` or its lease
@@ -320,11 +365,8 @@ class StreamQueue:
             EndOfStream: nothing more will come (sealed and drained, or closed).
             StreamTimeout: no batch within ``timeout`` seconds.
         """
-        req = self._request(task, fields, batch_size, partition=partition, group_by=group_by,
-                            group_size=group_size, drop_last=drop_last,
-                            max_staleness=max_staleness, dp_rank=dp_rank, dp_size=dp_size,
-                            balance_by=balance_by, dp_remainder=dp_remainder,
-                            lease_timeout=lease_timeout)
+        req = self._request(locals())
+        timeout = check_timeout("timeout", timeout)
         d = await self._control.take(req, timeout)
         if d is None:
             where = f"partition {partition!r} is sealed and" if partition else "the queue is closed and"
@@ -336,7 +378,8 @@ class StreamQueue:
                group_by: str | None = None, group_size: int | None = None,
                drop_last: bool = False, max_staleness: int | None = None,
                dp_rank: int = 0, dp_size: int = 1, balance_by: str | None = None,
-               dp_remainder: str = "error", lease_timeout: float | None = None) -> "Stream":
+               dp_remainder: str = "error", lease_timeout: float | None = None,
+               sampler: Any = None) -> "Stream":
         """Micro-batches of rows ready in every one of ``fields`` that ``task`` has not
         consumed, as an async iterator of leased :class:`RowRemoteBatch` views.
 
@@ -372,6 +415,12 @@ class StreamQueue:
                 ``"error"`` (raise :class:`~streamrl.errors.DispatchError`), ``"drop"``
                 (drop the surplus rows, counted) or ``"pad"`` (repeat rows).
             lease_timeout: override the queue's lease timeout for these batches.
+            sampler: which ready rows make each batch, overriding the queue's ``sampler``
+                for this request: a registered name or ``{"sampler": name, **options}``
+                (docs/sampling.md).
+
+        Every option is a field of :class:`streamrl.config.Request`, validated when the
+        call is made (a bad value raises :class:`~streamrl.errors.InvalidArgument` at once).
 
         Acknowledgement (leases): each batch is leased to ``task``. It is acknowledged when
         the consumer asks for the next batch, by ``await mb.ack()`` or ``await mb.drop()``,
@@ -397,11 +446,8 @@ class StreamQueue:
         Returns:
             A :class:`Stream` (async iterator and async context manager).
         """
-        req = self._request(task, fields, batch_size, partition=partition, group_by=group_by,
-                            group_size=group_size, drop_last=drop_last,
-                            max_staleness=max_staleness, dp_rank=dp_rank, dp_size=dp_size,
-                            balance_by=balance_by, dp_remainder=dp_remainder,
-                            lease_timeout=lease_timeout)
+        req = self._request(locals())
+        timeout = check_timeout("timeout", timeout)
         return Stream(self, req, timeout)
 
     def _delivered(self, d: Delivery) -> RowRemoteBatch:
@@ -410,32 +456,6 @@ class StreamQueue:
                             known=d.known)
         mb.nbytes = d.nbytes
         return mb
-
-    async def _fetch(self, rows: np.ndarray, shards: np.ndarray, fields: list[str]
-                     ) -> dict[str, Column]:
-        """Read ``fields`` of ``rows`` from their storage units: one request per unit, all
-        units concurrently; columns come back in ``rows`` order."""
-        order = np.argsort(shards, kind="stable")
-        s_sorted = shards[order]
-        bounds = np.flatnonzero(np.diff(s_sorted)) + 1
-        groups = np.split(order, bounds)
-        parts = [(int(shards[g[0]]), rows[g].tolist(), fields) for g in groups if len(g)]
-        got = await self._data.get(parts)
-        if len(groups) == 1:
-            return {f: assemble(got[0][f]) for f in fields}
-        out: dict[str, Column] = {}
-        contiguous = all(np.array_equal(g, np.arange(g[0], g[0] + len(g))) for g in groups)
-        for f in fields:
-            if contiguous:  # each unit holds one run of the batch: join in batch order
-                seq = sorted(zip((int(g[0]) for g in groups), got), key=lambda x: x[0])
-                out[f] = assemble([p for _, res in seq for p in res[f]])
-                continue
-            cols = [assemble(res[f]) for res in got]
-            out[f] = _scatter(cols, groups, len(rows))
-        return out
-
-    async def _lease_rows(self, lease_ids: Sequence[int]) -> list[int]:
-        return await self._control.lease_rows(list(lease_ids))
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -622,7 +642,7 @@ class Stream:
         if cur is not None and cur.leased:
             cur._lease.open = False
             try:
-                self._q._transport.release_nowait(list(cur.lease_ids))
+                self._q.session.release_nowait(cur.lease_ids)
             except Exception:  # interpreter shutdown, loop gone: the lease timeout applies
                 pass
 
@@ -664,23 +684,6 @@ def _split_by_shard(rows: Sequence[int], shards: Sequence[int], cols: Mapping[st
     return parts
 
 
-def _scatter(cols: list[Column], groups: list[np.ndarray], n: int) -> Column:
-    """Place per-unit columns at their batch positions."""
-    if all(isinstance(c, torch.Tensor) and not c.is_nested for c in cols) and \
-            len({(c.dtype, c.shape[1:]) for c in cols}) == 1:
-        first = cols[0]
-        out = first.new_empty((n,) + tuple(first.shape[1:]))
-        for c, g in zip(cols, groups):
-            out[torch.from_numpy(g)] = c
-        return out
-    flat: list = [None] * n
-    for c, g in zip(cols, groups):
-        items = c.unbind(0) if isinstance(c, torch.Tensor) else c
-        for i, v in zip(g.tolist(), items):
-            flat[i] = v
-    return assemble([flat])
-
-
 def _attach_embedded(qid: int) -> StreamQueue:
     q = _registry.get(qid)
     if q is None:
@@ -691,14 +694,8 @@ def _attach_embedded(qid: int) -> StreamQueue:
     return q
 
 
-def _from_handle(handle, name):
-    from .transport.ray import RayTransport
-
+def _from_handle(kind: type, handle: Any, name: str | None) -> StreamQueue:
     q = StreamQueue.__new__(StreamQueue)
-    q.name = name
-    q._closed_locally = False
-    q._tag_fields = frozenset()
-    q._transport = RayTransport.from_handle(handle)
-    q._id = next(_ids)
-    _registry[q._id] = q
+    q._config = None
+    q._start(kind.attach(handle), name)
     return q

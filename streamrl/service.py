@@ -271,7 +271,6 @@ class ControllerService:
         n = len(ids)
         total = sum(sum(v) for v in nbytes.values())
         try:
-            ctl.check_dtypes(dtypes)
             if (self._space_q or ctl.admission(n, total, version) is not None
                     or not ctl.owns_ids(shard, ids)):
                 return PutAnswer(PutStatus.BUSY)

@@ -508,13 +508,13 @@ def rows_data(n: int, start: int = 0) -> dict:
 
 def count_fetches(q: streamrl.StreamQueue, monkeypatch) -> list[tuple[list[int], list[str]]]:
     calls: list[tuple[list[int], list[str]]] = []
-    orig = q._fetch
+    orig = q.session.fetch
 
     async def counting(rows, shards, fields):
         calls.append((list(map(int, rows)), list(fields)))
         return await orig(rows, shards, fields)
 
-    monkeypatch.setattr(q, "_fetch", counting)
+    monkeypatch.setattr(q.session, "fetch", counting)
     return calls
 
 

@@ -14,11 +14,34 @@ from __future__ import annotations
 
 import abc
 from collections.abc import Mapping, Sequence
-from typing import Any
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from ..control import ControlPlane
 
 Column = Any  # a tensor (rows first) or a list of per-row values; see streamrl.columns
 
-__all__ = ["DataPlane", "Transport"]
+__all__ = ["DataCaps", "DataPlane", "Transport"]
+
+
+@dataclass(frozen=True)
+class DataCaps:
+    """What a data plane can do beyond the required calls (declared, never probed).
+
+    Attributes:
+        unit_admitted_puts: :meth:`DataPlane.put_rows` is implemented: a small put of new
+            rows is one call to a storage unit, which has the controller admit it.
+        zero_copy_reads: reads return views of the stored bytes (treat them read-only).
+        shared_memory: bytes move through shared memory between processes of a node.
+        cross_process: the queue can be used from other processes (it pickles into a
+            handle that works there).
+    """
+
+    unit_admitted_puts: bool = False
+    zero_copy_reads: bool = False
+    shared_memory: bool = False
+    cross_process: bool = False
 
 
 class DataPlane(abc.ABC):
@@ -26,6 +49,16 @@ class DataPlane(abc.ABC):
     micro-batch spread over shards costs one call per shard, issued concurrently."""
 
     num_shards: int
+    #: what this data plane can do beyond the required calls
+    caps: DataCaps = DataCaps()
+
+    async def put_rows(self, partition: str, cols: Mapping[str, Column], n: int,
+                       nbytes: dict, tags: dict, version: int | None,
+                       dtypes: dict | None = None) -> tuple[list[int], list[int], Any] | None:
+        """A small put of ``n`` new rows admitted by one storage unit (only when
+        ``caps.unit_admitted_puts``): ``(rows, shards, commit result)``, or ``None`` when
+        it does not apply now (the caller puts the usual way)."""
+        raise NotImplementedError(f"{type(self).__name__} does not admit puts in its units")
 
     @abc.abstractmethod
     async def put(self, parts: Sequence[tuple[int, Sequence[int], Mapping[str, Column]]],
@@ -66,7 +99,10 @@ class DataPlane(abc.ABC):
 
 
 class Transport(abc.ABC):
-    """A deployment: how to reach the control and data planes, and how to shut down."""
+    """A deployment: how to reach the control and data planes, and how to shut down.
+
+    Built by the factory registered under its name (:func:`streamrl.transport.register`)
+    from a :class:`~streamrl.config.QueueConfig`."""
 
     name: str
 
@@ -82,8 +118,8 @@ class Transport(abc.ABC):
 
     @property
     @abc.abstractmethod
-    def control(self):
-        """The control-plane object (service or proxy)."""
+    def control(self) -> "ControlPlane":
+        """The control plane (the service itself, or a proxy of it)."""
 
     @property
     @abc.abstractmethod
@@ -93,6 +129,18 @@ class Transport(abc.ABC):
     @abc.abstractmethod
     def release_nowait(self, lease_ids: Sequence[int]) -> None:
         """Give leases back without awaiting (from finalizers); best effort."""
+
+    @property
+    def handle(self) -> Any:
+        """What a pickled queue carries to rebuild this transport in another process
+        (with :meth:`attach`), or ``None`` when the queue lives in this process only."""
+        return None
+
+    @classmethod
+    def attach(cls, handle: Any) -> "Transport":
+        """This transport in another process, from :attr:`handle` (it does not own the
+        deployment: its ``shutdown`` leaves it running)."""
+        raise NotImplementedError(f"{cls.__name__} queues live in one process")
 
     async def shutdown(self) -> None:
         """Free the deployment's resources (actors, memory)."""

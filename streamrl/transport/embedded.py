@@ -8,17 +8,30 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
-from .base import Column
+from ..errors import InvalidArgument
+
+from ..config import QueueConfig
 from ..controller import Controller
 from ..service import ControllerService
 from ..storage import StorageUnit
-from .base import DataPlane, Transport
+from .base import Column, DataCaps, DataPlane, Transport
 
-__all__ = ["EmbeddedTransport", "LocalDataPlane"]
+__all__ = ["EmbeddedTransport", "LocalDataPlane", "create"]
+
+
+def create(config: QueueConfig) -> "EmbeddedTransport":
+    """The registered factory of ``transport="embedded"``."""
+    if config.options:
+        raise InvalidArgument(
+            f"unknown options for the embedded transport: {sorted(config.options)}; it takes "
+            "none (transport options are for transports such as 'ray')")
+    return EmbeddedTransport(Controller.from_config(config))
 
 
 class LocalDataPlane(DataPlane):
     """In-process storage units, called directly."""
+
+    caps = DataCaps(zero_copy_reads=True)
 
     def __init__(self, units: Sequence[StorageUnit]):
         self.units = list(units)

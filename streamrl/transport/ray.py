@@ -58,12 +58,13 @@ import numpy as np
 import ray
 
 from ..arena import Arena, ShmRef, map_segment
+from ..config import QueueConfig
 from ..controller import Controller, FilterSpec
 from ..errors import RowsLost, TransportError, rows_preview
 from ..messages import PutAnswer, PutStatus
 from ..service import ControllerService
 from ..wire import WireTensor
-from .base import Column, DataPlane, Transport
+from .base import Column, DataCaps, DataPlane, Transport
 from .rpc import ConnectFailed, Endpoint, RpcClient, RpcServer
 
 #: the controller's socket endpoint and the storage units' (see :mod:`.rpc`)
@@ -525,6 +526,9 @@ class RayDataPlane(DataPlane):
     """Storage-unit actors, called concurrently, one call per unit per request; tensor
     bytes through the units' shared-memory arenas when on the same node."""
 
+    caps = DataCaps(unit_admitted_puts=True, zero_copy_reads=True, shared_memory=True,
+                    cross_process=True)
+
     def __init__(self, units: Sequence[Any], endpoints: Sequence[Endpoint | None] | None = None):
         self.units = list(units)
         self.num_shards = len(self.units)
@@ -787,8 +791,8 @@ class RayDataPlane(DataPlane):
 class _ControllerActorImpl:
     """The controller service as an async actor."""
 
-    def __init__(self, config: dict, units: list):
-        ctl = Controller(**config)
+    def __init__(self, config: QueueConfig, units: list):
+        ctl = Controller.from_config(config)
         self.data = RayDataPlane(units)
         self.svc = ControllerService(ctl, self.data)
         self.data.on_lost = self._lost
@@ -1081,38 +1085,40 @@ class RayTransport(Transport):
         self._owner = owner
 
     @classmethod
-    def create(cls, *, capacity: int, capacity_bytes: int | None, num_shards: int,
-               lease_timeout: float, max_staleness: int | None, max_lead: int | None,
-               consumers: Sequence[str] | None, name: str | None = None,
-               namespace: str | None = None, unit_options: dict | Sequence[dict] | None = None,
-               controller_options: dict | None = None, detached: bool = False,
-               direct_calls: bool = True, **unknown: Any) -> "RayTransport":
-        """Start the actors. ``unit_options`` (one dict for all units, or one per unit) and
-        ``controller_options`` are passed to ``.options()`` (for example
-        ``{"resources": {"node:10.0.0.2": 0.001}}`` to pin a unit to a node).
-        ``detached=True`` keeps the actors alive after this driver exits (named queues).
+    def create(cls, config: QueueConfig) -> "RayTransport":
+        """Start the actors of a queue configured by ``config``. Its ``options``:
 
-        ``direct_calls`` (default ``True``): clients call the controller over a TCP
-        connection to its node's IP address (see :mod:`streamrl.transport.rpc`), which is
-        about 30x faster than a Ray actor call. ``False`` sends every call through Ray
-        (for clusters whose nodes only reach each other on Ray's own ports)."""
+        * ``unit_options`` (one dict for all units, or one per unit) and
+          ``controller_options`` are passed to ``.options()`` (for example
+          ``{"resources": {"node:10.0.0.2": 0.001}}`` to pin a unit to a node);
+        * ``namespace``: the Ray namespace of the actors;
+        * ``detached=True`` keeps the actors alive after this driver exits (named queues);
+        * ``direct_calls`` (default ``True``): clients call the controller over a TCP
+          connection to its node's IP address (see :mod:`streamrl.transport.rpc`), which
+          is about 30x faster than a Ray actor call. ``False`` sends every call through
+          Ray (for clusters whose nodes only reach each other on Ray's own ports)."""
         from ..errors import InvalidArgument
 
+        opts = dict(config.options)
+        valid = ("namespace", "unit_options", "controller_options", "detached", "direct_calls")
+        unknown = sorted(set(opts) - set(valid))
         if unknown:
             gone = (" (`ownership` is gone: rows now always live in their storage unit's "
                     "shared memory, so they outlive their producer)" if "ownership" in unknown
                     else "")
             raise InvalidArgument(
-                f"unknown options for the Ray transport: {sorted(unknown)}{gone}; it takes "
-                "name, namespace, unit_options, controller_options, detached and direct_calls")
+                f"unknown options for the Ray transport: {unknown}{gone}; it takes "
+                f"{', '.join(valid)}")
+        namespace = opts.get("namespace")
+        unit_options = opts.get("unit_options")
+        controller_options = opts.get("controller_options")
+        detached = opts.get("detached", False)
+        direct_calls = opts.get("direct_calls", True)
         if not isinstance(direct_calls, bool):
             raise InvalidArgument(f"direct_calls must be True or False, got {direct_calls!r}")
         if not ray.is_initialized():  # as Ray itself would (it reads RAY_ADDRESS)
             ray.init(ignore_reinit_error=True, include_dashboard=False)
-        config = dict(capacity=capacity, capacity_bytes=capacity_bytes, num_shards=num_shards,
-                      lease_timeout=lease_timeout, max_staleness=max_staleness,
-                      max_lead=max_lead, consumers=consumers)
-        Controller(**config)  # validate here, so errors are raised in the caller
+        name, num_shards = config.name, config.num_shards
         if isinstance(unit_options, Mapping) or unit_options is None:
             per_unit = [dict(unit_options or {}) for _ in range(num_shards)]
         else:
@@ -1135,7 +1141,7 @@ class RayTransport(Transport):
         copts = {**common, **(controller_options or {})}
         if name:
             copts.setdefault("name", name)
-        controller = ControllerActor.options(**copts).remote(config, units)
+        controller = ControllerActor.options(**copts).remote(config.replace(options={}), units)
         # either call also surfaces start-up errors here
         endpoints = None
         if direct_calls:
@@ -1167,9 +1173,12 @@ class RayTransport(Transport):
         return (self._controller, self._units, self._endpoints)
 
     @classmethod
-    def from_handle(cls, handle: tuple) -> "RayTransport":
+    def attach(cls, handle: tuple) -> "RayTransport":
+        """The queue in this process, from :attr:`handle` (not owned)."""
         controller, units, endpoints = handle
         return cls(controller, units, owner=False, endpoints=endpoints)
+
+    from_handle = attach
 
     @property
     def control(self) -> RayControl:
@@ -1204,3 +1213,8 @@ class RayTransport(Transport):
                 ray.kill(a)
             except Exception:  # already gone
                 pass
+
+
+def create(config: QueueConfig) -> RayTransport:
+    """The registered factory of ``transport="ray"``."""
+    return RayTransport.create(config)

@@ -1,0 +1,118 @@
+"""The client session: what batch views need from the queue they came from.
+
+A :class:`Session` is the small object every :class:`~streamrl.RowRemoteBatch` talks to
+(one per queue handle): fetch columns, acknowledge, release or drop leases, write fields.
+Views never reach into the queue, its transport or the storage units themselves.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+
+from .columns import Column, assemble
+
+if TYPE_CHECKING:
+    from .batch import RowRemoteBatch
+    from .control import ControlPlane
+    from .queue import StreamQueue
+    from .transport.base import DataPlane, Transport
+
+__all__ = ["Session"]
+
+
+class Session:
+    """The calls batch views make, on behalf of one queue handle.
+
+    Args:
+        queue: the queue (kept for :attr:`queue` and for writes).
+        transport: its deployment.
+    """
+
+    def __init__(self, queue: "StreamQueue", transport: "Transport"):
+        self.queue = queue
+        self._transport = transport
+
+    @property
+    def control(self) -> "ControlPlane":
+        return self._transport.control
+
+    @property
+    def data(self) -> "DataPlane":
+        return self._transport.data
+
+    @property
+    def queue_id(self) -> str:
+        """The queue's identity (equal in every handle of it)."""
+        return self._transport.queue_id
+
+    async def fetch(self, rows: np.ndarray, shards: np.ndarray, fields: list[str]
+                    ) -> dict[str, Column]:
+        """Read ``fields`` of ``rows`` from their storage units: one request per unit, all
+        units concurrently; columns come back in ``rows`` order (views where the rows
+        are one run of one unit's piece, one copy otherwise)."""
+        order = np.argsort(shards, kind="stable")
+        s_sorted = shards[order]
+        bounds = np.flatnonzero(np.diff(s_sorted)) + 1
+        groups = np.split(order, bounds)
+        parts = [(int(shards[g[0]]), rows[g].tolist(), fields) for g in groups if len(g)]
+        got = await self.data.get(parts)
+        if len(groups) == 1:
+            return {f: assemble(got[0][f]) for f in fields}
+        out: dict[str, Column] = {}
+        contiguous = all(np.array_equal(g, np.arange(g[0], g[0] + len(g))) for g in groups)
+        for f in fields:
+            if contiguous:  # each unit holds one run of the batch: join in batch order
+                seq = sorted(zip((int(g[0]) for g in groups), got), key=lambda x: x[0])
+                out[f] = assemble([p for _, res in seq for p in res[f]])
+                continue
+            cols = [assemble(res[f]) for res in got]
+            out[f] = _scatter(cols, groups, len(rows))
+        return out
+
+    async def write(self, batch: "RowRemoteBatch", data: Mapping[str, Any], *,
+                    overwrite: bool = False) -> None:
+        """Write fields to the batch's rows (``StreamQueue.put(data, rows=batch)``)."""
+        await self.queue.put(data, rows=batch, overwrite=overwrite)
+
+    async def ack(self, lease_ids: Sequence[int]) -> None:
+        """Acknowledge leases."""
+        await self.control.ack(list(lease_ids))
+
+    async def release(self, lease_ids: Sequence[int]) -> None:
+        """Give leases back unacknowledged."""
+        await self.control.release(list(lease_ids))
+
+    async def drop(self, rows: Sequence[int]) -> int:
+        """Drop rows for good; first tell the units which read views are gone (they may
+        reuse that memory), since the batch let go of its cache of these rows."""
+        self.data.released()
+        return await self.control.drop(list(rows))
+
+    async def lease_rows(self, lease_ids: Sequence[int]) -> list[int]:
+        """Rows still held under these leases."""
+        return await self.control.lease_rows(list(lease_ids))
+
+    def release_nowait(self, lease_ids: Sequence[int]) -> None:
+        """Give leases back without awaiting (from finalizers); best effort."""
+        self._transport.release_nowait(list(lease_ids))
+
+
+def _scatter(cols: list[Column], groups: list[np.ndarray], n: int) -> Column:
+    """Place per-unit columns at their batch positions."""
+    if all(isinstance(c, torch.Tensor) and not c.is_nested for c in cols) and \
+            len({(c.dtype, c.shape[1:]) for c in cols}) == 1:
+        first = cols[0]
+        out = first.new_empty((n,) + tuple(first.shape[1:]))
+        for c, g in zip(cols, groups):
+            out[torch.from_numpy(g)] = c
+        return out
+    flat: list = [None] * n
+    for c, g in zip(cols, groups):
+        items = c.unbind(0) if isinstance(c, torch.Tensor) else c
+        for i, v in zip(g.tolist(), items):
+            flat[i] = v
+    return assemble([flat])
