@@ -21,7 +21,7 @@ from typing import Any
 
 from .errors import RowsDropped, UnknownField, rows_preview
 
-__all__ = ["StorageUnit", "approx_size"]
+__all__ = ["StorageUnit", "approx_size", "create_unit"]
 
 # This module does not import torch: a unit stores anything with the tensor surface it
 # uses (``shape``, ``element_size()``, ``numel()``, row slices, ``unsqueeze(0)``), that is
@@ -312,3 +312,20 @@ class StorageUnit:
     def stats(self) -> tuple[int, int]:
         """(rows, bytes) held now."""
         return len(self.row_fields), self.nbytes
+
+
+def create_unit(spec: Any, index: int, *, on_release: Callable[[Any], None] | None = None
+                ) -> StorageUnit:
+    """The storage unit ``index`` of a queue whose ``storage`` option is ``spec`` (a
+    backend name, or a mapping ``{"backend": name, **options}``). Every transport builds
+    its units through this function.
+
+    Raises:
+        InvalidArgument: an unknown backend or bad options.
+    """
+    from .errors import InvalidArgument
+
+    name = spec.get("backend") if isinstance(spec, Mapping) else spec
+    if name != "memory" or (isinstance(spec, Mapping) and set(spec) - {"backend"}):
+        raise InvalidArgument(f"unknown storage {spec!r}; the built-in backend is 'memory'")
+    return StorageUnit(index, on_release=on_release)

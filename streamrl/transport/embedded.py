@@ -13,7 +13,7 @@ from ..errors import InvalidArgument
 from ..config import QueueConfig
 from ..controller import Controller
 from ..service import ControllerService
-from ..storage import StorageUnit
+from ..storage import StorageUnit, create_unit
 from .base import Column, DataCaps, DataPlane, Transport
 
 __all__ = ["EmbeddedTransport", "LocalDataPlane", "create"]
@@ -25,7 +25,8 @@ def create(config: QueueConfig) -> "EmbeddedTransport":
         raise InvalidArgument(
             f"unknown options for the embedded transport: {sorted(config.options)}; it takes "
             "none (transport options are for transports such as 'ray')")
-    return EmbeddedTransport(Controller.from_config(config))
+    units = [create_unit(config.storage, i) for i in range(config.num_shards)]
+    return EmbeddedTransport(Controller.from_config(config), units)
 
 
 class LocalDataPlane(DataPlane):
@@ -73,8 +74,10 @@ class EmbeddedTransport(Transport):
 
     name = "embedded"
 
-    def __init__(self, controller: Controller):
-        self._data = LocalDataPlane([StorageUnit(i) for i in range(controller.num_shards)])
+    def __init__(self, controller: Controller, units: Sequence[StorageUnit] | None = None):
+        if units is None:
+            units = [StorageUnit(i) for i in range(controller.num_shards)]
+        self._data = LocalDataPlane(units)
         self._service = ControllerService(controller, self._data)
 
     @property

@@ -216,15 +216,15 @@ class _Block:
 class _StorageActorImpl:
     """One storage unit as a (threaded) actor, with its shared-memory arena."""
 
-    def __init__(self, index: int):
-        from ..storage import StorageUnit
+    def __init__(self, index: int, storage: Any = "memory"):
+        from ..storage import create_unit
 
         self.index = index
         self.arena = Arena(index)
         self.blocks: dict[ShmRef, _Block] = {}
         self.pins: dict[int, tuple[int, list[ShmRef]]] = {}  # pin -> (reader pid, blocks)
         self._pin_ids = itertools.count(1)
-        self.unit = StorageUnit(index, on_release=self._released)
+        self.unit = create_unit(storage, index, on_release=self._released)
         self.lock = threading.Lock()
         self._endpoint: Endpoint | None = None
         self._controller: RpcClient | None = None  # for put_rows (from the socket thread)
@@ -1137,7 +1137,7 @@ class RayTransport(Transport):
             o = {"scheduling_strategy": "SPREAD", **common, **opts}
             if name:
                 o.setdefault("name", f"{name}.unit{i}")
-            units.append(StorageActor.options(**o).remote(i))
+            units.append(StorageActor.options(**o).remote(i, config.storage))
         copts = {**common, **(controller_options or {})}
         if name:
             copts.setdefault("name", name)
