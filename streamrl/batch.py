@@ -30,6 +30,7 @@ import numpy as np
 import torch
 from tensordict import TensorDict, TensorDictBase
 
+from ._aio import shielded
 from .columns import Column, settle, take_rows, to_columns, to_tensordict
 from .errors import InvalidArgument, RowsDropped, SchemaError, UnknownField, rows_preview
 
@@ -518,30 +519,37 @@ class RowRemoteBatch(RemoteBatch):
         the task is done with them. Idempotent; a no-op for batches that were not
         delivered (from ``put``).
 
+        An ack runs to the end even when the awaiting task is cancelled meanwhile (the
+        cancellation goes on after it), so a lease is never left half-acknowledged.
+
         Raises:
             LeaseExpired: the lease had expired and the rows went to another consumer.
         """
         if not self._lease.open:
             return
         self._lease.close()
-        await self._s.ack(self._lease.ids)
+        await shielded(self._s.ack(self._lease.ids))
 
     async def release(self) -> None:
         """Give the delivered batch back unacknowledged: its rows are delivered again to
-        the task. Idempotent."""
+        the task. Idempotent; runs to the end even if the awaiting task is cancelled."""
         if not self._lease.open:
             return
         self._lease.close()
-        await self._s.release(self._lease.ids)
+        await shielded(self._s.release(self._lease.ids))
 
     async def drop(self) -> None:
         """Delete these rows from the queue for good (idempotent) and free their bytes.
         Dropping a whole delivered batch also ends its lease. Any later ``materialize``
-        or ``write`` through this batch raises :class:`~streamrl.errors.RowsDropped`."""
+        or ``write`` through this batch raises :class:`~streamrl.errors.RowsDropped`.
+        Runs to the end even if the awaiting task is cancelled meanwhile."""
+        await shielded(self._drop())
+
+    async def _drop(self) -> None:
         rows = [r for r in self._rows.tolist() if r not in self._lease.dropped]
         if rows:
             self._lease.dropped.update(rows)
-            self._cache.forget(self._lease.dropped)  # (their views may be reused: see Session.drop)
+            self._cache.forget(self._lease.dropped)  # their views may be reused
             await self._s.drop(rows)
         if self._lease.open and self._lease.ids:
             remaining = await self._s.lease_rows(self._lease.ids)

@@ -227,6 +227,7 @@ class Controller:
         self._tokens: dict[int, WriteToken] = {}
         self._token_heap: list[tuple[float, int]] = []  # (deadline, token id)
         self._expired_tokens: OrderedDict[int, None] = OrderedDict()
+        self._retracted: OrderedDict[int, None] = OrderedDict()  # write tokens taken back
         self.c_writes_expired = 0
         self._dispatchers: dict[tuple, _Dispatcher] = {}
 
@@ -622,6 +623,11 @@ class Controller:
         skipped. Returns what storage must forget (see :class:`Undo`), or ``None``."""
         if token.id in self._tokens:  # not committed after all: an abort
             return self.abort(token.id)
+        if token.id in self._retracted:  # once
+            return None
+        self._retracted[token.id] = None
+        if len(self._retracted) > _LEASE_MEMORY:
+            self._retracted.popitem(last=False)
         live = [self.rows[r] for r in token.rows if r in self.rows]
         if token.new_rows:
             self._drop_rows(live, DropReason.CANCELLED)

@@ -13,6 +13,7 @@ import numpy as np
 import torch
 from tensordict import TensorDictBase
 
+from ._aio import shielded
 from .batch import ColumnRemoteBatch, RemoteBatch, RowRemoteBatch
 from .columns import (Column, column_dtype, row_nbytes, tag_values, take_rows,
                       to_columns)
@@ -316,21 +317,21 @@ class StreamQueue:
         try:
             await self._data.put(split, tok.id)
         except BaseException:
-            with anyio.CancelScope(shield=True):
-                await ctl.abort(tok)
+            await shielded(ctl.abort(tok))
             raise
         try:
-            # cancelled here, the controller takes the write back (commit or not)
             res = await ctl.commit(tok, nbytes, tags)
+        except anyio.get_cancelled_exc_class():
+            # the commit may or may not have run: take the write back either way (an
+            # abort if it did not; the controller makes a second retract a no-op)
+            await shielded(ctl.retract(tok))
+            raise
         except StreamTimeout:  # aborted for taking too long: forget what this write stored
             parts: dict[int, list[int]] = {}
             for r, s in zip(tok.rows, tok.shards):
                 parts.setdefault(s, []).append(r)
-            with anyio.CancelScope(shield=True):
-                if rows is None:
-                    await self._data.delete(parts)
-                else:
-                    await self._data.delete_fields(parts, names, write=tok.id)
+            await shielded(self._data.delete(parts) if rows is None
+                           else self._data.delete_fields(parts, names, write=tok.id))
             raise
         self._tag_fields = res.tag_fields
         if target is not None:
@@ -624,11 +625,10 @@ class Stream:
         self._done = True
         if cur is None or not cur.leased:
             return
-        with anyio.CancelScope(shield=True):
-            if et is None:
-                await cur.ack()
-            else:
-                await cur.release()
+        if et is None:
+            await cur.ack()  # (ack and release run to the end even if cancelled)
+        else:
+            await cur.release()
 
     async def aclose(self) -> None:
         """Stop: release the current batch (unacknowledged) and end the iteration."""

@@ -29,6 +29,7 @@ from typing import Any
 
 import anyio
 
+from ._aio import shielded
 from .controller import Controller
 from .messages import (END, CommitResult, Delivery, DropReason, FilterJob, FilterSpec, PutAnswer,
                        PutStatus, Request, WriteToken)
@@ -317,8 +318,7 @@ class ControllerService:
                 await self._backfill_tags(f, _by_shard(self.ctl, rows))
             await self._after(raise_filter_errors=True)
         except anyio.get_cancelled_exc_class():
-            with anyio.CancelScope(shield=True):
-                await self.retract(token)
+            await shielded(self.retract(token))
             raise
         return res
 
