@@ -538,6 +538,18 @@ class RowRemoteBatch(RemoteBatch):
         self._lease.close()
         await shielded(self._s.release(self._lease.ids))
 
+    def release_nowait(self) -> None:
+        """Give the delivered batch back without awaiting (from callbacks, finalizers or
+        other threads): the release is queued and applied by the queue's event loop.
+        Best effort: if the queue is gone, the lease timeout applies."""
+        if not self._lease.open:
+            return
+        self._lease.close()
+        try:
+            self._s.release_nowait(self._lease.ids)
+        except Exception:  # interpreter shutdown, loop gone: the lease timeout applies
+            pass
+
     async def drop(self) -> None:
         """Delete these rows from the queue for good (idempotent) and free their bytes.
         Dropping a whole delivered batch also ends its lease. Any later ``materialize``

@@ -90,14 +90,33 @@ def _td_items(td: TensorDictBase) -> list[tuple[str, Any]]:
     return out
 
 
+def _check_tensor(name: str, t: torch.Tensor) -> torch.Tensor:
+    """A tensor streamrl can store, or a :class:`SchemaError` that says what to pass."""
+    if t.is_nested:
+        return t
+    if t.layout != torch.strided:
+        raise SchemaError(
+            f"field {name!r} is a {t.layout} tensor; streamrl stores dense tensors: pass "
+            "t.to_dense() (or put the indices and values as fields of their own)")
+    if t.device.type == "meta":
+        raise SchemaError(
+            f"field {name!r} is a meta tensor, which holds no data; put a tensor with values")
+    if t.is_quantized:
+        raise SchemaError(
+            f"field {name!r} is a quantized tensor ({t.dtype}); put t.dequantize(), or its "
+            "int_repr() and its scale/zero point as fields of their own")
+    if t.requires_grad:
+        t = t.detach()
+    return t
+
+
 def _column(name: str, v: Any) -> Column:
     if isinstance(v, torch.Tensor):
         if v.dim() == 0:
             raise SchemaError(
                 f"field {name!r} is a 0-d tensor; a field needs one value per row: give a "
                 "tensor whose first dimension counts rows")
-        if v.requires_grad:
-            v = v.detach()
+        v = _check_tensor(name, v)
         if v.is_nested:  # a ragged field (e.g. one materialized before): stored per row
             return list(v.unbind(0))
         return v
@@ -106,11 +125,25 @@ def _column(name: str, v: Any) -> Column:
             raise SchemaError(f"field {name!r} is a 0-d array; give one value per row")
         if v.dtype == object:
             return list(v)
-        return torch.from_numpy(np.ascontiguousarray(v) if not v.flags.writeable else v)
+        if v.dtype.kind in "USV":  # numpy strings and raw bytes: Python objects per row
+            return v.tolist()
+        if not v.dtype.isnative:  # big-endian: torch takes native byte order (a copy)
+            v = v.astype(v.dtype.newbyteorder("="))
+        if any(s < 0 for s in v.strides) or not v.flags.writeable:
+            v = np.ascontiguousarray(v)  # torch takes no negative strides (a copy)
+            if not v.flags.writeable:
+                v = v.copy()
+        try:
+            return torch.from_numpy(v)
+        except TypeError as e:
+            raise SchemaError(
+                f"field {name!r}: a numpy array of dtype {v.dtype} has no torch dtype ({e}); "
+                "convert it (e.g. astype(np.float32)) or put a list of Python objects") from None
     if isinstance(v, (NonTensorStack, NonTensorData)):
         return list(v.tolist())
     if isinstance(v, (list, tuple)):
-        return [x.detach() if isinstance(x, torch.Tensor) and x.requires_grad else x for x in v]
+        return [_check_tensor(f"{name}[{i}]", x) if isinstance(x, torch.Tensor) else x
+                for i, x in enumerate(v)]
     raise SchemaError(
         f"field {name!r} has a {type(v).__name__}, which is not per-row data; give a tensor "
         "(first dim = rows) or a list with one value per row")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import warnings
 import weakref
@@ -270,6 +271,14 @@ class StreamQueue:
                                timeout=None, nowait=True)
 
     async def _put(self, data, partition, rows, *, version, overwrite, timeout, nowait):
+        timeout = check_timeout("timeout", timeout)
+        if version is not None and (not isinstance(version, int) or isinstance(version, bool)):
+            raise InvalidArgument(f"version must be an int (or None), got {version!r}")
+        if not isinstance(overwrite, bool):
+            raise InvalidArgument(f"overwrite must be True or False, got {overwrite!r}")
+        if partition is not None and (not isinstance(partition, str) or not partition):
+            raise InvalidArgument(f"partition must be a non-empty str (or None), got "
+                                  f"{partition!r}")
         cols, n = to_columns(data)
         names = tuple(cols)
         nbytes = {f: row_nbytes(c, n) for f, c in cols.items()}
@@ -313,10 +322,10 @@ class StreamQueue:
             if len(set(ids)) != len(ids):
                 raise SchemaError("the target rows repeat; write each row once")
             tok = await ctl.begin_write(ids, names, overwrite=overwrite, dtypes=dtypes)
-        split = _split_by_shard(tok.rows, tok.shards, cols)
         try:
+            split = _split_by_shard(tok.rows, tok.shards, cols)
             await self._data.put(split, tok.id)
-        except BaseException:
+        except BaseException:  # nothing of it may stay admitted
             await shielded(ctl.abort(tok))
             raise
         try:
@@ -505,7 +514,9 @@ class StreamQueue:
             StreamTimeout: not reached within ``timeout`` seconds.
             QueueClosed: the queue closed meanwhile.
         """
-        return await self._control.wait_version(version, timeout)
+        if not isinstance(version, int) or isinstance(version, bool):
+            raise InvalidArgument(f"version must be an int, got {version!r}")
+        return await self._control.wait_version(version, check_timeout("timeout", timeout))
 
     async def add_filter(self, fn: Callable, *, fields: Sequence[str] | None = None,
                          group_by: str | None = None, group_size: int | None = None,
@@ -592,6 +603,10 @@ class Stream:
         self._timeout = timeout
         self._current: RowRemoteBatch | None = None
         self._done = False
+        self._watched: asyncio.Task | None = None
+        #: release an unacknowledged batch when the iterating task ends (see _watch);
+        #: the blocking twin turns it off (each of its calls is a task of its own)
+        self.watch_task = True
 
     @property
     def current(self) -> RowRemoteBatch | None:
@@ -615,7 +630,32 @@ class Stream:
             self._done = True
             raise StopAsyncIteration
         self._current = self._q._delivered(d)
+        self._watch()
         return self._current
+
+    def _watch(self) -> None:
+        """Give the current batch back when the task iterating this stream ends while it
+        is unacknowledged (its body raised, was cancelled, or returned after ``break``).
+        A stream kept in a variable (``s = q.stream(...)``; ``async for mb in s``) then
+        releases its lease at once even when the exception, and with it the stream, is
+        kept alive (``gather(..., return_exceptions=True)``), where no finalizer runs."""
+        if not self.watch_task:
+            return
+        task = asyncio.current_task()
+        if task is None or task is self._watched:
+            return
+        self._watched = task
+        ref = weakref.ref(self)
+
+        def ended(_task: asyncio.Task, ref=ref) -> None:
+            stream = ref()
+            if stream is not None and stream._watched is _task:
+                stream._watched = None
+                cur, stream._current = stream._current, None
+                if cur is not None and cur.leased:
+                    cur.release_nowait()
+
+        task.add_done_callback(ended)
 
     async def __aenter__(self) -> "Stream":
         return self
@@ -640,11 +680,7 @@ class Stream:
     def __del__(self) -> None:
         cur = self._current
         if cur is not None and cur.leased:
-            cur._lease.open = False
-            try:
-                self._q.session.release_nowait(cur.lease_ids)
-            except Exception:  # interpreter shutdown, loop gone: the lease timeout applies
-                pass
+            cur.release_nowait()
 
 
 def _row_ids(rows: Any) -> list[int]:

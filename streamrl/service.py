@@ -417,7 +417,13 @@ class ControllerService:
                 return None
             if res is not None:
                 self._waits.append(ctl.clock() - start)
-                await self._after()
+                try:
+                    await self._after()  # (it may run filter jobs: a real wait)
+                except BaseException:
+                    # the caller never gets this batch: give its lease back now
+                    ctl.release([res.lease])
+                    self._settle()
+                    raise
                 return res
             ev = anyio.Event()
             self._sub_waiters.setdefault(key, set()).add(ev)
@@ -427,15 +433,57 @@ class ControllerService:
                 if not ev.is_set():
                     got = await self._wait(ev, deadline)
                     if not got and _past(ctl, deadline):
-                        where = f"partition {req.partition!r}" if req.partition else "the queue"
-                        raise StreamTimeout(
-                            f"task {req.task!r} waited {timeout}s for {req.batch_size} rows of "
-                            f"{where} ready in {list(req.fields)}; producers may be slow or a "
-                            "field is never written. Pass a longer timeout, or seal the "
-                            "partition so a short last batch can go out")
+                        raise StreamTimeout(self._timeout_message(req, timeout))
             finally:
                 _discard(self._sub_waiters, key, ev)
                 _discard(self._part_waiters, req.partition, ev)
+
+    def _timeout_message(self, req: Request, timeout: float | None) -> str:
+        """Why a take found no batch: what the rows in its scope lack, and what to do."""
+        ctl = self.ctl
+        where = f"partition {req.partition!r}" if req.partition else "the queue"
+        if req.partition is None:
+            scope = list(ctl.rows.values())
+            sealed = ctl.sealed_all
+        else:
+            p = ctl.parts.get(req.partition)
+            scope = list(p.rows.values()) if p is not None else []
+            sealed = p is not None and p.sealed
+        tbit = ctl._tbits.get(req.task, 0)
+        owed = [r for r in scope if not r.acked & tbit]
+        leased = judging = ready = 0
+        lacking: dict[str, int] = {}
+        for r in owed:
+            missing = [f for f in req.fields if f not in r.fields]
+            for f in missing:
+                lacking[f] = lacking.get(f, 0) + 1
+            if req.task in r.leased:
+                leased += 1
+            elif missing:
+                pass
+            elif r.pending or r.judging:
+                judging += 1
+            else:
+                ready += 1
+        parts = [f"task {req.task!r} waited {timeout}s for {req.batch_size} rows of {where} "
+                 f"ready in {list(req.fields)}: of {len(owed)} rows it has not consumed, "
+                 f"{ready} are ready, {leased} are leased to it"]
+        if lacking:
+            parts.append("rows lacking " + ", ".join(f"{f!r}: {n}" for f, n in lacking.items()))
+        if judging:
+            parts.append(f"{judging} wait for a filter")
+        if req.group_by:
+            parts.append(f"grouped by {req.group_by!r}"
+                         + (f" in groups of {req.group_size}" if req.group_size else ""))
+        hint = ("the partition is sealed, so the rows that are missing fields wait for "
+                "producers that are slow or never write them"
+                if sealed else
+                "the partition is not sealed: more rows may come; seal it so a short last "
+                "batch can go out")
+        if not owed:
+            hint = ("no rows have been put there yet" if not sealed
+                    else "every row was delivered")
+        return "; ".join(parts) + f". {hint[0].upper()}{hint[1:]}. Pass a longer timeout."
 
     async def ack(self, lease_ids: Sequence[int]) -> None:
         """Acknowledge leases (see :meth:`Controller.ack`)."""

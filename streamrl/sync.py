@@ -161,6 +161,7 @@ class SyncStream:
     block without an exception acknowledges the current batch, with one releases it)."""
 
     def __init__(self, stream: _aq.Stream, portal: _Portal):
+        stream.watch_task = False  # each blocking call runs as a task of its own
         self._stream = stream
         self._portal = portal
 

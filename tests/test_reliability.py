@@ -1,0 +1,216 @@
+"""Defects found by trying to break the queue (issue 15): each test fails on the code
+that had the defect. Run on every transport unless a test says otherwise."""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from streamrl.errors import InvalidArgument, SchemaError, StreamTimeout
+
+pytestmark = [pytest.mark.timeout(120),
+              pytest.mark.filterwarnings("ignore:torch.quantize_per_tensor:UserWarning")]
+
+
+async def _eventually(check, deadline=10.0):
+    loop = asyncio.get_running_loop()
+    end = loop.time() + deadline
+    while not await check():
+        assert loop.time() < end, "condition not reached in time"
+        await asyncio.sleep(0.02)
+
+
+# ---------------------------------------------------------------- 6: refused before admission
+
+
+@pytest.mark.parametrize("kind", ["sparse", "meta", "quantized", "sparse_row"])
+async def test_a_column_that_cannot_be_stored_is_refused_before_admission(make_queue, kind):
+    q = make_queue(capacity=8, num_shards=2)
+    t = {
+        "sparse": lambda: torch.eye(4).to_sparse(),
+        "meta": lambda: torch.empty(4, 3, device="meta"),
+        "quantized": lambda: torch.quantize_per_tensor(torch.rand(4, 2), 0.1, 0, torch.qint8),
+        "sparse_row": lambda: [torch.eye(2).to_sparse()] * 4,
+    }[kind]()
+    with pytest.raises(SchemaError, match="field 'x"):
+        await q.put({"idx": torch.arange(4), "x": t}, partition="p")
+    st = await q.stats()
+    assert st.rows == 0 and st.bytes == 0 and st.put == 0
+    await q.put({"idx": torch.arange(8), "x": torch.zeros(8, 2)}, partition="p")  # room left
+    assert await q.audit() == []
+
+
+async def test_a_nested_tensor_put_is_split_over_units(make_queue):
+    """A jagged nested tensor (what materialize gives for ragged rows) is put as rows."""
+    q = make_queue(capacity=64, num_shards=3)
+    nt = torch.nested.nested_tensor([torch.arange(n) for n in (1, 3, 2, 5)], layout=torch.jagged)
+    for _ in range(3):  # puts rotate over the units
+        await q.put({"r": nt}, partition="p")
+    await q.seal("p")
+    n = 0
+    async for mb in q.stream("t", ["r"], 12, partition="p", timeout=10):
+        n += len(mb)
+        await mb.materialize()
+    assert n == 12 and await q.audit() == []
+
+
+async def test_a_put_that_fails_after_admission_is_undone(make_queue, monkeypatch):
+    import streamrl.queue as queue_mod
+
+    q = make_queue(capacity=4)
+
+    def broken(*a, **kw):
+        raise RuntimeError("cannot split")
+
+    monkeypatch.setattr(queue_mod, "_split_by_shard", broken)
+    with pytest.raises(RuntimeError):
+        await q.put({"x": torch.zeros(4, 64 * 1024)}, partition="p")  # (not a small put)
+    monkeypatch.undo()
+    st = await q.stats()
+    assert st.rows == 0 and st.bytes == 0
+    await q.put({"x": torch.zeros(4, 8)}, partition="p", timeout=5)  # the room is back
+
+
+# ---------------------------------------------------------------- 7: a cancelled take
+
+
+async def test_a_take_cancelled_after_its_lease_gives_it_back(transport, make_queue):
+    if transport != "embedded":
+        pytest.skip("patches the in-process controller service")
+    q = make_queue(capacity=16)
+    await q.put({"x": torch.arange(4)}, partition="p")
+    svc = q._control
+    after = svc._after
+
+    async def slow_after(*a, **kw):  # queued work (a filter job) runs after the lease
+        await asyncio.sleep(0.5)
+        return await after(*a, **kw)
+
+    svc._after = slow_after
+    t = asyncio.ensure_future(q.get("t", ["x"], 4, partition="p"))
+    await asyncio.sleep(0.1)
+    t.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await t
+    svc._after = after
+    assert (await q.stats()).leases == 0
+    mb = await q.get("t", ["x"], 4, partition="p", timeout=5)  # delivered again, at once
+    assert mb.rows and (await q.stats()).tasks["t"].redelivered == 4
+
+
+# ---------------------------------------------------------------- 8: a stream in a variable
+
+
+@pytest.mark.parametrize("how", ["raise", "cancel"])
+async def test_a_stream_in_a_variable_gives_its_lease_back_when_its_task_ends(make_queue, how):
+    """s = q.stream(...); async for mb in s: <raises> -- with the exception (and so the
+    stream) kept alive by gather(return_exceptions=True), the lease still comes back."""
+    q = make_queue(capacity=16)
+    await q.put({"x": torch.arange(8)}, partition="p")
+    s = q.stream("t", ["x"], 4, partition="p")
+    started = asyncio.Event()
+
+    async def consume():
+        async for mb in s:
+            started.set()
+            if how == "raise":
+                raise ValueError("bad batch")
+            await asyncio.sleep(30)
+
+    task = asyncio.ensure_future(consume())
+    await asyncio.wait_for(started.wait(), 10)
+    if how == "cancel":
+        task.cancel()
+    kept = await asyncio.gather(task, return_exceptions=True)  # noqa: F841 - kept alive
+    gc.collect()
+
+    async def released():
+        return (await q.stats()).leases == 0
+
+    await _eventually(released)
+    mb = await q.get("t", ["x"], 8, partition="p", timeout=5)  # all 8 rows, at once
+    assert len(mb) == 8
+
+
+async def test_a_stream_iterated_across_calls_of_one_task_keeps_its_lease(make_queue):
+    """The lease is released when the iterating *task* ends, not when a call returns."""
+    q = make_queue(capacity=16)
+    await q.put({"x": torch.arange(8)}, partition="p")
+    s = q.stream("t", ["x"], 4, partition="p")
+
+    async def one():
+        return await s.__anext__()
+
+    mb = await one()
+    await asyncio.sleep(0.05)
+    assert mb.leased and (await q.stats()).leases == 1
+    await mb.ack()
+
+
+# ---------------------------------------------------------------- 13: bad durations and input
+
+
+@pytest.mark.parametrize("value", [math.nan, math.inf, -1.0, "x"])
+async def test_bad_timeouts_raise_naming_the_argument(make_queue, value):
+    q = make_queue(capacity=4)
+    if value == math.inf:
+        pytest.skip("timeout=inf is refused too, but by the same check as nan")
+    with pytest.raises(InvalidArgument, match="timeout"):
+        await q.put({"x": torch.zeros(1)}, partition="p", timeout=value)
+    with pytest.raises(InvalidArgument, match="timeout"):
+        await q.get("t", ["x"], 1, partition="p", timeout=value)
+    with pytest.raises(InvalidArgument, match="timeout"):
+        await q.wait_version(1, timeout=value)
+    with pytest.raises(InvalidArgument, match="lease_timeout"):
+        await q.get("t", ["x"], 1, partition="p", lease_timeout=value)
+    with pytest.raises(InvalidArgument, match="lease_timeout"):
+        make_queue(lease_timeout=value)
+    assert (await q.stats()).rows == 0
+
+
+@pytest.mark.parametrize("kw", [{"partition": ""}, {"partition": 1}, {"group_by": ""}])
+async def test_bad_request_names_raise_at_once(make_queue, kw):
+    q = make_queue(capacity=4)
+    with pytest.raises(InvalidArgument):  # not after waiting out a timeout
+        await asyncio.wait_for(q.get("t", ["x"], 1, timeout=30, **kw), 5)
+    with pytest.raises(InvalidArgument):
+        await q.put({"x": torch.zeros(1)}, partition=kw.get("partition", 1))
+
+
+async def test_numpy_arrays_of_any_layout_are_put_as_their_values(make_queue):
+    q = make_queue(capacity=16, num_shards=2)
+    a = np.arange(12, dtype=np.int64).reshape(4, 3)
+    data = {
+        "rev": a[::-1],  # negative strides
+        "be": a.astype(">i8"),  # big-endian
+        "s": np.array(["a", "bb", "c", "dd"]),  # numpy strings: objects per row
+        "ro": np.frombuffer(a.tobytes(), dtype=np.int64).reshape(4, 3),  # read-only
+    }
+    rows = await q.put(data, partition="p")
+    mb = await q.get("t", list(data), 4, partition="p", timeout=5)
+    td = await mb.materialize()
+    assert td["rev"].tolist() == a[::-1].tolist() and td["be"].tolist() == a.tolist()
+    assert td["ro"].tolist() == a.tolist() and list(td["s"]) == ["a", "bb", "c", "dd"]
+    assert rows.rows == mb.rows
+
+
+# ---------------------------------------------------------------- 18: a timeout that says why
+
+
+async def test_a_timeout_says_what_the_rows_lack_and_whether_sealed(make_queue):
+    q = make_queue(capacity=16)
+    rows = await q.put({"x": torch.arange(4)}, partition="p")
+    await q.put({"y": torch.ones(2)}, rows=rows[:2])
+    with pytest.raises(StreamTimeout, match=r"2 are ready.*lacking 'y': 2.*not sealed") as e:
+        await q.get("t", ["x", "y"], 4, partition="p", timeout=0.2)
+    assert "4 rows" in str(e.value)
+    await q.seal("p")
+    await q.get("t", ["x", "y"], 2, partition="p", timeout=5)  # the two ready ones
+    with pytest.raises(StreamTimeout, match=r"lacking 'y': 2.*partition is sealed") as e:
+        await q.get("t", ["x", "y"], 4, partition="p", timeout=0.2)
+    assert "seal it" not in str(e.value)
