@@ -460,11 +460,29 @@ class RowRemoteBatch(RemoteBatch):
             else:
                 first = np.unique(rows, return_index=True)[1]
                 fetch_rows, fetch_shards = uniq, self._shards[first]
-            got = await self._s.fetch(fetch_rows, fetch_shards, missing)
+            try:
+                got = await self._s.fetch(fetch_rows, fetch_shards, missing)
+            except UnknownField:
+                await self._check_withdrawn(fetch_rows)
+                raise
             for f in missing:
                 self._cache.add(f, fetch_rows, got[f])
                 out[f] = got[f] if inverse is None else take_rows(got[f], inverse.tolist())
         return {f: out[f] for f in fields}
+
+    async def _check_withdrawn(self, rows: np.ndarray) -> None:
+        """Raise :class:`RowsDropped` for rows that left this batch's lease: a write
+        that made them ready was taken back (its writer was cancelled), so a field the
+        batch asked for is not written any more. They are delivered again once it is."""
+        if not self._lease.ids:
+            return
+        held = set(await self._s.lease_rows(self._lease.ids))
+        gone = [r for r in rows.tolist() if r not in held]
+        if gone:
+            raise RowsDropped(
+                f"rows {rows_preview(gone)} left this batch: a write of fields it asked for "
+                "was taken back (its writer was cancelled) or they were dropped. Skip them; "
+                "ack the batch for the rest (they are delivered again once written)", gone)
 
     async def _empty_columns(self, fields: Sequence[str]) -> dict[str, Column]:
         """Zero-row columns (a view with no rows), with the dtype and per-row shape the

@@ -115,11 +115,15 @@ class _Sub:
 
 
 class _Lease:
-    __slots__ = ("id", "task", "rows", "deadline", "timeout", "claimed", "dispatch", "rank")
+    __slots__ = ("id", "task", "rows", "deadline", "timeout", "claimed", "dispatch", "rank",
+                 "fields", "withdrawn")
 
-    def __init__(self, lid: int, task: str, rows: list[int], deadline: float, timeout: float):
+    def __init__(self, lid: int, task: str, rows: list[int], deadline: float, timeout: float,
+                 fields: frozenset[str] = frozenset()):
         self.id = lid
         self.task = task
+        self.fields = fields  # the fields the batch was asked for
+        self.withdrawn: list[int] = []  # rows taken back by a retracted write (see retract)
         self.rows = rows
         self.deadline = deadline
         self.timeout = timeout
@@ -223,7 +227,7 @@ class Controller:
         self._cands: dict[str, list[_Sub]] = {}  # partition -> subscriptions that see it
         self.leases: dict[int, _Lease] = {}
         self._lease_heap: list[tuple[float, int]] = []
-        self._lease_outcome: OrderedDict[int, str] = OrderedDict()
+        self._lease_outcome: OrderedDict[int, str | tuple] = OrderedDict()
         self._tokens: dict[int, WriteToken] = {}
         self._token_heap: list[tuple[float, int]] = []  # (deadline, token id)
         self._expired_tokens: OrderedDict[int, None] = OrderedDict()
@@ -619,7 +623,10 @@ class Controller:
         """Take back a committed write whose writer was cancelled before it heard of the
         commit (so it will retry): new rows are dropped (``"cancelled"``); fields written
         to existing rows are un-written (filters that judged them judge again when they
-        come back). An ``overwrite`` write is idempotent and stays. Rows already gone are
+        come back), and batches leased for those fields meanwhile lose those rows, as if
+        they had been dropped (the rows are delivered again once the fields are written
+        again; the batch's ``ack`` raises :class:`LeaseExpired` naming them, as for an
+        expired lease). An ``overwrite`` write is idempotent and stays. Rows already gone are
         skipped. Returns what storage must forget (see :class:`Undo`), or ``None``."""
         if token.id in self._tokens:  # not committed after all: an abort
             return self.abort(token.id)
@@ -642,6 +649,17 @@ class Controller:
         self._unjudge({r.id for r in live}, fmask)
         freed = 0
         for row in live:
+            # batches leased for these fields lose these rows (as if dropped); the rows
+            # come again once the fields are written again
+            for task, lid in list(row.leased.items()):
+                lease = self.leases.get(lid)
+                if lease is not None and lease.fields & fields:
+                    del row.leased[task]
+                    lease.rows.remove(row.id)
+                    lease.withdrawn.append(row.id)  # its ack says so
+                    if not lease.rows:
+                        del self.leases[lid]
+                        self._remember(lid, ("withdrawn", lease.withdrawn))
             for f in token.fields:
                 b = row.fields.pop(f, None)
                 if b is None:
@@ -989,7 +1007,7 @@ class Controller:
         task = req.task
         timeout = req.lease_timeout or self.lease_timeout
         lid = next(self._lease_ids)
-        lease = _Lease(lid, task, rids, self.clock() + timeout, timeout)
+        lease = _Lease(lid, task, rids, self.clock() + timeout, timeout, frozenset(req.fields))
         lease.rank = rank
         self.leases[lid] = lease
         heapq.heappush(self._lease_heap, (lease.deadline, lid))
@@ -1125,13 +1143,18 @@ class Controller:
         released (its rows go, or went, to another consumer)."""
         self.expire()
         expired = []
+        withdrawn: list[int] = []
         for lid in lease_ids:
             lease = self.leases.pop(lid, None)
             if lease is None:
-                if self._lease_outcome.get(lid) in ("expired", "released"):
+                outcome = self._lease_outcome.get(lid)
+                if outcome in ("expired", "released"):
                     expired.append(lid)
+                elif isinstance(outcome, tuple):  # every row was withdrawn
+                    withdrawn.extend(outcome[1])
                 continue
             self._remember(lid, "acked")
+            withdrawn.extend(lease.withdrawn)
             task = lease.task
             bit = self._bit(self._tbits, task)
             done = []
@@ -1152,6 +1175,13 @@ class Controller:
             raise LeaseExpired(
                 f"lease(s) {expired} expired or were released before ack; their rows were "
                 "handed out again. Ack sooner, or raise lease_timeout on the queue or stream")
+        if withdrawn:
+            raise LeaseExpired(
+                f"rows {rows_preview(withdrawn)} were taken back from this batch before its "
+                "ack (a write of a field it asked for was undone: its writer was "
+                "cancelled); the rest is acknowledged, and those rows are delivered again "
+                "once the field is written again. Do not count work done on them",
+                withdrawn)
 
     def release(self, lease_ids: Iterable[int], *, expired: bool = False) -> None:
         """Give the rows of these leases back: they are delivered again to the task."""

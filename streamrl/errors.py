@@ -101,7 +101,17 @@ class EncodeError(StreamRLError, TypeError):
 
 class LeaseExpired(StreamRLError):
     """``ack`` of a batch whose lease had already expired or been released; its rows were
-    (or will be) delivered again to the task."""
+    (or will be) delivered again to the task.
+
+    Attributes:
+        rows: the rows of the batch that were *not* acknowledged (they are delivered
+            again), or ``None`` for all of them. A batch some of whose rows were taken
+            back (a write it needed was undone) acknowledges the others and names these.
+    """
+
+    def __init__(self, message: str, rows: Iterable[int] | None = None):
+        super().__init__(message)
+        self.rows = None if rows is None else list(rows)
 
 
 class FilterError(StreamRLError):

@@ -102,21 +102,18 @@ class ControllerService:
         if self._deferred:
             self._apply_deferred()
         errors: list[FilterError] = []
+        # Storage I/O for state the controller already changed runs to the end even if
+        # the caller is cancelled meanwhile (shielded): once taken out of the outbox, a
+        # delete that was cut short would leave its rows in the units for ever.
         while self.ctl.field_deletes:  # fields stored by writes that expired
-            try:
-                await self._forget(self.ctl.field_deletes.pop())
-            except Exception:  # a dead unit: gone anyway
-                log.exception("streamrl: deleting fields from storage failed")
+            await shielded(self._forget(self.ctl.field_deletes.pop()))
         while True:
             deletes, jobs, woken, changed, freed = self.ctl.drain()
             # producers waiting for room are let in once the storage units freed it, so
             # what the units hold stays within capacity (and arena blocks are reused)
             self._wake(woken, changed, freed and not deletes)
             if deletes:
-                try:
-                    await self.data.delete(deletes)
-                except Exception:  # a dead unit: its rows are gone anyway
-                    log.exception("streamrl: deleting rows from storage failed")
+                await shielded(self._delete(deletes))
                 if freed:
                     self._wake((), (), True)
             if not jobs:
@@ -135,6 +132,12 @@ class ControllerService:
                 raise errors[0]
             for e in errors:
                 log.error("streamrl: %s", e)
+
+    async def _delete(self, deletes: dict[int, list[int]]) -> None:
+        try:
+            await self.data.delete(deletes)
+        except Exception:  # a dead unit: its rows are gone anyway
+            log.exception("streamrl: deleting rows from storage failed")
 
     def _wake(self, woken: set[tuple], changed: set, freed: bool) -> None:
         for key in woken:
@@ -313,7 +316,7 @@ class ControllerService:
         res = self.ctl.commit(token, nbytes, tags)
         try:
             if res.dead:
-                await self.data.delete(res.dead)
+                await shielded(self._delete(res.dead))
             for f, rows in res.missing_tags.items():
                 await self._backfill_tags(f, _by_shard(self.ctl, rows))
             await self._after(raise_filter_errors=True)
@@ -341,9 +344,18 @@ class ControllerService:
         return n
 
     async def _forget(self, undo) -> None:
-        """Have the storage units forget what an aborted or retracted write stored."""
-        if undo is None:
-            return
+        """Have the storage units forget what an aborted or retracted write stored (runs
+        to the end even if the caller is cancelled meanwhile)."""
+        if undo is not None:
+            await shielded(self._forget_now(undo))
+
+    async def _forget_now(self, undo) -> None:
+        try:
+            await self._forget_parts(undo)
+        except Exception:  # a dead unit: gone anyway
+            log.exception("streamrl: deleting fields from storage failed")
+
+    async def _forget_parts(self, undo) -> None:
         told: set[int] = set()
         for fields, parts in undo.parts:
             await self.data.delete_fields(parts, fields, write=undo.write)

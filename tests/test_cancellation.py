@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from streamrl import filters
-from streamrl.errors import DuplicateField
+from streamrl.errors import DuplicateField, LeaseExpired, RowsDropped
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -192,4 +192,30 @@ async def test_cancelled_filtered_put_with_ready_made_filter(make_queue):
                              group_size=4, timeout=30):
         n += len(mb)
     assert n == 40
+    assert await _settled(q) == []
+
+
+async def test_a_batch_loses_rows_whose_write_was_taken_back(make_queue):
+    """A consumer that took rows for a field whose write was then taken back (its writer
+    was cancelled after the commit) finds those rows gone from its batch (RowsDropped on
+    materialize, as for a drop), and gets them again once the field is written again."""
+    from streamrl.queue import _split_by_shard
+
+    q = make_queue(capacity=64)
+    rows = await q.put({"idx": torch.arange(4)}, partition="p")
+    ctl = q._control
+    tok = await ctl.begin_write(rows.rows, ("r",))
+    await q._data.put(_split_by_shard(tok.rows, tok.shards, {"r": torch.ones(4)}), tok.id)
+    await ctl.commit(tok, {"r": [4] * 4})
+    mb = await q.get("t", ["idx", "r"], 4, partition="p", timeout=10)
+    await ctl.retract(tok)  # what a cancelled writer's commit gets
+    with pytest.raises(RowsDropped) as e:
+        await mb.materialize()
+    assert sorted(e.value.rows) == sorted(rows.rows)
+    with pytest.raises(LeaseExpired, match="taken back"):  # the ack says so too
+        await mb.ack()
+    await q.put({"r": torch.full((4,), 2.0)}, rows=rows)  # the retry
+    again = await q.get("t", ["idx", "r"], 4, partition="p", timeout=10)
+    assert (await again.materialize())["r"].tolist() == [2.0] * 4
+    await again.ack()
     assert await _settled(q) == []

@@ -877,6 +877,9 @@ class _ControllerActorImpl:
     async def audit(self):
         return await self.svc.audit()
 
+    async def retract(self, token):
+        return await self.svc.retract(token)
+
     async def put_rows(self, *a, **kw):
         res = await self.svc.put_rows(*a, **kw)
         await asyncio.sleep(0)  # the consumers it woke get their rows before this reply

@@ -129,10 +129,16 @@ class _Protocol(asyncio.BufferedProtocol):
         self.transport = transport  # type: ignore[assignment]
 
     def send(self, pieces: list) -> None:
+        """Write a frame's pieces. Raises :class:`ConnectionError` when the connection is
+        closed or closing (its ``connection_lost`` may not have run yet)."""
         t = self.transport
-        if t is not None and not t.is_closing():
+        if t is None or t.is_closing():
+            raise ConnectionResetError("the connection is closed")
+        try:
             for p in pieces:
                 t.write(p)
+        except RuntimeError as e:  # uvloop: the transport's handle closed under us
+            raise ConnectionResetError(f"the connection is closed ({e})") from None
 
     def get_buffer(self, sizehint: int) -> memoryview:
         if self._big is not None:
@@ -231,7 +237,10 @@ class RpcServer:
 
             data = _frame(req_id, (False, TransportError(
                 f"the reply to {method} could not be pickled ({e!r}): {reply[1]!r}")))
-        conn.send(data)
+        try:
+            conn.send(data)
+        except ConnectionError:  # the client is gone: nobody waits for this reply
+            pass
 
 
 class _Served(_Protocol):
@@ -247,8 +256,13 @@ class _Served(_Protocol):
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         super().connection_made(transport)
         self.server._conns.add(self)
-        self._timer = asyncio.get_running_loop().call_later(_CONNECT_TIMEOUT, transport.abort)
+        self._timer = asyncio.get_running_loop().call_later(_CONNECT_TIMEOUT, self._no_token)
         self.parse(self._serve())
+
+    def _no_token(self) -> None:
+        log.warning("streamrl: closed a connection that presented no token within %ss",
+                    _CONNECT_TIMEOUT)
+        self.transport.abort()
 
     def _serve(self) -> Generator[Any, Any, None]:
         token = yield _TOKEN_BYTES
@@ -311,7 +325,11 @@ class _Connection(_Protocol):
         req_id = next(self.ids)
         fut = asyncio.get_running_loop().create_future()
         self.waiting[req_id] = fut
-        self.send(_frame(req_id, (method, args, kwargs)))
+        try:
+            self.send(_frame(req_id, (method, args, kwargs)))
+        except ConnectionError as e:  # closing under us: nothing was sent
+            self.waiting.pop(req_id, None)
+            raise ConnectFailed(str(e)) from None
         return req_id, fut
 
     async def call(self, method: str, args: tuple, kwargs: dict) -> Any:
@@ -340,7 +358,8 @@ def _ready(fut: asyncio.Future | None) -> _Connection | None:
     if fut is None or not fut.done() or fut.cancelled() or fut.exception() is not None:
         return None
     conn = fut.result()
-    return conn if conn.broken is None else None
+    ok = conn.broken is None and conn.transport is not None and not conn.transport.is_closing()
+    return conn if ok else None
 
 
 class RpcClient:
