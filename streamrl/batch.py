@@ -342,9 +342,16 @@ class RowRemoteBatch(RemoteBatch):
     def concat(batches: Sequence["RowRemoteBatch"]) -> "RowRemoteBatch":
         """Rows of several batches of one queue, in order. Fields are those common to all;
         caches are shared; acknowledging the result acknowledges every source lease."""
-        batches = list(batches)
+        try:
+            batches = list(batches)
+        except TypeError:
+            raise InvalidArgument(
+                f"concat takes a list of RowRemoteBatch, got {type(batches).__name__}") from None
         if not batches:
             raise InvalidArgument("concat needs at least one batch")
+        bad = [type(b).__name__ for b in batches if not isinstance(b, RowRemoteBatch)]
+        if bad:
+            raise InvalidArgument(f"concat takes RowRemoteBatch views only, got {bad}")
         q = batches[0].queue
         if any(b._s is not batches[0]._s and b._s.queue_id != batches[0]._s.queue_id
                for b in batches):
@@ -382,11 +389,17 @@ class RowRemoteBatch(RemoteBatch):
         """Views of ``split_size`` rows each (the last may be shorter), or of the given
         sizes, like ``TensorDict.split``."""
         n = len(self._rows)
-        if isinstance(split_size, int):
+        if _is_int(split_size):
             if split_size <= 0:
                 raise InvalidArgument(f"split_size must be positive, got {split_size}")
             return [self._view(slice(i, i + split_size)) for i in range(0, n, split_size)] or [self]
-        sizes = list(split_size)
+        try:
+            sizes = list(split_size)
+        except TypeError:
+            sizes = None
+        if sizes is None or not all(_is_int(x) for x in sizes):
+            raise InvalidArgument(
+                f"split_size must be an int or a list of ints, got {split_size!r}")
         if sum(sizes) != n or any(s < 0 for s in sizes):
             raise InvalidArgument(f"split sizes {sizes} must be >= 0 and sum to {n} rows")
         out, i = [], 0
@@ -397,8 +410,8 @@ class RowRemoteBatch(RemoteBatch):
 
     def chunk(self, chunks: int) -> list["RowRemoteBatch"]:
         """``chunks`` views of near-equal size, like ``TensorDict.chunk``."""
-        if chunks <= 0:
-            raise InvalidArgument(f"chunks must be positive, got {chunks}")
+        if not _is_int(chunks) or chunks <= 0:
+            raise InvalidArgument(f"chunks must be a positive int, got {chunks!r}")
         n = len(self._rows)
         if not n:  # like torch/TensorDict: ``chunks`` empty views
             return [self._view(slice(0, 0)) for _ in range(chunks)]
@@ -758,7 +771,11 @@ def _probe(rows: np.ndarray, shards: np.ndarray) -> tuple[np.ndarray, np.ndarray
     return (rows[:1].copy(), shards[:1].copy()) if len(rows) else None
 
 
+def _is_int(x: Any) -> bool:
+    return isinstance(x, (int, np.integer)) and not isinstance(x, bool)
+
+
 def _count(repeats: int) -> int:
-    if not isinstance(repeats, int) or repeats < 0:
+    if not _is_int(repeats) or repeats < 0:
         raise InvalidArgument(f"repeats must be an int >= 0, got {repeats!r}")
     return repeats

@@ -182,7 +182,12 @@ class QueueConfig:
         Raises:
             InvalidArgument: an unknown key, or a bad value.
         """
-        data = dict(_plain(mapping) or {})
+        plain = _plain(mapping)
+        if plain is not None and not isinstance(plain, Mapping):
+            raise InvalidArgument(
+                f"a queue config is a mapping of option -> value (a dict, or a YAML/OmegaConf "
+                f"config), got {type(mapping).__name__}")
+        data = dict(plain or {})
         data.update(overrides)
         valid = cls.fields()
         for k in data:

@@ -542,17 +542,26 @@ class StreamQueue:
         Returns:
             The filter's name (counted per name in ``stats().filtered_by``).
         """
+        if not callable(fn):
+            raise InvalidArgument(f"a filter must be callable (td -> bool or mask), got "
+                                  f"{type(fn).__name__}")
         fields = fields if fields is not None else getattr(fn, "fields", None)
         group_by = group_by if group_by is not None else getattr(fn, "group_by", None)
         group_size = group_size if group_size is not None else getattr(fn, "group_size", None)
-        name = name or getattr(fn, "name", None)
+        name = name if name is not None else getattr(fn, "name", None)
         if isinstance(fields, str):
             fields = [fields]
-        if not fields:
-            raise InvalidArgument("a filter needs the fields it reads (fields=[...])")
+        if not isinstance(fields, (list, tuple, set, frozenset)) or not fields or not all(
+                isinstance(f, str) and f for f in fields):
+            raise InvalidArgument(
+                f"a filter needs the fields it reads: fields=[names], got {fields!r}")
+        if group_by is not None and (not isinstance(group_by, str) or not group_by):
+            raise InvalidArgument(f"group_by must be a field name (or None), got {group_by!r}")
         if group_size is not None and (group_by is None or not isinstance(group_size, int)
-                                       or group_size <= 0):
+                                       or isinstance(group_size, bool) or group_size <= 0):
             raise InvalidArgument("group_size must be a positive int and needs group_by")
+        if name is not None and (not isinstance(name, str) or not name):
+            raise InvalidArgument(f"name must be a non-empty str (or None), got {name!r}")
         name = name or getattr(fn, "__name__", None) or "filter"
         spec = FilterSpec(name, frozenset(fields), group_by, group_size)
         await self._control.add_filter(fn, spec)
