@@ -602,9 +602,10 @@ class Controller:
         wmask = self._wmask(tok.fields)
         for r in live:
             r.writing &= ~wmask
-        if tok.new_rows:  # never put: neither counted as put nor as dropped
+        if tok.new_rows:  # never put: neither counted as put nor as dropped (rows
+            # that left meanwhile, e.g. lost with their unit, were counted as dropped)
             self._drop_rows(live, None)
-            self.c_put -= len(tok.rows)
+            self.c_put -= len(live)
             return None
         return self._undo(tok, live)
 

@@ -1,0 +1,173 @@
+"""Fault injection on Ray: while producer and consumer actors run a pipeline, kill a
+storage unit, the controller, a producer in the middle of its puts, or a consumer holding
+a lease, at a (seeded) random moment. Expect a clear error (RowsLost, TransportError),
+no hang, accounting that adds up, and redelivery after lease expiry."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import random
+
+import anyio
+import pytest
+import torch
+
+from streamrl.errors import EndOfStream, RowsLost, StreamRLError, TransportError
+
+ray = pytest.importorskip("ray")
+pytestmark = [pytest.mark.ray, pytest.mark.slow, pytest.mark.timeout(240),
+              pytest.mark.parametrize("transport", ["ray"], indirect=True)]
+
+SEED = int(os.environ.get("STREAMRL_FAULT_SEED", "5"))
+N = 240  # samples per producer
+
+
+@ray.remote(num_cpus=0, max_restarts=0)
+class Producer:
+    async def run(self, q, start: int, n: int) -> list[int]:
+        done = []
+        for i in range(start, start + n, 4):
+            sid = torch.arange(i, i + 4)
+            rows = await q.put({"sid": sid, "x": sid.float().unsqueeze(1).repeat(1, 512)},
+                               partition="p", timeout=60)
+            await q.put({"r": sid.float()}, rows=rows)
+            done.extend(sid.tolist())
+            await asyncio.sleep(0.002)
+        return done
+
+
+@ray.remote(num_cpus=0, max_restarts=0)
+class Consumer:
+    async def hold(self, q) -> list[int]:
+        """Take a batch and keep it (until this actor is killed)."""
+        self.held = await q.get("train", ["sid", "x", "r"], 8, partition="p", timeout=60)
+        return self.held.rows
+
+    async def run(self, q) -> tuple[list[int], list[int], str]:
+        """Consume until the stream ends; (samples acked, rows lost, how it ended)."""
+        acked, lost = [], []
+        try:
+            async for mb in q.stream("train", ["sid", "x", "r"], 8, partition="p", timeout=60):
+                try:
+                    td = await mb.materialize()
+                except RowsLost as e:
+                    lost.extend(e.rows)
+                    continue  # the stream acks the rest with the next batch
+                assert torch.equal(td["x"][:, 0], td["sid"].float())
+                acked.extend(td["sid"].tolist())
+        except TransportError as e:
+            return acked, lost, f"TransportError: {e}"
+        return acked, lost, "end"
+
+
+async def _kill(actor) -> None:
+    ray.kill(actor, no_restart=True)
+    await anyio.sleep(0.5)
+
+
+async def _pipeline(make_queue, victim: str, rng: random.Random):
+    q = make_queue(num_shards=3, capacity=256, lease_timeout=2.0, consumers=["train"])
+    producers = [Producer.remote() for _ in range(2)]
+    runs = [p.run.remote(q, k * 10_000, N) for k, p in enumerate(producers)]
+    consumers = [Consumer.remote() for _ in range(2)]
+    holder = Consumer.remote() if victim == "consumer" else None
+    eats = [c.run.remote(q) for c in consumers]
+    await anyio.sleep(0.5 + rng.random() * 1.5)  # mid-run
+    holding = None
+    if holder is not None:
+        holding = holder.hold.remote(q)
+        await holding  # it holds a lease now
+    target = {"unit": lambda: q._transport._units[rng.randrange(3)],
+              "controller": lambda: q._transport._controller,
+              "producer": lambda: producers[0],
+              "consumer": lambda: holder}[victim]()
+    await _kill(target)
+    return q, producers, runs, consumers, eats, holding
+
+
+async def _gather(refs, timeout=120):
+    """Results (or exceptions) of actor calls, within a deadline: nothing hangs."""
+    out = []
+    with anyio.fail_after(timeout):
+        for r in refs:
+            try:
+                out.append(await r)
+            except Exception as e:  # noqa: BLE001
+                out.append(e)
+    return out
+
+
+async def test_a_storage_unit_dies_mid_run(make_queue):
+    rng = random.Random(SEED)
+    q, producers, runs, consumers, eats, _ = await _pipeline(make_queue, "unit", rng)
+    done = await _gather(runs)
+    # producers whose put hit the dead unit get a clear error; the others finish
+    for d in done:
+        assert isinstance(d, list) or isinstance(d, (RowsLost, StreamRLError,
+                                                    ray.exceptions.RayTaskError)), repr(d)
+    await q.seal("p")
+    ate = await _gather(eats)
+    acked = [s for a in ate for s in a[0]]
+    lost = [r for a in ate for r in a[1]]
+    assert len(acked) == len(set(acked))  # nothing twice
+    st = await q.stats()
+    # accounting adds up: every admitted row is held, or dropped with a reason
+    assert st.put == st.rows + st.dropped, st.dropped_by
+    produced = {s for d in done if isinstance(d, list) for s in d}
+    missing = produced - set(acked)  # samples the living producers put, not delivered:
+    assert len(missing) <= st.dropped_by.get("lost", 0)  # only those lost with the unit
+    assert all(a[2] == "end" for a in ate), [a[2] for a in ate]
+    assert await q.leaked() == 0 and st.leases == 0
+    assert len(lost) <= st.dropped_by.get("lost", 0)
+
+
+async def test_the_controller_dies_mid_run(make_queue):
+    rng = random.Random(SEED + 1)
+    q, producers, runs, consumers, eats, _ = await _pipeline(make_queue, "controller", rng)
+    done = await _gather(runs, timeout=90)  # every client fails fast: no hang
+    for d in done:
+        assert isinstance(d, (list, ray.exceptions.RayTaskError)), repr(d)
+        if isinstance(d, ray.exceptions.RayTaskError):
+            assert "TransportError" in str(d), str(d)[:500]
+    ate = await _gather(eats, timeout=90)
+    assert all(isinstance(a, tuple) and a[2].startswith("TransportError") for a in ate), ate
+    with anyio.fail_after(30), pytest.raises(TransportError):
+        await q.put({"sid": torch.zeros(1)}, partition="p")
+
+
+async def test_a_producer_dies_mid_put(make_queue):
+    rng = random.Random(SEED + 2)
+    q, producers, runs, consumers, eats, _ = await _pipeline(make_queue, "producer", rng)
+    done = await _gather(runs)
+    assert isinstance(done[0], ray.exceptions.RayActorError) and isinstance(done[1], list)
+    with anyio.fail_after(30):  # its write in flight is aborted after lease_timeout
+        while (await q.stats()).bytes_in_flight:
+            await anyio.sleep(0.1)
+    await q.seal("p")
+    ate = await _gather(eats)
+    acked = sorted(s for a in ate for s in a[0])
+    assert len(acked) == len(set(acked))
+    assert set(done[1]) <= set(acked)  # every sample of the living producer
+    # the dead producer's rows are delivered if its reward write landed; the others
+    # (rows without "r") stay undelivered to "train": clear them and check nothing is
+    # left behind in the units
+    await q.clear("p")
+    with anyio.fail_after(30):
+        while (st := await q.stats()).rows or sum(st.unit_rows):
+            await anyio.sleep(0.1)
+    assert await q.audit() == []
+
+
+async def test_a_consumer_dies_holding_a_lease(make_queue):
+    rng = random.Random(SEED + 3)
+    q, producers, runs, consumers, eats, holding = await _pipeline(make_queue, "consumer", rng)
+    done = await _gather(runs)
+    assert all(isinstance(d, list) for d in done)
+    await q.seal("p")
+    ate = await _gather(eats)
+    acked = sorted(s for a in ate for s in a[0])
+    assert acked == sorted(s for d in done for s in d)  # the held rows came back (expiry)
+    st = await q.stats()
+    assert st.tasks["train"].expired == 8 and st.leases == 0  # its batch, after expiry
+    assert len(await holding) == 8
