@@ -298,3 +298,21 @@ def test_shutdown_is_idempotent_and_stops_the_loop_thread():
     q2.shutdown()
     with pytest.raises(QueueClosed):
         q2.get("t", ["idx"], batch_size=1, timeout=1)
+
+
+# ---------------------------------------------------------------- async misuse
+
+
+async def test_plain_for_over_an_async_stream_says_what_to_use():
+    import streamrl
+
+    async with streamrl.StreamQueue(capacity=8, num_shards=1) as q:
+        await q.put(rows_of(2), partition="p")
+        await q.seal("p")
+        stream = q.stream("t", ["idx"], batch_size=2, partition="p", timeout=5)
+        with pytest.raises(TypeError, match=r"async for.*streamrl\.sync"):
+            for _ in stream:
+                pass
+        # nothing was taken: the stream still delivers every row
+        got = [len(b) async for b in stream]
+        assert got == [2]
