@@ -19,67 +19,324 @@ Examples:
 
 from __future__ import annotations
 
+import asyncio
 import functools
+import inspect
 import threading
+import weakref
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
-from anyio.from_thread import BlockingPortal, start_blocking_portal
-
 from . import queue as _aq
 from .batch import RowRemoteBatch
-from .errors import QueueClosed
+from .errors import EventLoopError, InvalidArgument, QueueClosed
 
 __all__ = ["StreamQueue", "SyncStream", "SyncBatch"]
 
+#: how often (seconds) a caller waiting on a loop it does not own checks that it still runs
+_POLL = 0.25
+#: seconds ``shutdown`` lets calls that ``close`` woke finish before cancelling them
+_GRACE = 5.0
+#: seconds ``shutdown`` waits for its event-loop thread to end
+_JOIN = 10.0
 
-def _backend_options() -> dict[str, Any]:
+#: the loop that owns an in-process queue, keyed by its transport (filled by this module)
+_owners: "weakref.WeakKeyDictionary[Any, asyncio.AbstractEventLoop]" = weakref.WeakKeyDictionary()
+
+
+def _new_loop() -> asyncio.AbstractEventLoop:
     try:
-        import uvloop  # noqa: F401
+        import uvloop
     except ImportError:
-        return {}
-    return {"use_uvloop": True}
+        return asyncio.new_event_loop()
+    return uvloop.new_event_loop()
 
 
-class _Portal:
-    """A started blocking portal and the context manager that stops it."""
+def _running_loop() -> asyncio.AbstractEventLoop | None:
+    try:
+        return asyncio.get_running_loop()
+    except RuntimeError:
+        return None
+
+
+class _Call:
+    """One blocking call in flight: the hand-off between the loop, which finishes it, and
+    the caller, which may give up on it (interrupted, or the blocking queue shut down).
+    Whichever comes first wins, under ``lock``; a result nobody will receive is given back
+    (a leased batch is released)."""
+
+    __slots__ = ("lock", "state", "ready", "value", "error")
 
     def __init__(self):
-        self._cm = start_blocking_portal("asyncio", _backend_options())
-        self.portal: BlockingPortal = self._cm.__enter__()
+        self.lock = threading.Lock()
+        self.state = "pending"  # -> "done" | "abandoned"
+        self.ready = threading.Event()
+        self.value: Any = None
+        self.error: BaseException | None = None
+
+    def settle(self, state: str) -> bool:
+        with self.lock:
+            if self.state != "pending":
+                return False
+            self.state = state
+            return True
+
+
+async def _serve(fn: Callable, args: tuple, kwargs: dict, call: _Call) -> None:
+    """Run ``fn`` on the loop and hand its outcome to the blocking caller."""
+    try:
+        out = fn(*args, **kwargs)
+        if inspect.isawaitable(out):
+            out = await out
+    except BaseException as e:
+        if call.settle("done"):
+            call.error = e
+            call.ready.set()
+        if not isinstance(e, Exception):
+            raise
+        return
+    if call.settle("done"):
+        call.value = out
+        call.ready.set()
+    else:  # the caller gave up: nobody will ack this batch, give it back now
+        await _give_back(out)
+
+
+async def _give_back(out: Any) -> None:
+    if isinstance(out, RowRemoteBatch) and out.leased:
+        try:
+            await asyncio.shield(asyncio.ensure_future(out.release()))
+        except BaseException:  # the loop is going away: the lease timeout applies
+            pass
+
+
+class _Runner:
+    """Runs a queue's coroutines on the event loop that owns the queue, for blocking
+    callers in any thread.
+
+    Either a loop of its own on a daemon thread (:meth:`start`), or the loop of an
+    embedded queue that its user runs (:meth:`foreign`), known at once or found when first
+    needed. Every call is checked first: from inside the loop it needs, or while that loop
+    is not running, it raises :class:`~streamrl.errors.EventLoopError` instead of hanging.
+    """
+
+    def __init__(self, loop: asyncio.AbstractEventLoop | None, thread: threading.Thread | None,
+                 resolve: Callable[[], asyncio.AbstractEventLoop | None] | None, what: str):
+        self._loop = loop
+        self._thread = thread
+        self._resolve = resolve
+        self.what = what
         self.thread_ident: int | None = None
-        self.portal.call(self._note_thread)
+        self.accepting = True  # false once shutdown began: only its own calls go through
+        self.stopped = False  # calls in flight were given up; nothing goes through
         self._lock = threading.Lock()
-        self._stopped = False
+        self._inflight: dict[Any, tuple[_Call, Any]] = {}
 
-    def _note_thread(self) -> None:
+    @classmethod
+    def start(cls) -> "_Runner":
+        """A new event loop (uvloop when installed) on a daemon thread of its own."""
+        loop = _new_loop()
+        self = cls(loop, None, None, "this blocking queue's own event loop thread")
+        ready = threading.Event()
+        self._thread = threading.Thread(target=self._main, args=(ready,), daemon=True,
+                                        name="streamrl-sync-loop")
+        self._thread.start()
+        ready.wait()
+        return self
+
+    @classmethod
+    def foreign(cls, loop: asyncio.AbstractEventLoop | None,
+                resolve: Callable[[], asyncio.AbstractEventLoop | None]) -> "_Runner":
+        """The loop that runs an embedded queue (``None``: ask ``resolve`` when needed)."""
+        return cls(loop, None, resolve, "the event loop that owns this embedded queue")
+
+    @property
+    def owns_loop(self) -> bool:
+        return self._thread is not None
+
+    def _main(self, ready: threading.Event) -> None:
+        loop = self._loop
+        asyncio.set_event_loop(loop)
         self.thread_ident = threading.get_ident()
+        loop.call_soon(ready.set)
+        try:
+            loop.run_forever()
+            # what is still running is cancelled and may unwind (a cancelled put undoes)
+            tasks = asyncio.all_tasks(loop)
+            for t in tasks:
+                t.cancel()
+            if tasks:
+                loop.run_until_complete(asyncio.gather(*tasks, return_exceptions=True))
+            loop.run_until_complete(loop.shutdown_asyncgens())
+        finally:
+            loop.close()
+            self.abandon_all()  # nothing is left to answer them
 
-    def call(self, fn: Callable, *args, **kwargs):
-        if self._stopped:
-            raise QueueClosed("this blocking queue was shut down; create a new one")
-        if threading.get_ident() == self.thread_ident:
-            raise RuntimeError("a blocking streamrl call was made from the queue's own event "
-                               "loop thread; use the async StreamQueue there")
-        return self.portal.call(functools.partial(fn, *args, **kwargs))
+    # ------------------------------------------------------------------ calls
 
-    def stop(self) -> None:
+    def loop(self) -> asyncio.AbstractEventLoop:
+        """The loop the calls go to."""
+        loop = self._loop
+        if loop is None:
+            loop = self._resolve() if self._resolve is not None else None
+            if loop is None:
+                raise EventLoopError(
+                    "this embedded queue has not run in any event loop yet, so the blocking "
+                    "wrapper cannot tell which loop owns it (an embedded queue lives in one "
+                    "loop). Call StreamQueue.wrap(q) from a coroutine running in that loop, "
+                    "pass wrap(q, loop=...), or use the queue once there first; or create a "
+                    "streamrl.sync.StreamQueue(...), which runs a loop of its own")
+            self._loop = loop
+        return loop
+
+    def check(self, internal: bool = False) -> asyncio.AbstractEventLoop:
+        """The loop, if a blocking call may wait for it from this thread now."""
+        if self.stopped or not (self.accepting or internal):
+            raise QueueClosed("this blocking queue was shut down; create a new one (or wrap "
+                              "the async queue again)")
+        loop = self.loop()
+        if _running_loop() is loop or threading.get_ident() == self.thread_ident:
+            raise EventLoopError(
+                f"a blocking streamrl call was made from inside {self.what}, the loop that "
+                "must run it: it would wait for that loop, which cannot run while the call "
+                "blocks it (a deadlock). Use the async API there: await the async queue's "
+                "method (blocking_queue.aqueue), or a batch's (blocking_batch.remote)")
+        if not loop.is_running():
+            state = "closed" if loop.is_closed() else "not running"
+            raise EventLoopError(
+                f"{self.what} is {state}, so nothing would answer this blocking call (it would "
+                "hang). Make blocking calls while that loop runs (for example while "
+                "asyncio.run(...) has not returned), or use a streamrl.sync.StreamQueue(...), "
+                "which runs a loop of its own")
+        return loop
+
+    def call(self, fn: Callable, *args: Any, **kwargs: Any) -> Any:
+        """Run ``fn(*args, **kwargs)`` (a coroutine function, or a plain one) on the loop
+        and block until it is done; its result is returned, its exception raised."""
+        return self._call(self.check(), fn, args, kwargs, False)
+
+    def call_internal(self, fn: Callable, *args: Any, **kwargs: Any) -> Any:
+        """:meth:`call` for shutdown's own calls, once it stopped taking others."""
+        return self._call(self.check(True), fn, args, kwargs, True)
+
+    def _call(self, loop: asyncio.AbstractEventLoop, fn: Callable, args: tuple,
+              kwargs: dict, internal: bool) -> Any:
+        call = _Call()
+        coro = _serve(fn, args, kwargs, call)
+        try:
+            fut = asyncio.run_coroutine_threadsafe(coro, loop)
+        except RuntimeError:  # the loop closed meanwhile
+            coro.close()
+            raise EventLoopError(f"{self.what} closed; nothing can answer this call") from None
+        fut.add_done_callback(lambda _: call.ready.set())  # cancelled before it started
+        key = object()
         with self._lock:
-            if self._stopped:
+            self._inflight[key] = (call, fut)
+            late = self.stopped or not (self.accepting or internal)
+        try:
+            if late and call.settle("abandoned"):  # shut down as we came in
+                fut.cancel()
+            poll = None if self.owns_loop else _POLL
+            while not call.ready.wait(poll):
+                if not loop.is_running() and call.settle("abandoned"):
+                    fut.cancel()
+                    raise EventLoopError(
+                        f"{self.what} stopped while this blocking call waited for it; the "
+                        "call was cancelled (keep the loop running while threads use the queue)")
+        except BaseException:  # interrupted (KeyboardInterrupt...): give the call up
+            if call.settle("abandoned"):
+                fut.cancel()
+            raise
+        finally:
+            with self._lock:
+                self._inflight.pop(key, None)
+        if call.state == "abandoned":
+            raise QueueClosed("this blocking queue was shut down while the call waited; "
+                              "create a new one (or wrap the async queue again)")
+        if isinstance(call.error, asyncio.CancelledError) or (
+                call.state == "pending" and fut.cancelled()):
+            raise EventLoopError(
+                f"{self.what} cancelled this blocking call: it is shutting down (for example "
+                "asyncio.run(...) returned); keep the loop running while threads use the queue")
+        if call.error is not None:
+            err, call.error = call.error, None
+            raise err
+        return call.value
+
+    def submit(self, fn: Callable, *args: Any) -> None:
+        """Start ``fn(*args)`` on the loop without waiting (from finalizers); best effort."""
+        loop = self._loop
+        if loop is None or self.stopped or loop.is_closed():
+            return
+        try:
+            fut = asyncio.run_coroutine_threadsafe(_serve(fn, args, {}, _Call()), loop)
+            fut.add_done_callback(lambda f: f.cancelled() or f.exception())
+        except RuntimeError:
+            pass
+
+    # ------------------------------------------------------------------ stopping
+
+    def wait_idle(self, timeout: float) -> None:
+        """Wait up to ``timeout`` seconds for the calls in flight to finish."""
+        with self._lock:
+            calls = [c for c, _ in self._inflight.values()]
+        for c in calls:
+            if not c.ready.wait(timeout):
                 return
-            self._stopped = True
-        self._cm.__exit__(None, None, None)
+
+    def abandon_all(self) -> None:
+        """Give up every call in flight: their callers raise QueueClosed at once, and the
+        calls are cancelled on the loop (a put undoes itself, a batch is released)."""
+        with self._lock:
+            self.accepting = False
+            self.stopped = True
+            inflight = list(self._inflight.values())
+        for call, fut in inflight:
+            if call.settle("abandoned"):
+                fut.cancel()
+
+    def stop(self, *, wait: bool = True) -> None:
+        """Stop taking calls, give up those in flight and, for a loop of our own, stop the
+        loop (its leftover tasks are cancelled) and its thread. Idempotent."""
+        self.abandon_all()
+        thread = self._thread
+        if thread is None:
+            return
+        loop = self._loop
+        try:
+            loop.call_soon_threadsafe(loop.stop)
+        except RuntimeError:  # already closed
+            pass
+        if wait and threading.current_thread() is not thread:
+            thread.join(_JOIN)
+
+
+def _bound_loop(queue: _aq.StreamQueue) -> asyncio.AbstractEventLoop | None:
+    """The loop that owns an in-process queue, if known: recorded here, or by its control
+    plane when first used (the embedded ControllerService keeps it as ``_loop``)."""
+    transport = queue._transport
+    loop = _owners.get(transport)
+    if loop is None:
+        loop = getattr(transport.control, "_loop", None)
+    return loop
+
+
+def _any_loop(queue: _aq.StreamQueue) -> bool:
+    """Whether the queue may be used from any event loop: a transport that hands out a
+    handle (Ray) keeps its connections per loop; an in-process one (embedded) has its
+    waiters in the one loop that runs it."""
+    return queue._transport.handle is not None
 
 
 class SyncBatch:
     """Blocking wrapper of a :class:`~streamrl.RowRemoteBatch`. Views (indexing,
     ``select``, ``split``...) are wrapped too; ``.remote`` is the async batch."""
 
-    __slots__ = ("remote", "_portal")
+    __slots__ = ("remote", "_runner")
 
-    def __init__(self, remote: RowRemoteBatch, portal: _Portal):
+    def __init__(self, remote: RowRemoteBatch, runner: _Runner):
         self.remote = remote
-        self._portal = portal
+        self._runner = runner
 
     def __len__(self) -> int:
         return len(self.remote)
@@ -93,66 +350,66 @@ class SyncBatch:
             @functools.wraps(attr)
             def wrapped(*args, **kwargs):
                 out = attr(*args, **kwargs)
-                return _wrap(out, self._portal)
+                return _wrap(out, self._runner)
             return wrapped
         return attr
 
     def __getitem__(self, idx):
-        return _wrap(self.remote[idx], self._portal)
+        return _wrap(self.remote[idx], self._runner)
 
     def materialize(self, fields: Sequence[str] | str | None = None, *, copy: bool = False):
         """Blocking :meth:`RowRemoteBatch.materialize`."""
-        return self._portal.call(self.remote.materialize, fields, copy=copy)
+        return self._runner.call(self.remote.materialize, fields, copy=copy)
 
     def write(self, data, *, overwrite: bool = False) -> "SyncBatch":
         """Blocking :meth:`RowRemoteBatch.write`."""
-        self._portal.call(self.remote.write, data, overwrite=overwrite)
+        self._runner.call(self.remote.write, data, overwrite=overwrite)
         return self
 
     def ack(self) -> None:
         """Blocking :meth:`RowRemoteBatch.ack`."""
-        self._portal.call(self.remote.ack)
+        self._runner.call(self.remote.ack)
 
     def release(self) -> None:
         """Blocking :meth:`RowRemoteBatch.release`."""
-        self._portal.call(self.remote.release)
+        self._runner.call(self.remote.release)
 
     def drop(self) -> None:
         """Blocking :meth:`RowRemoteBatch.drop`."""
-        self._portal.call(self.remote.drop)
+        self._runner.call(self.remote.drop)
 
     @staticmethod
     def concat(batches: Sequence["SyncBatch"]) -> "SyncBatch":
         """:meth:`RowRemoteBatch.concat` of blocking batches."""
-        return SyncBatch(RowRemoteBatch.concat([b.remote for b in batches]), batches[0]._portal)
+        return SyncBatch(RowRemoteBatch.concat([b.remote for b in batches]), batches[0]._runner)
 
 
 class _SyncColumn:
-    __slots__ = ("remote", "_portal")
+    __slots__ = ("remote", "_runner")
 
-    def __init__(self, remote, portal: _Portal):
+    def __init__(self, remote, runner: _Runner):
         self.remote = remote
-        self._portal = portal
+        self._runner = runner
 
     def __len__(self) -> int:
         return len(self.remote)
 
     def __getitem__(self, idx):
-        return _SyncColumn(self.remote[idx], self._portal)
+        return _SyncColumn(self.remote[idx], self._runner)
 
     def materialize(self, *, copy: bool = False):
-        return self._portal.call(self.remote.materialize, copy=copy)
+        return self._runner.call(self.remote.materialize, copy=copy)
 
 
-def _wrap(out, portal: _Portal):
+def _wrap(out, runner: _Runner):
     from .batch import ColumnRemoteBatch
 
     if isinstance(out, RowRemoteBatch):
-        return SyncBatch(out, portal)
+        return SyncBatch(out, runner)
     if isinstance(out, ColumnRemoteBatch):
-        return _SyncColumn(out, portal)
+        return _SyncColumn(out, runner)
     if isinstance(out, list) and out and isinstance(out[0], RowRemoteBatch):
-        return [SyncBatch(b, portal) for b in out]
+        return [SyncBatch(b, runner) for b in out]
     return out
 
 
@@ -160,16 +417,16 @@ class SyncStream:
     """Blocking iterator over a stream (and a context manager: leaving the ``with``
     block without an exception acknowledges the current batch, with one releases it)."""
 
-    def __init__(self, stream: _aq.Stream, portal: _Portal):
+    def __init__(self, stream: _aq.Stream, runner: _Runner):
         self._stream = stream
-        self._portal = portal
+        self._runner = runner
 
     def __iter__(self) -> Iterator[SyncBatch]:
         return self
 
     def __next__(self) -> SyncBatch:
         try:
-            return SyncBatch(self._portal.call(self._stream.__anext__), self._portal)
+            return SyncBatch(self._runner.call(self._stream.__anext__), self._runner)
         except StopAsyncIteration:
             raise StopIteration from None
 
@@ -177,17 +434,17 @@ class SyncStream:
         return self
 
     def __exit__(self, et, e, tb) -> None:
-        self._portal.call(self._stream.__aexit__, et, e, tb)
+        self._runner.call(self._stream.__aexit__, et, e, tb)
 
     def close(self) -> None:
         """Release the current batch and stop."""
-        self._portal.call(self._stream.aclose)
+        self._runner.call(self._stream.aclose)
 
     def __del__(self) -> None:
         cur = getattr(self._stream, "_current", None)
         if cur is not None and cur.leased:
             try:
-                self._portal.portal.start_task_soon(self._stream.aclose)
+                self._runner.submit(self._stream.aclose)
             except Exception:
                 pass
 
@@ -196,27 +453,57 @@ class StreamQueue:
     """Blocking :class:`streamrl.StreamQueue` (same arguments, same method names).
 
     Wrap an existing async queue with :meth:`wrap` (for example a Ray queue handle received
-    in a synchronous actor).
+    in a synchronous actor, or an embedded queue whose loop runs producers while threads
+    consume).
     """
 
     def __init__(self, *args: Any, **kwargs: Any):
-        self._portal = _Portal()
+        runner = _Runner.start()
         try:
-            self._q: _aq.StreamQueue = self._portal.call(_make_queue, args, kwargs)
+            queue = runner.call(_aq.StreamQueue, *args, **kwargs)
         except BaseException:
-            self._portal.stop()
+            runner.stop()
             raise
-        self._owner = True
+        self._adopt(queue, runner, owns=True)
+
+    def _adopt(self, queue: _aq.StreamQueue, runner: _Runner, *, owns: bool) -> None:
+        self._q = queue
+        self._runner = runner
+        #: close and shut down the queue at shutdown (this object created it)
+        self._owner = owns
+        if runner.owns_loop and not _any_loop(queue):
+            _owners[queue._transport] = runner.loop()
 
     @classmethod
-    def wrap(cls, queue: _aq.StreamQueue) -> "StreamQueue":
-        """A blocking view of an existing (Ray-transport) async queue. Its calls run on a
-        new event-loop thread; the queue itself is not owned (``shutdown`` does not kill
-        it)."""
+    def wrap(cls, queue: _aq.StreamQueue, *,
+             loop: asyncio.AbstractEventLoop | None = None) -> "StreamQueue":
+        """A blocking view of an existing async queue, usable from any thread. The queue
+        is not owned: :meth:`shutdown` stops this view (and wakes its blocked callers with
+        :class:`~streamrl.errors.QueueClosed`) but leaves the queue open and running.
+
+        * A queue usable from any event loop (``transport="ray"``) gets an event-loop
+          thread of its own for this view.
+        * An embedded queue lives in one event loop (its waiters belong to it), so every
+          call of the view is handed to that loop and waits for it there: a producer
+          coroutine in that loop and consumer threads through the view wake each other as
+          they should. The loop is the one given as ``loop``, else the one that already
+          used the queue, else the one running where ``wrap`` is called (call it from a
+          coroutine of that loop). That loop must keep running while the view is used: a
+          blocking call while it is not running, or from inside it, raises
+          :class:`~streamrl.errors.EventLoopError` instead of hanging.
+        """
+        if not isinstance(queue, _aq.StreamQueue):
+            raise InvalidArgument(f"wrap takes an async streamrl.StreamQueue, got "
+                                  f"{type(queue).__name__}")
         self = cls.__new__(cls)
-        self._portal = _Portal()
-        self._q = queue
-        self._owner = False
+        if _any_loop(queue):
+            runner = _Runner.start()
+        else:
+            loop = loop or _bound_loop(queue) or _running_loop()
+            if loop is not None:
+                _owners.setdefault(queue._transport, loop)
+            runner = _Runner.foreign(loop, lambda: _bound_loop(queue))
+        self._adopt(queue, runner, owns=False)
         return self
 
     @property
@@ -235,25 +522,25 @@ class StreamQueue:
         self.shutdown()
 
     def _call(self, name: str, *args, **kwargs):
-        return self._portal.call(getattr(self._q, name), *args, **kwargs)
+        return self._runner.call(getattr(self._q, name), *args, **kwargs)
 
     def put(self, data, partition: str | None = None, rows=None, **kw) -> SyncBatch:
         """Blocking :meth:`streamrl.StreamQueue.put`."""
         if isinstance(rows, SyncBatch):
             rows = rows.remote
-        return SyncBatch(self._call("put", data, partition, rows, **kw), self._portal)
+        return SyncBatch(self._call("put", data, partition, rows, **kw), self._runner)
 
     def put_nowait(self, data, partition: str | None = None, **kw) -> SyncBatch:
         """Blocking :meth:`streamrl.StreamQueue.put_nowait`."""
-        return SyncBatch(self._call("put_nowait", data, partition, **kw), self._portal)
+        return SyncBatch(self._call("put_nowait", data, partition, **kw), self._runner)
 
     def get(self, task: str, fields: Sequence[str], batch_size: int, **kw) -> SyncBatch:
         """Blocking :meth:`streamrl.StreamQueue.get`."""
-        return SyncBatch(self._call("get", task, fields, batch_size, **kw), self._portal)
+        return SyncBatch(self._call("get", task, fields, batch_size, **kw), self._runner)
 
     def stream(self, task: str, fields: Sequence[str], batch_size: int, **kw) -> SyncStream:
         """:meth:`streamrl.StreamQueue.stream` as a plain iterator."""
-        return SyncStream(self._q.stream(task, fields, batch_size, **kw), self._portal)
+        return SyncStream(self._q.stream(task, fields, batch_size, **kw), self._runner)
 
     def drop(self, rows) -> int:
         """Blocking :meth:`streamrl.StreamQueue.drop`."""
@@ -294,28 +581,46 @@ class StreamQueue:
         return self._call("leaked")
 
     def close(self) -> dict[str, int]:
-        """Close the queue (idempotent)."""
-        if self._portal._stopped:
+        """Close the queue (idempotent; a no-op after :meth:`shutdown`)."""
+        if not self._runner.accepting:
             return {}
         return self._call("close")
 
     def shutdown(self) -> None:
-        """Free the queue's deployment (if this object created it) and stop the
-        event-loop thread. Idempotent."""
-        if self._portal._stopped:
+        """Stop this blocking queue and wake every thread blocked in it; idempotent.
+
+        For a queue this object created, the queue is closed first, so blocked callers
+        wake as :meth:`close` wakes them (``get``: :class:`~streamrl.errors.EndOfStream`,
+        ``put``/``wait_version``: :class:`~streamrl.errors.QueueClosed`, ``stream``
+        iterators end), then its deployment is freed (Ray: its actors killed). A wrapped
+        queue (:meth:`wrap`) is left open and running for its other users. Calls still
+        blocked after that (all of them, for a wrapped queue) are cancelled and raise
+        :class:`~streamrl.errors.QueueClosed`; later calls raise it too. The event-loop
+        thread of this object, if it has one, ends.
+        """
+        runner = self._runner
+        if not runner.accepting:
             return
+        if self._owner:
+            runner.check()  # not from inside the loop: it would wait for itself
+        with runner._lock:
+            if not runner.accepting:
+                return
+            runner.accepting = False
         try:
             if self._owner:
-                self._call("shutdown")
+                try:
+                    runner.call_internal(self._q.close)
+                finally:
+                    runner.wait_idle(_GRACE)
+                    runner.call_internal(self._q.shutdown)
         finally:
-            self._portal.stop()
+            runner.stop()
 
     def __del__(self) -> None:
         try:
-            self._portal.stop()
-        except Exception:
-            pass
-
-
-async def _make_queue(args, kwargs) -> _aq.StreamQueue:
-    return _aq.StreamQueue(*args, **kwargs)
+            runner = self._runner
+        except AttributeError:  # __init__ failed
+            return
+        if runner.owns_loop:
+            runner.stop(wait=False)
