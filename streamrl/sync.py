@@ -82,6 +82,7 @@ import functools
 import inspect
 import re
 import threading
+import time
 import types
 import weakref
 from collections.abc import Callable, Iterator, Mapping
@@ -339,10 +340,11 @@ class _Runner:
 
     def wait_idle(self, timeout: float) -> None:
         """Wait up to ``timeout`` seconds for the calls in flight to finish."""
+        deadline = time.monotonic() + timeout
         with self._lock:
             calls = [c for c, _ in self._inflight.values()]
         for c in calls:
-            if not c.ready.wait(timeout):
+            if not c.ready.wait(max(0.0, deadline - time.monotonic())):
                 return
 
     def abandon_all(self) -> None:
@@ -898,10 +900,9 @@ class StreamQueue(_TwinBase):
             if self._owner:
                 try:
                     runner.call_internal(self._q.close)
-                finally:
+                finally:  # the deployment is freed even if close failed (a dead actor)
                     runner.wait_idle(_GRACE)
-            if runner.owns_loop:  # frees the deployment, or this loop's connections to it
-                runner.call_internal(self._q.shutdown)
+                    runner.call_internal(self._q.shutdown)
         finally:
             runner.stop()
 

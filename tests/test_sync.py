@@ -6,6 +6,7 @@ should (room made, queue closed), nothing hangs (every wait here is bounded), an
 from __future__ import annotations
 
 import asyncio
+import os
 import threading
 import time
 
@@ -578,3 +579,50 @@ def test_blocking_call_inside_the_loop_that_owns_the_queue_raises():
         await q.close()
 
     run_with_deadline(main)
+
+
+# ---------------------------------------------------------------- Ray: wrap and connect
+
+
+def needs_ray():
+    pytest.importorskip("ray")
+    if os.environ.get("STREAMRL_SKIP_RAY") == "1":
+        pytest.skip("STREAMRL_SKIP_RAY=1")
+
+
+@pytest.mark.ray
+def test_ray_wrapper_and_connection_shutdown_wake_their_callers_and_leave_the_queue(request):
+    needs_ray()
+    request.getfixturevalue("ray_session")
+    owner = SyncQueue(transport="ray", capacity=8, num_shards=1, name="sync-twin-wrap")
+    try:
+        # a wrap of the creating process's own queue (its own loop thread: Ray queues are
+        # usable from any loop), blocked in get, then shut down
+        view = SyncQueue.wrap(owner.aqueue)
+        assert view._runner.owns_loop
+        getter = Worker(lambda: view.get("t", ["idx"], batch_size=1, partition="p"))
+        getter.start()
+        time.sleep(0.5)
+        assert not getter.done.is_set()
+        stopper = Worker(view.shutdown)
+        stopper.start()
+        stopper.finish(20)
+        assert stopper.error is None, repr(stopper.error)
+        getter.finish(20)
+        assert isinstance(getter.error, QueueClosed), repr(getter.error)
+
+        # connect by name: a blocking queue that does not own the actors
+        other = SyncQueue.connect("sync-twin-wrap", namespace="streamrl-tests")
+        assert isinstance(other, SyncQueue) and other.transport == "ray"
+        other.put(rows_of(2), partition="p")
+        other.shutdown()
+
+        # neither shutdown closed the queue or killed its actors; the given-up get took
+        # nothing
+        assert not owner.stats().closed
+        mb = owner.get("t", ["idx"], batch_size=2, partition="p", timeout=20)
+        assert sorted(mb.materialize()["idx"].tolist()) == [0, 1]
+        mb.ack()
+    finally:
+        owner.close()
+        owner.shutdown()
