@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import signal
 import threading
 import time
 
@@ -390,6 +391,30 @@ def test_shutdown_of_a_wrapper_wakes_its_blocked_callers_and_leaves_the_queue_op
     assert mb.materialize()["idx"].tolist() == [0]
     mb.ack()
     assert q.stats().leases == 0
+
+
+@pytest.mark.skipif(not hasattr(signal, "setitimer"), reason="needs SIGALRM")
+def test_an_interrupted_blocking_call_is_given_up_and_takes_nothing(make_queue):
+    q = make_queue(capacity=8)
+
+    def interrupt(signum, frame):
+        raise KeyboardInterrupt
+
+    old = signal.signal(signal.SIGALRM, interrupt)
+    try:
+        signal.setitimer(signal.ITIMER_REAL, 0.3)
+        with pytest.raises(KeyboardInterrupt):
+            q.get("t", ["idx"], batch_size=1, partition="p")  # no rows: waits
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, old)
+    # the given-up get is cancelled on the loop: it does not take the next row
+    q.put(rows_of(1), partition="p")
+    mb = q.get("t", ["idx"], batch_size=1, partition="p", timeout=5)
+    assert mb.materialize()["idx"].tolist() == [0]
+    mb.ack()
+    st = q.stats()
+    assert st.leases == 0 and st.tasks["t"].delivered == 1
 
 
 # ---------------------------------------------------------------- wrap of an embedded queue
