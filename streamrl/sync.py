@@ -384,6 +384,14 @@ def _bound_loop(queue: _aq.StreamQueue) -> asyncio.AbstractEventLoop | None:
     return loop
 
 
+def _remember(queue: _aq.StreamQueue, loop: asyncio.AbstractEventLoop) -> None:
+    """Record the loop that owns an in-process queue (the first one recorded stays)."""
+    try:
+        _owners.setdefault(queue._transport, loop)
+    except TypeError:  # a transport that cannot be weakly referenced: found again next time
+        pass
+
+
 def _any_loop(queue: _aq.StreamQueue) -> bool:
     """Whether the queue may be used from any event loop: a transport that hands out a
     handle (Ray) keeps its connections per loop; an in-process one (embedded) has its
@@ -797,7 +805,7 @@ class StreamQueue(_TwinBase):
         #: close and shut down the queue at shutdown (this object created it)
         self._owner = owns
         if runner.owns_loop and not _any_loop(queue):
-            _owners[queue._transport] = runner.loop()
+            _remember(queue, runner.loop())
 
     @property
     def _target(self) -> _aq.StreamQueue:
@@ -837,7 +845,7 @@ class StreamQueue(_TwinBase):
         else:
             loop = loop or _bound_loop(queue) or _running_loop()
             if loop is not None:
-                _owners.setdefault(queue._transport, loop)
+                _remember(queue, loop)
             runner = _Runner.foreign(loop, lambda: _bound_loop(queue))
         self._adopt(queue, runner, owns=False)
         return self

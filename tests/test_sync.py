@@ -523,6 +523,12 @@ def test_wrap_embedded_needs_its_loop_running_and_says_so():
         assert mb.materialize()["idx"].tolist() == [0, 1]
         mb.ack()
 
+        # a queue that ran in that loop is found there, wrapped from outside any loop
+        q2 = streamrl.StreamQueue(capacity=8, num_shards=1)
+        asyncio.run_coroutine_threadsafe(q2.put(rows_of(1), partition="p"), loop).result(JOIN)
+        view2 = SyncQueue.wrap(q2)
+        assert view2.get("t", ["idx"], batch_size=1, partition="p", timeout=5).rows == [0]
+
         # a call blocked while the loop stops: an error soon, not a hang
         blocked = Worker(lambda: view.get("t", ["idx"], batch_size=1, partition="p"))
         blocked.start()
