@@ -26,6 +26,7 @@ __all__ = [
     "FilterError",
     "DispatchError",
     "TransportError",
+    "EventLoopError",
 ]
 
 
@@ -125,6 +126,14 @@ class DispatchError(StreamRLError):
 
 class TransportError(StreamRLError):
     """The controller or a storage unit could not be reached (for example its actor died)."""
+
+
+class EventLoopError(StreamRLError, RuntimeError):
+    """A blocking call of :mod:`streamrl.sync` that the event loop it needs cannot serve:
+    it was made from inside that loop (it would wait for the loop it blocks: a deadlock),
+    or that loop is not running, or stopped while the call waited (nothing would ever
+    answer it). Use the async API inside the loop; keep the loop running while threads
+    use the queue through :meth:`streamrl.sync.StreamQueue.wrap`."""
 
 
 def rows_preview(rows: Iterable[int]) -> str:

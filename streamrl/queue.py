@@ -625,6 +625,15 @@ class Stream:
     def __aiter__(self) -> "Stream":
         return self
 
+    def __iter__(self):
+        """Not iterable with a plain ``for``: raises a :class:`TypeError` that says what to
+        use instead (``async for``, or the blocking twin :mod:`streamrl.sync`)."""
+        raise TypeError(
+            "a streamrl Stream is an async iterator: iterate it with `async for batch in "
+            "q.stream(...)` inside a coroutine; in synchronous code (threads, plain Ray "
+            "actors) use the blocking twin streamrl.sync.StreamQueue, whose stream() is a "
+            "plain iterator (streamrl.sync.StreamQueue.wrap(q) makes one of this queue)")
+
     async def __anext__(self) -> RowRemoteBatch:
         cur, self._current = self._current, None
         if cur is not None and cur.leased:
