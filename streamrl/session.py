@@ -102,14 +102,15 @@ class Session:
 
 
 def _scatter(cols: list[Column], groups: list[np.ndarray], n: int) -> Column:
-    """Place per-unit columns at their batch positions."""
+    """Place per-unit columns at their batch positions (one copy: the units' pieces are
+    joined, then gathered into batch order; an index-put per unit costs 10-100x more on
+    CPU for rows of more than one element)."""
     if all(isinstance(c, torch.Tensor) and not c.is_nested for c in cols) and \
             len({(c.dtype, c.shape[1:]) for c in cols}) == 1:
-        first = cols[0]
-        out = first.new_empty((n,) + tuple(first.shape[1:]))
-        for c, g in zip(cols, groups):
-            out[torch.from_numpy(g)] = c
-        return out
+        order = np.concatenate(groups)  # batch position of each joined row
+        inv = np.empty(n, dtype=np.int64)
+        inv[order] = np.arange(len(order))
+        return torch.cat(cols).index_select(0, torch.from_numpy(inv))
     flat: list = [None] * n
     for c, g in zip(cols, groups):
         items = c.unbind(0) if isinstance(c, torch.Tensor) else c
