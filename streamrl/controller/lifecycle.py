@@ -118,6 +118,7 @@ class Lifecycle:
         freed = 0
         gone = 0
         parts: set[Partition] = set()
+        regroup: list[tuple[str, Partition, object]] = []  # grouped filters to look at again
         for row in objs:
             if self.rows.pop(row.id, None) is None:
                 continue
@@ -140,11 +141,15 @@ class Lifecycle:
                     if not lease.rows:
                         del self.leases[lid]
                         self._remember(lid, "acked")
-            for name in self._names(self._fbits, row.pending | row.judging):
-                buckets = self._filter_ready.get(name)
-                if buckets:
-                    for b in buckets.values():
-                        b.pop(row.id, None)
+            waiting = row.pending | row.judging
+            if waiting:
+                for name in self._names(self._fbits, waiting):
+                    buckets = self._filter_ready.get(name)
+                    if buckets:
+                        for b in buckets.values():
+                            b.pop(row.id, None)
+                    if row.pending & self._fbits[name] and p.sealed:
+                        regroup.append((name, p, row.tags))
             freed += row.nbytes
             self.deletes.setdefault(row.shard, []).append(row.id)
             parts.add(p)
@@ -153,6 +158,12 @@ class Lifecycle:
         if reason is not None:
             self.c_dropped[reason] = self.c_dropped.get(reason, 0) + gone
         self.space_freed = True
+        for name, p, tags in regroup:
+            # a member the filter still awaited left: the rest of its group may go now
+            spec = self.filters[name]
+            key = tags.get(spec.group_by, _MISSING) if spec.group_by else _MISSING
+            if key is not _MISSING and self.parts.get(p.name) is p:
+                self._maybe_filter_job(spec, p, key)
         for p in parts:
             self.changed.add(p.name)
             if p.sealed or self.closed:  # end and group-completeness conditions moved
