@@ -398,3 +398,22 @@ def test_grouped_filter_judges_a_sealed_group_once_an_awaited_member_is_dropped(
     assert sorted(job.rows) == rows[:2]
     c.filter_done(job.id, [True, True])
     assert sorted(c.take(req(fields=("r",), partition="p")).rows) == rows[:2]
+
+
+def test_grouped_filter_judges_a_short_last_group_when_its_partition_is_sealed():
+    """A group smaller than the filter's group_size is judged once its partition is
+    sealed (no more rows can join it), also when the seal comes after its rows."""
+    c = Controller(100)
+    c.add_filter(FilterSpec("g", frozenset({"r"}), "uid", 2))
+    rows, _ = put(c, 3, ("r", "uid"), tags={"uid": [1, 1, 2]})
+    (full,) = c.drain()[1]
+    assert sorted(full.rows) == rows[:2]
+    c.seal("p")
+    (short,) = c.drain()[1]
+    assert short.rows == [rows[2]]
+    c.filter_done(full.id, [True, True])
+    c.filter_done(short.id, [True])
+    r = req(fields=("r",), bs=4, partition="p")
+    assert sorted(c.take(r).rows) == rows
+    c.ack(list(c.leases))
+    assert c.take(r) is END

@@ -44,9 +44,10 @@ class Lifecycle:
             p.sealed = True
             self.changed.add(p.name)
             self._wake_part(p.name)
-            # groups without a group_size become complete at seal time
+            # no row can join a group any more: groups without a group_size, and short
+            # last groups of a group_size, are judged once every member is ready
             for spec in self.filters.values():
-                if spec.group_by and spec.group_size is None:
+                if spec.group_by:
                     for (pname, key) in list(self._filter_ready.get(spec.name, {})):
                         if pname == p.name:
                             self._maybe_filter_job(spec, p, key)
