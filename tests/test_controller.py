@@ -417,3 +417,17 @@ def test_grouped_filter_judges_a_short_last_group_when_its_partition_is_sealed()
     assert sorted(c.take(r).rows) == rows
     c.ack(list(c.leases))
     assert c.take(r) is END
+
+
+def test_close_lets_short_groups_out_and_grouped_streams_end():
+    """After close a grouped stream drains what is deliverable now, short last groups
+    included, and ends (it must not wait for rows that can never come)."""
+    c = Controller(100)
+    c.register_tag("uid")
+    rows, _ = put(c, 3, ("x", "uid"), tags={"uid": [1, 1, 2]})
+    r = req(bs=2, group_by="uid", group_size=2, partition="p")
+    c.ack([c.take(r).lease])
+    c.close()
+    assert c.take(r).rows == [rows[2]]
+    c.ack(list(c.leases))
+    assert c.take(r) is END

@@ -79,6 +79,8 @@ class Lifecycle:
             self.changed.add(None)
             self.woken.update(self.subs)
             self.space_freed = True
+            for name in list(self.parts):  # short last groups are complete now
+                self._wake_part(name)
 
     def mark_lost(self, shard: int) -> int:
         """Storage unit ``shard`` is gone: its rows are dropped as ``"lost"`` (nothing is
