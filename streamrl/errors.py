@@ -26,6 +26,7 @@ __all__ = [
     "FilterError",
     "DispatchError",
     "TransportError",
+    "CheckpointError",
 ]
 
 
@@ -115,6 +116,12 @@ class DispatchError(StreamRLError):
 
 class TransportError(StreamRLError):
     """The controller or a storage unit could not be reached (for example its actor died)."""
+
+
+class CheckpointError(StreamRLError, ValueError):
+    """A saved state cannot be loaded: it is not a streamrl state, its format version is
+    unknown or newer than this streamrl reads, or it does not fit the controller it is
+    loaded into (for example rows on a storage unit the queue does not have)."""
 
 
 def rows_preview(rows: Iterable[int]) -> str:

@@ -32,7 +32,8 @@ each (every part is a mixin of :class:`Controller` and reads the same attributes
 * :mod:`.leases` -- leases, acks, releases, deadlines and expiry;
 * :mod:`.groups` -- tags, groups and filters;
 * :mod:`.dispatch` -- selection, tails and ends, DP dispatch;
-* :mod:`.introspect` -- outboxes and stats helpers.
+* :mod:`.introspect` -- outboxes and stats helpers;
+* :mod:`.snapshot` -- ``state_dict`` and ``load_state_dict``.
 """
 
 from __future__ import annotations
@@ -58,13 +59,16 @@ from .index import Index
 from .introspect import Introspect
 from .leases import Leases
 from .lifecycle import Lifecycle
+from .snapshot import FORMAT_VERSION, Snapshot
 from .state import State, _consumers
 
 __all__ = ["Controller", "validate_request", "Request", "Delivery", "END", "FilterSpec",
-           "FilterJob", "DropReason", "Undo", "WriteToken", "CommitResult", "imbalance"]
+           "FilterJob", "DropReason", "Undo", "WriteToken", "CommitResult", "imbalance",
+           "FORMAT_VERSION"]
 
 
-class Controller(Admission, Dispatch, Leases, Groups, Lifecycle, Index, Introspect, State):
+class Controller(Admission, Dispatch, Leases, Groups, Lifecycle, Index, Introspect, Snapshot,
+                 State):
     """Metadata state machine of one queue.
 
     Args:

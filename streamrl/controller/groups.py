@@ -14,6 +14,7 @@ from collections.abc import Hashable, Sequence
 
 from ..errors import InvalidArgument
 from ..messages import DropReason, FilterJob, FilterSpec
+from .lifecycle import _unbucket
 from .state import _MISSING, Partition, Row
 
 
@@ -204,10 +205,8 @@ class Groups:
                     if r not in rids:
                         again.append(row)
         self.filter_jobs = [j for j in self.filter_jobs if j.id in self._jobs]
-        for name, spec in self.filters.items():
+        for name in self.filters:
             if self._fbits[name] & fmask:
-                for b in self._filter_ready[name].values():
-                    for r in rids:
-                        b.pop(r, None)
+                _unbucket(self._filter_ready[name], rids)
         if again:
             self._filter_check(again)

@@ -149,8 +149,7 @@ class Lifecycle:
                 for name in self._names(self._fbits, waiting):
                     buckets = self._filter_ready.get(name)
                     if buckets:
-                        for b in buckets.values():
-                            b.pop(row.id, None)
+                        _unbucket(buckets, (row.id,))
                     if row.pending & self._fbits[name] and p.sealed:
                         regroup.append((name, p, row.tags))
             freed += row.nbytes
@@ -214,3 +213,16 @@ class Lifecycle:
         stale = [self.rows[r] for r in sub.avail if self.rows[r].version < limit]
         if stale:
             self._drop_rows(stale, DropReason.STALE, group=True)
+
+
+def _unbucket(buckets: dict[tuple, dict[int, None]], rids) -> None:
+    """Take ``rids`` out of a filter's buckets of rows waiting to be judged; a bucket
+    left empty goes (it would come back at the end when a row arrives)."""
+    empty = []
+    for key, b in buckets.items():
+        for r in rids:
+            b.pop(r, None)
+        if not b:
+            empty.append(key)
+    for key in empty:
+        del buckets[key]
