@@ -91,11 +91,11 @@ def apply(c: Controller, clock: Clock, op: tuple):
             tags = {"uid": [r % 7 for r in tok.rows]} if "uid" in tok.fields else None
             return ("commit", c.commit(tok, {f: [4] * n for f in tok.fields}, tags).dead)
         if kind == "take":
-            task, fields, bs, part, grouped, stale, drop_last = a
+            task, fields, bs, part, grouped, stale, drop_last, sampler = a
             group = {"group_by": "uid", "group_size": 2 if grouped == 1 else None} if grouped else {}
             req = Request(TASKS[task], FIELDS[fields], bs * (2 if grouped == 1 else 1),
                           partition=None if part == 2 else PARTS[part],
-                          max_staleness=stale, drop_last=drop_last, **group)
+                          max_staleness=stale, drop_last=drop_last, sampler=sampler, **group)
             d = c.take(req)
             if d is None or d is END:
                 return ("take", repr(d))
@@ -156,7 +156,9 @@ PUT = st.tuples(st.just("put"), st.integers(0, 1), st.integers(1, 6), st.boolean
                 st.sampled_from([0, 0, 0, 1, 3]))
 TAKE = st.tuples(st.just("take"), st.integers(0, 1), st.integers(0, 3), st.integers(1, 4),
                  st.sampled_from([0, 0, 1, 2]), st.sampled_from([0, 0, 0, 1, 2]),
-                 st.sampled_from([None, None, None, 1]), st.booleans())
+                 st.sampled_from([None, None, None, 1]), st.booleans(),
+                 st.sampled_from([None, None, {"sampler": "priority", "field": "uid"},
+                                  {"sampler": "priority", "field": "@version", "order": "asc"}]))
 ACK = st.tuples(st.just("ack"), st.integers(0, 9), st.integers(1, 12))
 OTHER = [
     (st.tuples(st.just("unit_put"), st.integers(0, 1), st.integers(0, 1), st.integers(1, 4)), 3),
@@ -195,7 +197,7 @@ def observe(c: Controller) -> dict:
             "bytes": (c.bytes_held, c.reserved_bytes), "rows": len(c.rows)}
 
 
-# STREAMRL_STATE_EXAMPLES=5000 for a longer hunt
+# STREAMRL_STATE_EXAMPLES=5000 for a longer hunt (with pytest --timeout 0)
 @settings(max_examples=int(os.environ.get("STREAMRL_STATE_EXAMPLES", 300)), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(prefix=st.lists(OP, min_size=8, max_size=60), rest=SCRIPT, codec=st.sampled_from(["msgpack", "json"]))
 def test_a_loaded_controller_continues_as_the_original(prefix, rest, codec):

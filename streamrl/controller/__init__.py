@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
+from typing import Any
 
 from ..config import QueueConfig, Request, validate_request
 from ..messages import (
@@ -53,7 +54,9 @@ from ..messages import (
     WriteToken,
 )
 from .admission import Admission
-from .dispatch import Dispatch, _balanced_split, imbalance  # noqa: F401 (re-exported)
+from ..sampling import Sampler, imbalance, resolve
+from ..sampling import balanced_split as _balanced_split  # noqa: F401 (its old name)
+from .dispatch import Dispatch
 from .groups import Groups
 from .index import Index
 from .introspect import Introspect
@@ -88,7 +91,13 @@ class Controller(Admission, Dispatch, Leases, Groups, Lifecycle, Index, Introspe
             while ``v <= version + max_lead`` (``None``: no pacing).
         consumers: tasks that must acknowledge a row before it is dropped automatically
             (default for partitions that do not declare their own).
+        sampler: which ready rows a request gets unless it names its own sampler: a
+            registered name, ``{"sampler": name, **options}`` or a
+            :class:`~streamrl.sampling.Sampler` (see :mod:`streamrl.sampling`).
         clock: monotonic clock, injectable for tests.
+
+    Attributes:
+        sampler: the queue's :class:`~streamrl.sampling.Sampler`.
 
     Examples:
         >>> c = Controller(capacity=8)
@@ -109,12 +118,13 @@ class Controller(Admission, Dispatch, Leases, Groups, Lifecycle, Index, Introspe
         max_staleness: int | None = None,
         max_lead: int | None = None,
         consumers: Sequence[str] | None = None,
+        sampler: Any = "fifo",
         clock: Callable[[], float] = time.monotonic,
     ):
         self.config = QueueConfig(
             capacity=capacity, capacity_bytes=capacity_bytes, num_shards=num_shards,
             lease_timeout=lease_timeout, max_staleness=max_staleness, max_lead=max_lead,
-            consumers=consumers)  # validates
+            consumers=consumers, sampler=sampler)  # validates
         self.capacity = capacity
         self.capacity_bytes = capacity_bytes
         self.num_shards = num_shards
@@ -122,6 +132,7 @@ class Controller(Admission, Dispatch, Leases, Groups, Lifecycle, Index, Introspe
         self.max_staleness = max_staleness
         self.max_lead = max_lead
         self.default_consumers = _consumers(consumers)
+        self.sampler: Sampler = resolve(sampler)
         self.clock = clock
         self._init_state()
         self._init_index()
@@ -134,4 +145,4 @@ class Controller(Admission, Dispatch, Leases, Groups, Lifecycle, Index, Introspe
         return cls(config.capacity, capacity_bytes=config.capacity_bytes,
                    num_shards=config.num_shards, lease_timeout=config.lease_timeout,
                    max_staleness=config.max_staleness, max_lead=config.max_lead,
-                   consumers=config.consumers, clock=clock)
+                   consumers=config.consumers, sampler=config.sampler, clock=clock)

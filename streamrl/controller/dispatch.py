@@ -1,17 +1,17 @@
-"""Taking batches: which ready rows a request gets, when a short batch may go out and
-when a stream has ended, and data-parallel (DP) dispatch over ranks."""
+"""Taking batches: which ready rows a request gets (its sampler orders them, see
+:mod:`streamrl.sampling`), when a short batch may go out and when a stream has ended,
+and data-parallel (DP) dispatch over ranks."""
 
 from __future__ import annotations
 
 import heapq
 import itertools
-import math
-from collections import deque
-from collections.abc import Hashable, Sequence
+from collections.abc import Hashable, Iterator
 
 from ..config import Request
 from ..errors import DispatchError, InvalidArgument
 from ..messages import END, Delivery, DropReason, _End
+from ..sampling import FifoSampler, Ready, Sampler, resolve
 
 
 class _Dispatcher:
@@ -37,15 +37,23 @@ class Dispatch:
         task consumed all its rows, or the queue is closed and drained).
         """
         self.expire()
+        sampler = self._sampler_of(req)
+        for f in sampler.fields:
+            if f not in self.tag_fields:
+                self.tag_fields.add(f)
         sub = self._sub(req)
         if req.max_staleness is not None:
             self._drop_stale(sub, req.max_staleness)
         if req.dp_size > 1:
-            return self._take_dp(sub, req)
-        rows = self._select(sub, req, req.batch_size)
+            return self._take_dp(sub, req, sampler)
+        rows = self._select(sub, req, req.batch_size, sampler)
         if rows is None or rows is END:
             return rows
         return self._lease(sub, req, rows)
+
+    def _sampler_of(self, req: Request) -> Sampler:
+        """The request's sampler, or the queue's."""
+        return self.sampler if req.sampler is None else resolve(req.sampler)
 
     def _owed(self, sub) -> int | None:
         """Rows the task still owes in the subscription's scope once no new rows can come
@@ -65,29 +73,24 @@ class Dispatch:
     def _ended(self, sub) -> bool:
         return (self.closed and not sub.avail) or self._owed(sub) == 0
 
-    def _select(self, sub, req: Request, size: int) -> list[int] | _End | None:
+    def _select(self, sub, req: Request, size: int, sampler: Sampler
+                ) -> list[int] | _End | None:
         """Pick (without leasing) up to ``size`` rows, or None/END."""
+        fifo = type(sampler) is FifoSampler  # the default, kept O(batch) with no overhead
         if sub.group_by is None:
-            if len(sub.avail) >= size:
-                return list(itertools.islice(sub.avail, size))
+            n = len(sub.avail)
+            if n >= size:
+                return list(itertools.islice(sub.avail, size)) if fifo else \
+                    self._pack(sub, sampler, size)[0]
             tail = self._tail(sub)
-            if sub.avail and tail and not req.drop_last:
-                return list(sub.avail)
+            if n and tail and not req.drop_last:
+                return list(sub.avail) if fifo else self._pack(sub, sampler, n)[0]
             if self._ended(sub) or (tail and req.drop_last):
                 return END
             return None
         # grouped: whole groups only
-        chosen: list[int] = []
-        complete_rows = 0
-        for gk in sub.complete:
-            b = sub.buckets[gk]
-            n = min(len(b), sub.group_size) if sub.group_size else len(b)
-            complete_rows += n
-            if len(chosen) + n <= size or not chosen:
-                chosen.extend(itertools.islice(b, n))
-            if len(chosen) >= size:
-                break
-        if chosen and (len(chosen) >= size or complete_rows > len(chosen)):
+        chosen, skipped = self._pack(sub, sampler, size, check=not fifo)
+        if chosen and (len(chosen) >= size or skipped):
             return chosen  # a full batch, or the next whole group would not fit
         tail = self._tail(sub)
         if chosen and tail and not req.drop_last:
@@ -95,6 +98,60 @@ class Dispatch:
         if self._ended(sub) or (tail and req.drop_last):
             return END
         return None
+
+    def _pack(self, sub, sampler: Sampler, size: int, *, check: bool = True
+              ) -> tuple[list[int], bool]:
+        """Take the sampler's units, in its order, while they fit ``size`` rows (a first
+        unit always: a group may be bigger than a batch). Returns the rows and whether a
+        ready unit was left out for not fitting."""
+        ready = Ready(lambda: self._ready_units(sub), self.rows, group_by=sub.group_by,
+                      group_size=sub.group_size)
+        chosen: list[int] = []
+        seen: set[int] = set()
+        offered = 0
+        for unit in sampler.order(ready, size):
+            if check:
+                unit = self._check_unit(sub, sampler, unit, seen)
+            n = len(unit)
+            offered += n
+            if len(chosen) + n <= size or not chosen:
+                chosen.extend(unit)
+                if check:
+                    seen.update(unit)
+            if len(chosen) >= size:
+                break
+        return chosen, offered > len(chosen)
+
+    def _ready_units(self, sub) -> Iterator[list[int]]:
+        """What :meth:`Ready.units` yields."""
+        if sub.group_by is None:
+            for r in sub.avail:
+                yield [r]
+            return
+        gs = sub.group_size
+        for gk in sub.complete:
+            b = sub.buckets[gk]
+            yield list(itertools.islice(b, gs)) if gs and len(b) > gs else list(b)
+
+    def _check_unit(self, sub, sampler: Sampler, unit, seen: set[int]) -> list[int]:
+        """``unit`` as a list, if it is a ready unit not taken yet; raise otherwise."""
+        unit = list(unit)
+        ok = bool(unit) and all(r in sub.avail and r not in seen for r in unit)
+        if sub.group_by is None:
+            ok = ok and len(unit) == 1
+        elif ok:
+            row = self.rows[unit[0]]
+            gk = (row.part.name, row.tags[sub.group_by])
+            b = sub.buckets.get(gk, {})
+            need = min(len(b), sub.group_size) if sub.group_size else len(b)
+            ok = (gk in sub.complete and len(unit) == need and len(set(unit)) == need
+                  and all(r in b for r in unit))
+        if not ok:
+            what = "a whole complete group" if sub.group_by else "a single ready row"
+            raise InvalidArgument(
+                f"sampler {sampler!r} gave {unit!r}, which is not {what} of this request (or "
+                "was given twice); a sampler must order the units of ready.units()")
+        return unit
 
     def _delivery(self, lid: int, req: Request, sub, rids: list[int], rank: int = 0,
                   dispatch: int | None = None) -> Delivery:
@@ -113,7 +170,7 @@ class Dispatch:
 
     # ------------------------------------------------------------------ DP dispatch
 
-    def _take_dp(self, sub, req: Request) -> Delivery | _End | None:
+    def _take_dp(self, sub, req: Request, sampler: Sampler) -> Delivery | _End | None:
         """Rank ``r`` takes share ``r`` of dispatch ``k`` (its k-th batch). The first rank
         to ask for dispatch ``k`` makes it: ``dp_size * batch_size`` rows (whole groups)
         split into equal-count, weight-balanced shares; the other shares are reserved
@@ -128,7 +185,7 @@ class Dispatch:
                     f"the share of dp_rank={rank} in dispatch {k} of task {req.task!r} expired "
                     "before this rank asked for it (its rows went back to the queue); raise "
                     "lease_timeout or keep the ranks in step")
-            made = self._make_dispatch(sub, req, disp, k)
+            made = self._make_dispatch(sub, req, disp, k, sampler)
             if made is None or made is END:
                 return made
         lid, rids, pads = disp.shares.pop((k, rank))
@@ -140,9 +197,9 @@ class Dispatch:
             self._claim(lease)
         return self._delivery(lid, req, sub, list(rids) + list(pads), rank, k)
 
-    def _make_dispatch(self, sub, req: Request, disp: _Dispatcher, k: int):
+    def _make_dispatch(self, sub, req: Request, disp: _Dispatcher, k: int, sampler: Sampler):
         R = req.dp_size
-        rows = self._select(sub, req, R * req.batch_size)
+        rows = self._select(sub, req, R * req.batch_size, sampler)
         if rows is None or rows is END:
             return rows
         units = self._units(sub, rows)  # whole groups (or single rows)
@@ -161,7 +218,16 @@ class Dispatch:
                 self._drop_rows([self.rows[r] for u in left for r in u], DropReason.DP_REMAINDER)
                 if not units:
                     return None  # all dropped: the next take sees the end
-        shares, pads = _balanced_split(units, R, self._weights(units, req.balance_by))
+        if req.balance_by and not sampler.balances:
+            self.validate_request(req)  # raises, saying what to do
+        shares, pads = sampler.split(units, R, self._weights(units, req.balance_by))
+        dealt = [r for s in shares for r in s]
+        given = {r for u in units for r in u}
+        if (len(shares) != R or len(pads) != R or len(dealt) != len(given)
+                or set(dealt) != given or not {r for p in pads for r in p} <= given):
+            raise InvalidArgument(
+                f"sampler {sampler!r} split a dispatch into shares that are not {R} parts "
+                "of its rows; split() must put every unit in exactly one share")
         for r in range(R):
             lid = self._lease(sub, req, shares[r], claimed=False, rank=r, dispatch=k).lease \
                 if shares[r] else 0
@@ -194,61 +260,3 @@ class Dispatch:
                 w += float(v)
             out.append(w)
         return out
-
-
-def _balanced_split(units: list[list[int]], R: int, weights: list[float]
-                    ) -> tuple[list[list[int]], list[list[int]]]:
-    """Split ``units`` (groups of rows) over ``R`` ranks, every rank the same number of
-    units, balancing the total weight.
-
-    Greedy longest-processing-time first with a cardinality bound (each unit goes,
-    heaviest first, to the lightest rank that still has room), then pairwise swaps between
-    the heaviest and the lightest rank while a swap narrows their gap. When ``len(units)``
-    is not a multiple of ``R``, short ranks are padded by repeating units of other ranks
-    (returned separately, since those rows are leased by their own share).
-    """
-    per = math.ceil(len(units) / R) if units else 0
-    order = sorted(range(len(units)), key=lambda i: -weights[i])
-    load = [0.0] * R
-    members: list[list[int]] = [[] for _ in range(R)]
-    for i in order:
-        r = min((r for r in range(R) if len(members[r]) < per), key=lambda r: (load[r], len(members[r])))
-        members[r].append(i)
-        load[r] += weights[i]
-    for _ in range(4 * len(units)):
-        h = max(range(R), key=load.__getitem__)
-        lo = min(range(R), key=load.__getitem__)
-        gap = load[h] - load[lo]
-        best, pick = gap, None
-        for a in members[h]:
-            for b in members[lo]:
-                d = weights[a] - weights[b]
-                if 0 < d < gap and abs(gap - 2 * d) < best:
-                    best, pick = abs(gap - 2 * d), (a, b)
-        if pick is None:
-            break
-        a, b = pick
-        members[h].remove(a)
-        members[lo].remove(b)
-        members[h].append(b)
-        members[lo].append(a)
-        d = weights[a] - weights[b]
-        load[h] -= d
-        load[lo] += d
-    shares = [[r for i in m for r in units[i]] for m in members]
-    pads: list[list[int]] = [[] for _ in range(R)]
-    donors = deque(order)
-    for r in range(R):
-        need = per - len(members[r])
-        while need > 0:
-            i = donors.popleft()
-            donors.append(i)
-            pads[r].extend(units[i])
-            need -= 1
-    return shares, pads
-
-
-def imbalance(loads: Sequence[float]) -> float:
-    """(max - min) / mean of per-rank loads: 0 is perfect balance."""
-    mean = sum(loads) / len(loads) if loads else 0.0
-    return (max(loads) - min(loads)) / mean if mean else 0.0

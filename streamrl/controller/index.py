@@ -15,6 +15,7 @@ from __future__ import annotations
 from collections.abc import Hashable, Iterable
 
 from ..config import Request, validate_request
+from ..errors import InvalidArgument
 from .state import _MISSING, Row
 
 
@@ -53,10 +54,26 @@ class Index:
     def validate_request(self, req: Request) -> None:
         """Raise :class:`InvalidArgument` for a request that can never be served."""
         validate_request(req)
+        sampler = self._sampler_of(req)  # an unknown sampler name raises here
+        if req.balance_by and req.dp_size > 1 and not sampler.balances:
+            raise InvalidArgument(
+                f"balance_by={req.balance_by!r} needs a sampler whose DP split balances "
+                f"ranks, and {sampler!r} does not; derive it from "
+                "streamrl.sampling.BalancedSampler, or drop balance_by")
+
+    def request_tags(self, req: Request) -> list[str]:
+        """Tag fields a request relies on (group key, balance key, its sampler's fields),
+        registered yet or not."""
+        out = [f for f in (req.group_by, req.balance_by) if f]
+        for f in self._sampler_of(req).fields:
+            if f not in out:
+                out.append(f)
+        return out
 
     def tags_needed(self, req: Request) -> list[str]:
-        """Tag fields a request relies on (group key, balance key) not registered yet."""
-        return [f for f in (req.group_by, req.balance_by) if f and f not in self.tag_fields]
+        """Tag fields a request relies on (group key, balance key, its sampler's fields)
+        not registered yet."""
+        return [f for f in self.request_tags(req) if f not in self.tag_fields]
 
     def _sub(self, req: Request) -> _Sub:
         key = req.sub_key()
