@@ -43,19 +43,11 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from ..config import QueueConfig, Request, validate_request
-from ..messages import (
-    END,
-    CommitResult,
-    Delivery,
-    DropReason,
-    FilterJob,
-    FilterSpec,
-    Undo,
-    WriteToken,
-)
-from .admission import Admission
+from ..messages import (END, CommitResult, Delivery, DropReason, FilterJob, FilterSpec, Undo,
+                        WriteToken)
 from ..sampling import Sampler, imbalance, resolve
 from ..sampling import balanced_split as _balanced_split  # noqa: F401 (its old name)
+from .admission import Admission
 from .dispatch import Dispatch
 from .groups import Groups
 from .index import Index
