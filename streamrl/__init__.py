@@ -28,6 +28,7 @@ _EXPORTS = {
     "Stats": "stats",
     "TaskStats": "stats",
     "filters": None,
+    "sampling": None,
     "sync": None,
     "codec": None,
 }
@@ -50,7 +51,7 @@ def __dir__() -> list[str]:
 
 
 if TYPE_CHECKING:  # for type checkers and IDEs
-    from . import codec, filters, sync
+    from . import codec, filters, sampling, sync
     from .batch import BatchProxy, ColumnRemoteBatch, RemoteBatch, RowRemoteBatch
     from .queue import DEFAULT_PARTITION, Stream, StreamQueue
     from .stats import Stats, TaskStats

@@ -162,6 +162,7 @@ class QueueConfig:
         _check_bound("max_lead", self.max_lead)
         object.__setattr__(self, "consumers", _consumers(self.consumers))
         _check_name("name", self.name, allow_none=True)
+        _check_sampler(self.sampler, allow_none=False)
         if not isinstance(self.options, Mapping):
             raise InvalidArgument(f"options must be a mapping, got {self.options!r}")
         object.__setattr__(self, "options", dict(self.options))
@@ -309,3 +310,16 @@ def validate_request(req: Request) -> None:
         raise InvalidArgument(
             f"dp_remainder must be 'error', 'drop' or 'pad', got {req.dp_remainder!r}")
     check_duration("lease_timeout", req.lease_timeout)
+    _check_sampler(req.sampler, allow_none=True)
+
+
+def _check_sampler(spec: Any, *, allow_none: bool) -> None:
+    """A sampler spec must resolve (see :func:`streamrl.sampling.resolve`)."""
+    if spec is None and allow_none:
+        return
+    if spec is None:
+        raise InvalidArgument("sampler must be a registered name such as 'fifo', a mapping "
+                              "{'sampler': name, **options} or a Sampler, got None")
+    from .sampling import resolve
+
+    resolve(spec)  # raises InvalidArgument, naming what there is

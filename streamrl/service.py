@@ -382,7 +382,8 @@ class ControllerService:
             self.ctl.set_tags(field, rows, tag_values(field, assemble(cols[field])))
 
     def tags_pending(self, fields: Sequence[str | None]) -> list[str]:
-        """Tag fields (group keys, balance keys) whose values are not all known yet."""
+        """Tag fields (group keys, balance keys, samplers' fields) whose values are not
+        all known yet."""
         return [f for f in fields if f and not (f in self._tags_ready and self._tags_ready[f].is_set())]
 
     async def ensure_tags(self, fields: Sequence[str]) -> None:
@@ -414,7 +415,7 @@ class ControllerService:
         """
         ctl = self.ctl
         ctl.validate_request(req)
-        need = self.tags_pending([req.group_by, req.balance_by])
+        need = self.tags_pending(ctl.request_tags(req))  # group, balance, sampler fields
         if need:
             await self.ensure_tags(need)
         start = ctl.clock()
