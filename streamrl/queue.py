@@ -6,6 +6,7 @@ import asyncio
 import itertools
 import warnings
 import weakref
+from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -114,7 +115,10 @@ class StreamQueue:
     def _start(self, transport: Transport, name: str | None) -> None:
         self.name = name
         self._closed_locally = False
-        self._tag_fields: frozenset[str] = frozenset()
+        # tag fields (group keys...) as the controller last said, per partition, and of
+        # any partition: see _tags
+        self._tags_by_part: OrderedDict[str, frozenset[str]] = OrderedDict()
+        self._tags_any: frozenset[str] = frozenset()
         self._transport = transport
         self._session = Session(self, transport)
         self._id = next(_ids)
@@ -270,6 +274,31 @@ class StreamQueue:
         return await self._put(data, partition, None, version=version, overwrite=False,
                                timeout=None, nowait=True)
 
+    def _tags(self, part: str | None, cols: Mapping[str, Column]) -> dict[str, list]:
+        """The tag values (group keys...) to send with a write: those of fields that are
+        tags of the rows' partition must be scalars per row (a SchemaError before
+        anything is admitted); fields that are tags only elsewhere are sent when they can
+        be (a group key of one partition says nothing of another's field)."""
+        strict = self._tags_by_part.get(part, frozenset()) if part is not None else frozenset()
+        tags = {}
+        for f, col in cols.items():
+            if f in strict:
+                tags[f] = tag_values(f, col)
+            elif f in self._tags_any:
+                try:
+                    tags[f] = tag_values(f, col)
+                except SchemaError:
+                    pass
+        return tags
+
+    def _learn_tags(self, part: str | None, fields: frozenset[str]) -> None:
+        self._tags_any = self._tags_any | fields
+        if part is not None:
+            self._tags_by_part[part] = fields
+            self._tags_by_part.move_to_end(part)
+            while len(self._tags_by_part) > 256:
+                self._tags_by_part.popitem(last=False)
+
     async def _put(self, data, partition, rows, *, version, overwrite, timeout, nowait):
         timeout = check_timeout("timeout", timeout)
         if version is not None and (not isinstance(version, int) or isinstance(version, bool)):
@@ -285,14 +314,14 @@ class StreamQueue:
         dtypes = {f: column_dtype(f, c) for f, c in cols.items()}
         ctl = self._control
         target: RowRemoteBatch | None = None
-        tags = {f: tag_values(f, cols[f]) for f in names if f in self._tag_fields}
         if rows is None:
             part = DEFAULT_PARTITION if partition is None else partition
+            tags = self._tags(part, cols)
             done = None
             if self._data.caps.unit_admitted_puts:  # one call, no waiting (Ray)
                 done = await self._data.put_rows(part, cols, n, nbytes, tags, version, dtypes)
             if done is not None:
-                self._tag_fields = done[2].tag_fields
+                self._learn_tags(part, done[2].tag_fields)
                 out = RowRemoteBatch(self, done[0], done[1], names, partition=part)
                 out._learn(cols)
                 return out
@@ -321,6 +350,7 @@ class StreamQueue:
                     "target row")
             if len(set(ids)) != len(ids):
                 raise SchemaError("the target rows repeat; write each row once")
+            tags = self._tags(part, cols)
             tok = await ctl.begin_write(ids, names, overwrite=overwrite, dtypes=dtypes)
         try:
             split = _split_by_shard(tok.rows, tok.shards, cols)
@@ -342,7 +372,7 @@ class StreamQueue:
             await shielded(self._data.delete(parts) if rows is None
                            else self._data.delete_fields(parts, names, write=tok.id))
             raise
-        self._tag_fields = res.tag_fields
+        self._learn_tags(part, res.tag_fields)
         if target is not None:
             target._learn(cols)
             return target
@@ -566,7 +596,7 @@ class StreamQueue:
         spec = FilterSpec(name, frozenset(fields), group_by, group_size)
         await self._control.add_filter(fn, spec)
         if group_by:
-            self._tag_fields = self._tag_fields | {group_by}
+            self._tags_any = self._tags_any | {group_by}
         return name
 
     async def stats(self) -> Stats:

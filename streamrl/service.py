@@ -61,7 +61,8 @@ class ControllerService:
         self._filters: dict[str, Callable] = {}
         self._filter_failures: deque[str] = deque(maxlen=16)
         self._waits: deque[float] = deque(maxlen=10000)
-        self._tags_ready: dict[str, anyio.Event] = {}  # tag field -> backfill done
+        # (tag field, partition or None) -> its backfill is done
+        self._tags_ready: dict[tuple[str, str | None], anyio.Event] = {}
         self._deferred: deque[list[int]] = deque()  # releases queued by finalizers
         self._loop = None  # the event loop this service runs in (set on first use)
 
@@ -381,28 +382,48 @@ class ControllerService:
         for (s, rows, _), cols in zip(req, got):
             self.ctl.set_tags(field, rows, tag_values(field, assemble(cols[field])))
 
-    def tags_pending(self, fields: Sequence[str | None]) -> list[str]:
-        """Tag fields (group keys, balance keys, samplers' fields) whose values are not
-        all known yet."""
-        return [f for f in fields if f and not (f in self._tags_ready and self._tags_ready[f].is_set())]
-
-    async def ensure_tags(self, fields: Sequence[str]) -> None:
-        """Make sure every row's value of each tag field is known (reading the values of
-        rows written before the field became a tag). Concurrent callers wait for the
-        first one's backfill."""
+    def tags_pending(self, fields: Sequence[str | None], partition: str | None = None
+                     ) -> list[str]:
+        """Tag fields (group keys, balance keys, samplers' fields) of rows of
+        ``partition`` (``None``: every partition) whose values are not all known yet."""
+        out = []
         for f in fields:
-            ev = self._tags_ready.get(f)
-            if ev is not None:
-                await ev.wait()
+            if not f:
                 continue
-            ev = self._tags_ready[f] = anyio.Event()
-            try:
-                await self._backfill_tags(f, self.ctl.register_tag(f))
-            except BaseException:
-                del self._tags_ready[f]
+            ev = self._tags_ready.get((f, partition)) or self._tags_ready.get((f, None))
+            if ev is None or not ev.is_set():
+                out.append(f)
+        return out
+
+    async def ensure_tags(self, fields: Sequence[str], partition: str | None = None) -> None:
+        """Make sure the value of each tag field is known for every row of ``partition``
+        (``None``: of every partition), reading the values of rows written before the
+        field became a tag. A group key of one partition says nothing of a field of the
+        same name in another: only rows in scope are read (a value that is no scalar
+        raises :class:`~streamrl.errors.SchemaError` here, to the consumer that asked).
+        Concurrent callers wait for the first one's backfill."""
+        if partition is not None and partition in self.ctl.retired:
+            return
+        for key in [k for k in self._tags_ready if k[1] is not None and k[1] in self.ctl.retired]:
+            del self._tags_ready[key]  # finished partitions keep no state
+        for f in fields:
+            while True:
+                mine = self._tags_ready.get((f, partition))
+                every = self._tags_ready.get((f, None)) if partition is not None else None
+                if (mine is not None and mine.is_set()) or (every is not None and every.is_set()):
+                    break
+                if mine is not None or every is not None:  # another caller backfills
+                    await (mine or every).wait()
+                    continue  # (it may have failed: look again)
+                ev = self._tags_ready[(f, partition)] = anyio.Event()
+                try:
+                    await self._backfill_tags(f, self.ctl.register_tag(f, partition))
+                except BaseException:
+                    del self._tags_ready[(f, partition)]
+                    ev.set()
+                    raise
                 ev.set()
-                raise
-            ev.set()
+                break
         await self._after()
 
     # ------------------------------------------------------------------ reads
@@ -415,9 +436,9 @@ class ControllerService:
         """
         ctl = self.ctl
         ctl.validate_request(req)
-        need = self.tags_pending(ctl.request_tags(req))  # group, balance, sampler fields
-        if need:
-            await self.ensure_tags(need)
+        need = self.tags_pending(ctl.request_tags(req), req.partition)  # group, balance,
+        if need:  # sampler fields
+            await self.ensure_tags(need, req.partition)
         start = ctl.clock()
         deadline = None if timeout is None else start + timeout
         key = req.sub_key()

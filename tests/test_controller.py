@@ -431,3 +431,37 @@ def test_close_lets_short_groups_out_and_grouped_streams_end():
     assert c.take(r).rows == [rows[2]]
     c.ack(list(c.leases))
     assert c.take(r) is END
+
+
+def test_a_late_ack_of_an_expired_lease_raises_after_many_newer_leases():
+    """Acked leases take no memory, so the outcome of an expired lease is still known
+    after 100k newer leases (it used to be forgotten after 65,536)."""
+    clock = Clock()
+    c = Controller(1 << 17, lease_timeout=10.0, clock=clock)
+    put(c, 1, part="old")
+    old = c.take(req(bs=1, partition="old"))
+    clock.t = 11.0
+    c.expire()  # expired: its rows go to someone else
+    put(c, 100_000, part="new")
+    r = req(bs=1, partition="new")
+    for _ in range(100_000):
+        c.ack([c.take(r).lease])
+    with pytest.raises(LeaseExpired):
+        c.ack([old.lease])
+    assert len(c._lease_outcome) == 1
+
+
+def test_a_lease_older_than_the_outcome_memory_is_not_acked_silently(monkeypatch):
+    import streamrl.controller.state as state
+
+    monkeypatch.setattr(state, "OUTCOME_MEMORY", 2)
+    clock = Clock()
+    c = Controller(64, lease_timeout=1.0, clock=clock)
+    put(c, 4)
+    held = c.take(req(bs=1))  # held by a consumer that is slow to ack
+    for _ in range(3):  # three newer leases expire: the oldest outcomes are forgotten
+        c.take(req(bs=1, task="u"))
+    clock.t = 2.0
+    c.expire()
+    with pytest.raises(LeaseExpired):  # its outcome is forgotten: not taken as acked
+        c.ack([held.lease])

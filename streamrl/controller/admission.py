@@ -385,10 +385,16 @@ class Admission:
         if tok.reserved_bytes:
             self.space_freed = True
         missing: dict[str, list[int]] = {}
-        for f in self.tag_fields.intersection(tok.fields):
-            if f not in tags:
-                missing[f] = [r.id for r in touched]
+        tagged = [f for f in tok.fields if f not in tags and (
+            f in self.tag_fields or any(f in s for s in self.part_tags.values()))]
+        for f in tagged:  # tags the writer did not give: the service reads them
+            rows_ = [r.id for r in touched if self._tagged(f, r.part.name)]
+            if rows_:
+                missing[f] = rows_
+        parts = {r.part.name for r in touched}
+        scope = (self.tags_of(parts.pop()) if len(parts) == 1
+                 else frozenset(self.tag_fields))
         if touched:
             self._reindex(touched)
             self._filter_check(touched)
-        return CommitResult(dead, frozenset(self.tag_fields), missing)
+        return CommitResult(dead, scope, missing)

@@ -39,8 +39,8 @@ class Dispatch:
         self.expire()
         sampler = self._sampler_of(req)
         for f in sampler.fields:
-            if f not in self.tag_fields:
-                self.tag_fields.add(f)
+            if not self._tagged(f, req.partition):
+                self._tag_scope(f, req.partition)
         sub = self._sub(req)
         if req.max_staleness is not None:
             self._drop_stale(sub, req.max_staleness)

@@ -23,13 +23,19 @@ class Groups:
 
     # ------------------------------------------------------------------ tags
 
-    def register_tag(self, field: str) -> dict[int, list[int]]:
-        """Keep the scalar value of ``field`` per row (for grouping or balancing). Returns
-        rows (per shard) that already have the field but no tag: the caller reads their
-        values from storage and passes them to :meth:`set_tags`."""
-        self.tag_fields.add(field)
+    def register_tag(self, field: str, partition: str | None = None) -> dict[int, list[int]]:
+        """Keep the scalar value of ``field`` per row (for grouping or balancing) of
+        ``partition`` (``None``: of every partition). Returns rows (per shard) in that
+        scope that already have the field but no tag: the caller reads their values from
+        storage and passes them to :meth:`set_tags`."""
+        self._tag_scope(field, partition)
+        if partition is None:
+            rows = self.rows.values()
+        else:
+            p = self.parts.get(partition)
+            rows = p.rows.values() if p is not None else ()
         out: dict[int, list[int]] = {}
-        for r in self.rows.values():
+        for r in rows:
             if field in r.fields and field not in r.tags:
                 out.setdefault(r.shard, []).append(r.id)
         return out

@@ -73,7 +73,7 @@ class Index:
     def tags_needed(self, req: Request) -> list[str]:
         """Tag fields a request relies on (group key, balance key, its sampler's fields)
         not registered yet."""
-        return [f for f in self.request_tags(req) if f not in self.tag_fields]
+        return [f for f in self.request_tags(req) if not self._tagged(f, req.partition)]
 
     def _sub(self, req: Request) -> _Sub:
         key = req.sub_key()
@@ -83,7 +83,7 @@ class Index:
             return _Sub(key, 0, self._bit(self._tbits, req.task))
         if sub is None:
             for f in self.tags_needed(req):
-                self.tag_fields.add(f)
+                self._tag_scope(f, req.partition)
             sub = self._new_sub(key)
             rows = (self.parts[sub.partition].rows.values() if sub.partition in self.parts
                     else ()) if sub.partition is not None else self.rows.values()

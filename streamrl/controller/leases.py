@@ -84,6 +84,8 @@ class Leases:
                     expired.append(lid)
                 elif isinstance(outcome, (list, tuple)):  # ["withdrawn", rows]: all of them
                     withdrawn.extend(outcome[1])
+                elif outcome is None and lid <= self._outcome_floor:
+                    expired.append(lid)  # too old to know: it may have been handed out again
                 continue
             self._remember(lid, "acked")
             withdrawn.extend(lease.withdrawn)

@@ -59,6 +59,7 @@ class Lifecycle:
         if not p.sealed or p.rows or self.parts.get(p.name) is not p:
             return
         del self.parts[p.name]
+        self.part_tags.pop(p.name, None)
         self.retired.add(p.name)
         self.changed.add(p.name)
         self.woken.update(k for k, sub in self.subs.items() if sub.partition == p.name)

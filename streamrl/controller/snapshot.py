@@ -72,6 +72,7 @@ class Snapshot:
             "dead_shards": sorted(self.dead_shards),
             "dtypes": dict(self.dtypes),
             "tag_fields": sorted(self.tag_fields),
+            "part_tags": {p: sorted(fs) for p, fs in self.part_tags.items()},
             "filters": [{"name": s.name, "fields": sorted(s.fields), "group_by": s.group_by,
                          "group_size": s.group_size} for s in self.filters.values()],
             "partitions": [{"name": p.name, "sealed": p.sealed,
@@ -97,6 +98,7 @@ class Snapshot:
             "filter_waiting": {name: [[p, _enc(k), list(b)] for (p, k), b in buckets.items() if b]
                                for name, buckets in self._filter_ready.items()},
             "lease_outcomes": [[lid, o] for lid, o in self._lease_outcome.items()],
+            "outcome_floor": self._outcome_floor,
             "expired_writes": list(self._expired_tokens),
             "counters": {
                 "put": self.c_put, "bytes_put": self.c_bytes_put,
@@ -170,6 +172,7 @@ class Snapshot:
         self.dead_shards = set(st["dead_shards"])
         self.dtypes = dict(st["dtypes"])
         self.tag_fields = set(st["tag_fields"])
+        self.part_tags = {p: set(fs) for p, fs in st.get("part_tags", {}).items()}
         for f in st["filters"]:
             spec = FilterSpec(f["name"], frozenset(f["fields"]), f["group_by"], f["group_size"])
             self.filters[spec.name] = spec
@@ -190,7 +193,9 @@ class Snapshot:
         self.c_filter_errors = dict(c["filter_errors"])
         self.c_delivered, self.c_acked = dict(c["delivered"]), dict(c["acked"])
         self.c_redelivered, self.c_expired = dict(c["redelivered"]), dict(c["expired"])
-        self._lease_outcome = OrderedDict((int(lid), o) for lid, o in st["lease_outcomes"])
+        self._lease_outcome = OrderedDict((int(lid), o) for lid, o in st["lease_outcomes"]
+                                          if o != "acked")
+        self._outcome_floor = int(st.get("outcome_floor", 0))
         self._expired_tokens = OrderedDict((int(t), None) for t in st["expired_writes"])
         self._load_in_flight(st)
         # rows waiting for a filter's other group members, in arrival order

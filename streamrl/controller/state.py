@@ -23,6 +23,11 @@ _MISSING = object()
 #: outcomes of finished leases (and ids of expired writes) kept for idempotent acks and
 #: clear errors
 LEASE_MEMORY = 65536
+#: leases that ended without an ack (expired, released, emptied by a retract) whose
+#: outcome is remembered, so that a late ack of one of them raises; acked leases need no
+#: memory. Past this many, the oldest are forgotten and a late ack of a lease that old
+#: raises too (its outcome is unknown: it may have been handed out again).
+OUTCOME_MEMORY = 1 << 20
 
 
 class Row:
@@ -99,13 +104,19 @@ class State:
 
         self.leases: dict = {}  # lease id -> _Lease (see .leases)
         self._lease_outcome: OrderedDict[int, str | list] = OrderedDict()
+        self._outcome_floor = 0  # leases up to this id may have a forgotten outcome
         self._tokens: dict[int, WriteToken] = {}  # writes admitted, not committed
         self._expired_tokens: OrderedDict[int, None] = OrderedDict()
         self._retracted: OrderedDict[int, None] = OrderedDict()  # write tokens taken back
         self._jobs: dict[int, FilterJob] = {}  # filter jobs waiting for their verdict
 
         self.dtypes: dict[str, str] = {}  # field -> its one dtype ("torch.int64", "object")
+        # tags: fields whose scalar value per row is kept (group keys, balance keys,
+        # samplers' fields), queue-wide (filters, requests over every partition) or for
+        # one partition only (requests naming it): a group key of one partition says
+        # nothing of another's field of the same name
         self.tag_fields: set[str] = set()
+        self.part_tags: dict[str, set[str]] = {}
         self.filters: dict[str, FilterSpec] = {}
         self._tbits: dict[str, int] = {}  # task -> bit
         self._fbits: dict[str, int] = {}  # filter -> bit
@@ -167,10 +178,33 @@ class State:
     def _remaining_all(self, task: str) -> int:
         return len(self.rows) - sum(p.acked.get(task, 0) for p in self.parts.values())
 
-    def _remember(self, lid: int, outcome: str) -> None:
+    def _tagged(self, field: str, partition: str | None) -> bool:
+        """Whether rows of ``partition`` keep a tag of ``field``."""
+        return field in self.tag_fields or (
+            partition is not None and field in self.part_tags.get(partition, ()))
+
+    def _tag_scope(self, field: str, partition: str | None) -> None:
+        """Keep tags of ``field`` for rows of ``partition`` (``None``: every partition)."""
+        if partition is None:
+            self.tag_fields.add(field)
+        else:
+            self.part_tags.setdefault(partition, set()).add(field)
+
+    def tags_of(self, partition: str | None) -> frozenset[str]:
+        """The tag fields of rows of ``partition``."""
+        if partition is None:
+            return frozenset(self.tag_fields)
+        return frozenset(self.tag_fields | self.part_tags.get(partition, set()))
+
+    def _remember(self, lid: int, outcome: str | list) -> None:
+        """Remember how lease ``lid`` ended, unless it was acked (a lease that is not
+        live and not remembered was acked, or is older than :attr:`_outcome_floor`)."""
+        if outcome == "acked":
+            return
         self._lease_outcome[lid] = outcome
-        if len(self._lease_outcome) > LEASE_MEMORY:
-            self._lease_outcome.popitem(last=False)
+        if len(self._lease_outcome) > OUTCOME_MEMORY:
+            old, _ = self._lease_outcome.popitem(last=False)
+            self._outcome_floor = max(self._outcome_floor, old)
 
 
 def _dtype_name(d: str) -> str:

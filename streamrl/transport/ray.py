@@ -951,8 +951,8 @@ class _ControllerActorImpl:
     async def leaked(self):
         return await self.svc.leaked()
 
-    async def ensure_tags(self, fields):
-        return await self.svc.ensure_tags(fields)
+    async def ensure_tags(self, fields, partition=None):
+        return await self.svc.ensure_tags(fields, partition)
 
     async def event_loop(self) -> str:
         """The class of the event loop this actor runs on (Ray uses uvloop's when it is
