@@ -19,7 +19,8 @@ from .base import STATE_FORMAT, StateChunk, StorageBackend, StorageCaps
 from .memory import StorageUnit, approx_size
 from .registry import (ENTRY_POINT_GROUP, available, check_spec, create_unit, register,
                        resolve, unregister)
+from .spill import SpillUnit
 
 __all__ = ["StorageBackend", "StorageCaps", "StateChunk", "STATE_FORMAT", "StorageUnit",
-           "approx_size", "create_unit", "register", "unregister", "available",
+           "SpillUnit", "approx_size", "create_unit", "register", "unregister", "available",
            "resolve", "check_spec", "ENTRY_POINT_GROUP"]

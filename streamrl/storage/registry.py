@@ -49,6 +49,7 @@ Factory = Callable[..., StorageBackend]
 
 _BUILTIN = {
     "memory": "streamrl.storage.memory:create",
+    "spill": "streamrl.storage.spill:create",
 }
 _registry: dict[str, Factory | str] = dict(_BUILTIN)
 _scanned = False
