@@ -30,6 +30,7 @@ _EXPORTS = {
     "filters": None,
     "sync": None,
     "codec": None,
+    "storage": None,
 }
 
 __all__ = sorted(_EXPORTS) + ["errors", "__version__"]
@@ -50,7 +51,7 @@ def __dir__() -> list[str]:
 
 
 if TYPE_CHECKING:  # for type checkers and IDEs
-    from . import codec, filters, sync
+    from . import codec, filters, storage, sync
     from .batch import BatchProxy, ColumnRemoteBatch, RemoteBatch, RowRemoteBatch
     from .queue import DEFAULT_PARTITION, Stream, StreamQueue
     from .stats import Stats, TaskStats
