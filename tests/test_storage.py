@@ -449,6 +449,8 @@ def test_registry_names_backends_and_options():
         streamrl.StreamQueue(storage={"backend": "spill", "memory_bytes": 1.5, "dir": "/"})
     with pytest.raises(InvalidArgument, match="no option 'budget'"):
         streamrl.StreamQueue(storage={"backend": "spill", "budget": 1})
+    with pytest.raises(InvalidArgument, match="did you mean 'memory_bytes'"):
+        streamrl.StreamQueue.from_config({"storage": {"backend": "spill", "memory_byts": 1}})
     with pytest.raises(InvalidArgument, match="registered already"):
         storage.register("memory", lambda index, **kw: StorageUnit(index))
     with pytest.raises(InvalidArgument, match="not a streamrl.storage.StorageBackend"):

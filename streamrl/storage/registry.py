@@ -12,7 +12,10 @@ A backend is registered under a name with a factory that builds one storage unit
 
 ``storage=`` is a name (``"memory"``) or a mapping ``{"backend": name, **options}``; the
 options are passed to the factory as keyword arguments. A factory whose signature names
-its options (no ``**options``) gets unknown options refused with a message naming them.
+its options (no ``**options``) gets unknown options refused with a message naming them. A
+factory may also carry a ``check_options(**options)`` attribute that raises
+:class:`~streamrl.errors.InvalidArgument` for bad values: it runs where the queue is made
+(on Ray: in the driver), before any unit is built.
 
 Every transport builds its units with :func:`create_unit`, in the process that hosts
 them: on Ray, a storage-unit actor. A backend registered by calling :func:`register` in
@@ -129,7 +132,8 @@ def resolve(name: str) -> Factory:
 
 def check_spec(spec: Any) -> tuple[str, dict[str, Any], Factory]:
     """``(name, options, factory)`` of a ``storage=`` value; the options are checked
-    against the factory's signature when it names them.
+    against the factory's signature when it names them, and by the factory's
+    ``check_options(**options)`` when it has one.
 
     Raises:
         InvalidArgument: not a name or ``{"backend": name, ...}`` mapping, an unknown
@@ -168,6 +172,9 @@ def check_spec(spec: Any) -> tuple[str, dict[str, Any], Factory]:
                 f"storage backend {name!r} has no option{'s' if len(unknown) > 1 else ''} "
                 f"{', '.join(map(repr, unknown))}{hint}; its options: "
                 f"{', '.join(takes) if takes else '(none)'}")
+    check = getattr(factory, "check_options", None)
+    if check is not None:
+        check(**options)
     return name, options, factory
 
 

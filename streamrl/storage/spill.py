@@ -212,12 +212,7 @@ class SpillUnit(StorageUnit):
 
     def __init__(self, index: int = 0, on_release: Callable[[Any], None] | None = None, *,
                  memory_bytes: int = DEFAULT_MEMORY_BYTES, dir: str | os.PathLike | None = None):
-        if isinstance(memory_bytes, bool) or not isinstance(memory_bytes, int) or memory_bytes < 0:
-            raise InvalidArgument(
-                f"spill storage: memory_bytes must be an int >= 0 (tensor bytes kept in memory "
-                f"per storage unit), got {memory_bytes!r}")
-        if dir is not None and not isinstance(dir, (str, os.PathLike)):
-            raise InvalidArgument(f"spill storage: dir must be a path or None, got {dir!r}")
+        _check_options(memory_bytes=memory_bytes, dir=dir)
         super().__init__(index, on_release)
         self.memory_bytes = memory_bytes
         self.dir = os.path.abspath(os.fspath(dir) if dir is not None else tempfile.gettempdir())
@@ -429,8 +424,22 @@ class SpillUnit(StorageUnit):
                 pass
 
 
+def _check_options(memory_bytes: Any = DEFAULT_MEMORY_BYTES, dir: Any = None) -> None:
+    if isinstance(memory_bytes, bool) or not isinstance(memory_bytes, int) or memory_bytes < 0:
+        raise InvalidArgument(
+            f"spill storage: memory_bytes must be an int >= 0 (tensor bytes kept in memory "
+            f"per storage unit), got {memory_bytes!r}")
+    if dir is not None and not isinstance(dir, (str, os.PathLike)):
+        raise InvalidArgument(f"spill storage: dir must be a path or None, got {dir!r}")
+
+
 def create(index: int = 0, *, on_release: Callable[[Any], None] | None = None,
            memory_bytes: int = DEFAULT_MEMORY_BYTES, dir: str | None = None) -> SpillUnit:
     """The registered factory of ``storage={"backend": "spill", ...}`` (see
     :class:`SpillUnit` for the options)."""
     return SpillUnit(index, on_release, memory_bytes=memory_bytes, dir=dir)
+
+
+#: checked where the queue is made (the driver), before any unit is built (see
+#: :func:`streamrl.storage.check_spec`); ``dir`` is checked by each unit, on its node
+create.check_options = _check_options  # type: ignore[attr-defined]
