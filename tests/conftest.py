@@ -67,32 +67,33 @@ SPILL = {"backend": "spill", "memory_bytes": 256}
 
 
 def pytest_generate_tests(metafunc):
-    if "deployment" in metafunc.fixturenames:
-        params = list(TRANSPORTS)
-        if metafunc.module.__name__ in SPILL_SUITE and "make_queue" in metafunc.fixturenames:
-            params += [f"{t}-spill" for t in TRANSPORTS
-                       if t != "ray" or metafunc.function.__name__ in RAY_SPILL]
-        metafunc.parametrize("deployment", params, indirect=True)
+    """Parametrise ``transport`` over TRANSPORTS (plus the spill deployments for the
+    suite), unless the test parametrises it itself (``test_ray.py``: ``["ray"]``)."""
+    if "transport" not in metafunc.fixturenames or any(
+            "transport" in m.args[0] for m in metafunc.definition.iter_markers("parametrize")):
+        return
+    params = list(TRANSPORTS)
+    if metafunc.module.__name__ in SPILL_SUITE and "make_queue" in metafunc.fixturenames:
+        params += [f"{t}-spill" for t in TRANSPORTS
+                   if t != "ray" or metafunc.function.__name__ in RAY_SPILL]
+    metafunc.parametrize("transport", params, indirect=True)
 
 
 @pytest.fixture
-def deployment(request):
-    """``"<transport>"`` or ``"<transport>-spill"`` (see SPILL_SUITE)."""
-    if request.param.split("-")[0] == "ray":
+def transport(request):
+    """The transport name: the parametrised ``"<transport>"`` or ``"<transport>-spill"``
+    (see SPILL_SUITE) without its storage part."""
+    name = request.param.split("-")[0]
+    if name == "ray":
         request.getfixturevalue("ray_session")
-    return request.param
+    return name
 
 
 @pytest.fixture
-def transport(deployment):
-    """The transport name of the parametrised deployment."""
-    return deployment.split("-")[0]
-
-
-@pytest.fixture
-def storage(deployment, tmp_path):
+def storage(request, tmp_path):
     """The ``storage=`` of the parametrised deployment (spill files under tmp_path)."""
-    if deployment.endswith("-spill"):
+    callspec = getattr(request.node, "callspec", None)
+    if callspec is not None and str(callspec.params.get("transport", "")).endswith("-spill"):
         return {**SPILL, "dir": str(tmp_path)}
     return "memory"
 
