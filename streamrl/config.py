@@ -166,6 +166,9 @@ class QueueConfig:
         if not isinstance(self.options, Mapping):
             raise InvalidArgument(f"options must be a mapping, got {self.options!r}")
         object.__setattr__(self, "options", dict(self.options))
+        from .storage import check_spec  # names and options, here (not in a Ray actor)
+
+        check_spec(self.storage)
 
     @classmethod
     def fields(cls) -> tuple[str, ...]:
