@@ -23,7 +23,7 @@ __all__ = ["Endpoints", "UNDO_TIMEOUT", "unwrap", "send", "undone", "spawn", "ne
 
 log = logging.getLogger("streamrl")
 
-#: the controller's socket endpoint and the storage units' (see :mod:`..rpc`)
+#: the controller's socket endpoint and the storage units' (see :mod:`streamrl.transport.rpc`)
 Endpoints = tuple[Endpoint, list[Endpoint]]
 
 #: seconds a cancelled call waits for its effect to be taken back before it gives up

@@ -74,7 +74,7 @@ class RayDataPlane(DataPlane):
             self.use_endpoints(endpoints)
 
     def use_endpoints(self, endpoints: Sequence[Endpoint | None]) -> None:
-        """Call the units over their socket channels (see :mod:`..rpc`) from now on."""
+        """Call the units over their socket channels (see :mod:`streamrl.transport.rpc`) from now on."""
         self.rpcs = [RpcClient(e, on_broken=lambda s=shard: self._unmap(s)) if e is not None
                      else None for shard, e in enumerate(endpoints)]
 

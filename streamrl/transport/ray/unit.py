@@ -81,7 +81,7 @@ class StorageActorImpl:
         self._puts: OrderedDict[str, asyncio.Task] = OrderedDict()  # put_rows by request id
 
     def endpoint(self, controller: Endpoint | None = None) -> Endpoint:
-        """Start serving this unit's methods over a socket (see :mod:`..rpc`), from an
+        """Start serving this unit's methods over a socket (see :mod:`streamrl.transport.rpc`), from an
         event loop on a thread of its own; where. ``controller``: the controller's
         endpoint, for :meth:`put_rows` (which calls the control plane over it)."""
         if controller is not None and self._controller is None:
