@@ -5,8 +5,10 @@ process, and shutting them down.
 data-plane client (:attr:`RayTransport.data_plane`, also what the controller actor
 reaches the units with), the control-plane client (:attr:`RayTransport.control_plane`)
 and the actor classes (:attr:`RayTransport.controller_actor`,
-:attr:`RayTransport.storage_actor`). A subclass sets them, or
-:meth:`RayTransport.create` takes them as arguments.
+:attr:`RayTransport.storage_actor`). A subclass sets them; :meth:`RayTransport.create`
+and the constructor also take the data-plane class as an argument. The data-plane class
+travels with the queue's handle (and a named queue's controller tells it), so every
+process attached to a queue uses the same one.
 """
 
 from __future__ import annotations
