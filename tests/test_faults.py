@@ -13,7 +13,7 @@ import anyio
 import pytest
 import torch
 
-from streamrl.errors import EndOfStream, RowsLost, StreamRLError, TransportError
+from streamrl.errors import RowsLost, StreamRLError, TransportError
 
 ray = pytest.importorskip("ray")
 pytestmark = [pytest.mark.ray, pytest.mark.slow, pytest.mark.timeout(240),

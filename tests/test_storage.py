@@ -8,7 +8,6 @@ from __future__ import annotations
 import logging
 import os
 
-import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings
