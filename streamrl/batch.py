@@ -120,12 +120,12 @@ class _Cache:
         return _Cache(out, self.probe if self.probe is not None else other.probe)
 
 
-class _Lease:
+class _BatchLease:
     """Acknowledgement state shared by the views of one delivered batch."""
 
     __slots__ = ("ids", "open", "dropped", "parts")
 
-    def __init__(self, ids: tuple[int, ...], parts: Sequence["_Lease"] = ()):
+    def __init__(self, ids: tuple[int, ...], parts: Sequence["_BatchLease"] = ()):
         self.ids = ids
         self.open = bool(ids)
         self.dropped: set[int] = set()
@@ -187,7 +187,7 @@ class RowRemoteBatch(RemoteBatch):
                  versions: Sequence[int] | np.ndarray | None = None,
                  leases: tuple[int, ...] = (), task: str | None = None,
                  partition: str | None = None, cache: _Cache | None = None,
-                 lease: _Lease | None = None, scalar: bool = False,
+                 lease: _BatchLease | None = None, scalar: bool = False,
                  known: Iterable[str] = ()):
         self._s: Session = queue.session
         self._rows = np.asarray(rows, dtype=np.int64)
@@ -196,7 +196,7 @@ class RowRemoteBatch(RemoteBatch):
         self._fields = tuple(fields)
         self._known = frozenset(known) | frozenset(self._fields)
         self._cache = cache if cache is not None else _Cache(probe=_probe(self._rows, self._shards))
-        self._lease = lease if lease is not None else _Lease(tuple(leases))
+        self._lease = lease if lease is not None else _BatchLease(tuple(leases))
         self._task = task
         self._partition = partition
         self._scalar = scalar
@@ -365,7 +365,7 @@ class RowRemoteBatch(RemoteBatch):
             if b._cache is not cache:
                 cache = cache.merged(b._cache)
         leases = tuple(dict.fromkeys(i for b in batches for i in b._lease.ids))
-        lease = batches[0]._lease if all(b._lease is batches[0]._lease for b in batches) else _Lease(
+        lease = batches[0]._lease if all(b._lease is batches[0]._lease for b in batches) else _BatchLease(
             leases, parts=list({id(b._lease): b._lease for b in batches}.values()))
         lease.open = any(b._lease.open for b in batches) if lease.ids else False
         versions = (None if any(b._versions is None for b in batches)
@@ -613,7 +613,7 @@ class RowRemoteBatch(RemoteBatch):
         self._fields = st["fields"]
         self._known = st["known"]
         self._cache = _Cache(probe=st.get("probe"))
-        self._lease = _Lease(st["leases"])
+        self._lease = _BatchLease(st["leases"])
         self._lease.open = st["open"]
         self._task, self._partition, self._scalar = st["task"], st["partition"], st["scalar"]
         self.nbytes = st.get("nbytes")

@@ -20,6 +20,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
+from .._types import Column
 from ..errors import RowsDropped, UnknownField, rows_preview
 from .base import STATE_FORMAT, StateChunk, StorageBackend, StorageCaps, load_chunks
 
@@ -28,7 +29,6 @@ __all__ = ["StorageUnit", "approx_size", "create"]
 # This module does not import torch: a unit stores anything with the tensor surface it
 # uses (``shape``, ``element_size()``, ``numel()``, row slices, ``unsqueeze(0)``), that is
 # torch tensors (embedded) and :class:`streamrl.wire.WireTensor` (storage-unit actors).
-Column = Any
 
 
 def _is_tensor(x: Any) -> bool:
