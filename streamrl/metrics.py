@@ -48,7 +48,7 @@ from .stats import Histogram, Stats
 
 log = logging.getLogger("streamrl")
 
-__all__ = ["MetricsServer", "families", "parse_spec"]
+__all__ = ["MetricsServer", "RayMirror", "RayReads", "families", "parse_spec"]
 
 
 def parse_spec(spec: Any) -> tuple[str, int] | None:
@@ -100,6 +100,10 @@ def families(st: Stats, queue: str, reads: dict[str, list] | None = None) -> Ite
         yield c
     c = counter("rows_dropped", "Rows that left the queue, per reason.", ["reason"])
     for reason, n in sorted(st.dropped_by.items()):
+        c.add_metric([queue, reason], n)
+    yield c
+    c = counter("bytes_dropped", "Bytes of rows that left the queue, per reason.", ["reason"])
+    for reason, n in sorted(st.bytes_dropped_by.items()):
         c.add_metric([queue, reason], n)
     yield c
     c = counter("rows_filtered", "Rows rejected, per filter.", ["filter"])
@@ -265,3 +269,35 @@ class RayMirror:
                         m.inc(delta, tags=tags)
                 else:
                     m.set(sample.value, tags=tags)
+
+
+class RayReads:
+    """This process's ``materialize`` reads as Ray metrics (``ray.util.metrics``): the
+    ``streamrl_materialize_seconds`` histogram and ``streamrl_materialize_bytes`` counter,
+    labelled by queue and task, recorded where the reads happen (any Ray worker) so the
+    Ray dashboard sums them over the cluster. Made lazily, on the first read."""
+
+    BOUNDARIES = [Histogram.bound(i) for i in range(4, 36, 2)]  # 16 us .. ~2 min
+
+    def __init__(self, queue: str) -> None:
+        self._queue = queue
+        self._m: tuple[Any, Any] | None = None
+
+    def __call__(self, task: str, rows: int, nbytes: int, seconds: float) -> None:
+        try:
+            if self._m is None:
+                from ray.util import metrics as rm
+
+                self._m = (
+                    rm.Histogram("streamrl_materialize_seconds",
+                                 description="Seconds a materialize call took.",
+                                 boundaries=self.BOUNDARIES, tag_keys=("queue", "task")),
+                    rm.Counter("streamrl_materialize_bytes",
+                               description="Tensor bytes read by materialize.",
+                               tag_keys=("queue", "task")))
+            tags = {"queue": self._queue, "task": task}
+            self._m[0].observe(seconds, tags=tags)
+            if nbytes:
+                self._m[1].inc(nbytes, tags=tags)
+        except Exception as e:  # noqa: BLE001 - metrics never break a read
+            log.debug("streamrl: Ray read metrics failed: %r", e)

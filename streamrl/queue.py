@@ -154,6 +154,12 @@ class StreamQueue:
         self._tags_any: frozenset[str] = frozenset()
         self._transport = transport
         self._session = Session(self, transport)
+        if getattr(transport, "metrics_url", None) is not None and transport.handle is not None:
+            # the controller serves the queue-wide series elsewhere: this process's reads
+            # go to the cluster's metrics (the Ray dashboard) instead
+            from .metrics import RayReads
+
+            self._session.on_read = RayReads(name or transport.queue_id[:8])
         self._id = next(_ids)
         _registry[self._id] = self
 

@@ -669,6 +669,7 @@ class ControllerService:
             put=ctl.c_put, bytes_put=ctl.c_bytes_put, bytes_freed=ctl.c_bytes_freed,
             dropped=sum(ctl.c_dropped.values()),
             dropped_by={str(k): v for k, v in ctl.c_dropped.items()},
+            bytes_dropped_by={str(k): v for k, v in ctl.c_bytes_dropped.items()},
             filtered=sum(ctl.c_filtered_by.values()), filtered_by=dict(ctl.c_filtered_by),
             filter_errors=sum(ctl.c_filter_errors.values()),
             filter_pending=ctl.pending_filter_rows(),

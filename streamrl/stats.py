@@ -122,6 +122,7 @@ class Stats:
         dropped: rows that left the queue.
         dropped_by: rows that left, per reason: ``dropped``, ``cleared``, ``filtered``,
             ``filter_error``, ``stale``, ``consumed``, ``dp_remainder``, ``lost``.
+        bytes_dropped_by: bytes of those rows, per the same reasons.
         filtered: rows rejected by filters.
         filtered_by: rows rejected, per filter name.
         filter_errors: rows dropped because their filter raised.
@@ -162,6 +163,7 @@ class Stats:
     bytes_freed: int = 0
     dropped: int = 0
     dropped_by: dict[str, int] = field(default_factory=dict)
+    bytes_dropped_by: dict[str, int] = field(default_factory=dict)
     filtered: int = 0
     filtered_by: dict[str, int] = field(default_factory=dict)
     filter_errors: int = 0

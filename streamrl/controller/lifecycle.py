@@ -160,6 +160,7 @@ class Lifecycle:
         self.c_bytes_freed += freed
         if reason is not None:
             self.c_dropped[reason] = self.c_dropped.get(reason, 0) + gone
+            self.c_bytes_dropped[reason] = self.c_bytes_dropped.get(reason, 0) + freed
         self.space_freed = True
         for name, p, tags in regroup:
             # a member the filter still awaited left: the rest of its group may go now

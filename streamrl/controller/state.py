@@ -131,6 +131,7 @@ class State:
         self.c_bytes_freed = 0
         self.c_writes_expired = 0
         self.c_dropped: dict[str, int] = {}
+        self.c_bytes_dropped: dict[str, int] = {}  # per reason, like c_dropped
         self.c_filtered_by: dict[str, int] = {}
         self.c_filter_errors: dict[str, int] = {}
         self.c_delivered: dict[str, int] = {}

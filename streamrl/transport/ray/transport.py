@@ -180,15 +180,18 @@ class RayTransport(Transport):
 
     @property
     def handle(self) -> tuple:
-        """What a pickled queue carries: the actor handles, their socket endpoints and the
-        data-plane client class."""
-        return (self._controller, self._units, self._endpoints, self._data_plane)
+        """What a pickled queue carries: the actor handles, their socket endpoints, the
+        data-plane client class and where the queue's metrics are served."""
+        return (self._controller, self._units, self._endpoints, self._data_plane,
+                self.metrics_url)
 
     @classmethod
     def attach(cls, handle: tuple) -> "RayTransport":
         """The queue in this process, from :attr:`handle` (not owned)."""
-        controller, units, endpoints, data_plane = handle
-        return cls(controller, units, owner=False, endpoints=endpoints, data_plane=data_plane)
+        controller, units, endpoints, data_plane, *rest = handle
+        self = cls(controller, units, owner=False, endpoints=endpoints, data_plane=data_plane)
+        self.metrics_url = rest[0] if rest else None
+        return self
 
     from_handle = attach
 
