@@ -70,6 +70,8 @@ class RayDataPlane(DataPlane):
         self._next_unit = random.randrange(max(self.num_shards, 1))
         self._busy_until = 0.0  # no put_rows before (the queue was full)
         self._unreachable: set[int] = set()  # units put_rows could not connect to
+        self._unit_nodes: dict[int, str] = {}  # unit -> its Ray node id (asked once)
+        self._node: str | None = None  # this process's Ray node id
         if endpoints is not None:
             self.use_endpoints(endpoints)
 
@@ -221,7 +223,8 @@ class RayDataPlane(DataPlane):
                        dtypes: dict | None = None) -> tuple[list[int], list[int], Any] | None:
         """A small put of ``n`` new rows, admitted and committed by one storage unit
         (see :meth:`.unit.StorageActorImpl.put_rows`): one call instead of asking the
-        controller for room first. Returns ``(rows, shards, commit result)``, or ``None``
+        controller for room first. The unit is one on this process's node when there is
+        one (round robin over them), else any (round robin). Returns ``(rows, shards, commit result)``, or ``None``
         when it does not apply (big tensors, no socket channel, no room right now): the
         caller puts the usual way. Raises what the put would raise."""
         live = [s for s in range(self.num_shards)
@@ -231,8 +234,9 @@ class RayDataPlane(DataPlane):
                 or max(sizes, default=0) >= SHM_MIN):  # big tensors go through the arena
             return None
         wire = to_wire(cols)
-        self._next_unit = (self._next_unit + 1) % len(live)
-        shard = live[self._next_unit]
+        pool = await self._on_this_node(live) or live
+        self._next_unit = (self._next_unit + 1) % len(pool)
+        shard = pool[self._next_unit]
         rid = uuid.uuid4().hex
         try:
             ans = await self.rpcs[shard].call("put_rows", n, wire, partition, list(cols),
@@ -256,6 +260,21 @@ class RayDataPlane(DataPlane):
             raise ans.error
         rows, res = ans.rows, ans.result
         return rows, [shard] * n, res
+
+    async def _on_this_node(self, shards: list[int]) -> list[int]:
+        """The units of ``shards`` on this process's Ray node: a small put goes to one of
+        them when there is one, so a node's producers fill their own node's units and
+        their bytes stay off the network. Each unit is asked for its node once."""
+        unknown = [s for s in shards if s not in self._unit_nodes]
+        if unknown:
+            res = await asyncio.gather(*[self._call(s, "shm_info") for s in unknown],
+                                       return_exceptions=True)
+            for s, r in zip(unknown, res):
+                if not isinstance(r, BaseException):
+                    self._unit_nodes[s] = r[0]
+        if self._node is None:
+            self._node = ray.get_runtime_context().get_node_id()
+        return [s for s in shards if self._unit_nodes.get(s) == self._node]
 
     async def get(self, parts: Sequence[tuple[int, Sequence[int], Sequence[str]]]
                   ) -> list[dict[str, list[Column]]]:
