@@ -29,11 +29,15 @@ def load_train():
     return module
 
 
-@pytest.mark.timeout(60)
+@pytest.mark.timeout(120)  # the Ray run: ~40 s on a busy 2-core machine, plus Ray's
+# start (~20 s) when it is the session's first Ray test
 async def test_agentic_example(transport, tmp_path):
     train = load_train()
     steps = 150 if transport == "embedded" else 20
+    # on Ray each env worker (and their hub) is an actor: two workers start sooner
+    workers = 4 if transport == "embedded" else 2
     args = train.parse_args(["--steps", str(steps), "--seed", "0", "--quiet",
+                             "--workers", str(workers),
                              "--out", str(tmp_path), "--transport", transport])
     s = await train.run(args)
 
@@ -48,9 +52,24 @@ async def test_agentic_example(transport, tmp_path):
     assert dropped.get("filtered", 0) == s["rows_filtered"]
     assert dropped.get("stale", 0) == s["rows_stale"]
     assert s["rows_trained"] + s["rows_filtered"] + s["rows_stale"] == s["rows_put"]
+    # every role was timed (on Ray the env workers are actors: their timings came back)
+    assert set(s["time_by_role"]) == {"env_worker", "judge", "actor_update"}
+    assert s["time_by_role"]["env_worker"]["calls"] > 0
     # the run's artefacts
     assert (tmp_path / "curves.png").stat().st_size > 0
     assert json.loads((tmp_path / "summary.json").read_text())["rows_put"] == s["rows_put"]
 
     if transport == "embedded":  # fixed seed, bounded steps: it learns
         assert s["reward_end"] > s["reward_start"] + 0.15, (s["reward_start"], s["reward_end"])
+
+
+def test_each_run_gets_its_own_output_directory(tmp_path, monkeypatch):
+    """Without --out, every run writes to a new runs/agentic/<date>-<time>-<transport>,
+    so runs (even two in the same second) do not overwrite each other's plots."""
+    train = load_train()
+    monkeypatch.chdir(tmp_path)
+    a = train.output_dir(train.parse_args(["--transport", "ray"]))
+    b = train.output_dir(train.parse_args(["--transport", "ray"]))
+    assert a != b and a.is_dir() and b.is_dir()
+    assert a.parent == b.parent == Path("runs/agentic") and a.name.endswith("-ray")
+    assert train.output_dir(train.parse_args(["--out", "mine"])) == Path("mine")

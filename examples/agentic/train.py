@@ -1,9 +1,11 @@
 """Agentic GRPO on a streamrl queue: env workers play, a judge scores, a trainer learns.
 
     python examples/agentic/train.py                     # under a minute on 2 CPU cores
-    python examples/agentic/train.py --transport ray
+    python examples/agentic/train.py --transport ray      # env workers as Ray actors
 
-The roles run concurrently and meet only in the queue. One row is one episode:
+The roles run concurrently and meet only in the queue (with ``--transport ray`` the env
+workers are Ray actors, each with the pickled queue handle; the judge and the trainer
+stay in the driver). One row is one episode:
 
 * env workers put the row when the episode starts (``prompt``, group ``uid``, the
   ``secret`` the judge will check; stamped with the policy version that plays it) and add
@@ -54,7 +56,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-staleness", type=int, default=1,
                    help="drop rollouts more than this many policy versions old")
     p.add_argument("--seed", type=int, default=0, help="tasks, sampling and initial weights")
-    p.add_argument("--out", default="runs/agentic", help="where the plot and summary go")
+    p.add_argument("--out", default=None,
+                   help="where the plot and summary go (default: a new directory "
+                        "runs/agentic/<date>-<time>-<transport> per run)")
     p.add_argument("--transport", choices=["embedded", "ray"], default="embedded",
                    help="where the queue lives")
     p.add_argument("--quiet", action="store_true", help="no progress bar or report")
@@ -107,52 +111,77 @@ class Schedule:
         return uid // self.groups
 
 
-class WeightSync:
-    """Trainer -> env workers: the newest weights and their policy version."""
+class Hub:
+    """What the env workers share: the task schedule, pacing, and the newest weights.
 
-    def __init__(self, agent: Agent):
+    In the driver's event loop with ``--transport embedded``; a Ray actor with
+    ``--transport ray`` (the env workers are Ray actors then). Workers call it through
+    :func:`hub_call`, the same way in both cases.
+    """
+
+    def __init__(self, schedule: Schedule, state: dict[str, torch.Tensor],
+                 max_staleness: int):
+        self.schedule = schedule
+        self._tasks = iter(schedule)
+        self._max_staleness = max_staleness
         self._published = asyncio.Condition()
         self.version = 0
-        self._state = self._copy(agent)
+        self._state = state
 
-    @staticmethod
-    def _copy(agent: Agent) -> dict[str, torch.Tensor]:
-        return {k: v.detach().clone() for k, v in agent.state_dict().items()}
-
-    async def publish(self, agent: Agent, version: int) -> None:
+    async def next_task(self, have: int) -> tuple[Task, int, dict | None] | None:
+        """The next task, once weights new enough to play it are out (step ``k`` is
+        trained at version ``k``, so it is played with ``k - max_staleness`` or newer):
+        ``(task, version, weights)``, the weights ``None`` when the worker's version
+        ``have`` is the newest. ``None`` when every task was handed out."""
+        task = next(self._tasks, None)
+        if task is None:
+            return None
         async with self._published:
-            self.version, self._state = version, self._copy(agent)
+            await self._published.wait_for(
+                lambda: self.version >= task.step - self._max_staleness)
+        return task, self.version, (self._state if have < self.version else None)
+
+    async def put_done(self, step: int) -> bool:
+        """A group of ``step`` is in the queue; true once all of them are."""
+        return self.schedule.put_done(step)
+
+    async def publish(self, version: int, state: dict[str, torch.Tensor]) -> None:
+        async with self._published:
+            self.version, self._state = version, state
             self._published.notify_all()
 
-    async def pull(self, agent: Agent, have: int, *, at_least: int = 0) -> int:
-        """Wait for weights of version ``at_least`` or newer, load them into ``agent`` if
-        it has an older version ``have``, and return their version."""
-        async with self._published:
-            await self._published.wait_for(lambda: self.version >= at_least)
-        if have < self.version:
-            agent.load_state_dict(self._state)
-        return self.version
+
+def weights_of(agent: Agent) -> dict[str, torch.Tensor]:
+    return {k: v.detach().clone() for k, v in agent.state_dict().items()}
 
 
-async def env_worker(q: streamrl.StreamQueue, game: GuessTheNumber, schedule: Schedule,
-                     weights: WeightSync, args: argparse.Namespace) -> None:
+async def hub_call(hub, method: str, *args):
+    """``hub.method(*args)``: on the :class:`Hub` itself, or on its Ray actor."""
+    if isinstance(hub, Hub):
+        return await getattr(hub, method)(*args)
+    return await getattr(hub, method).remote(*args)
+
+
+async def env_worker(q: streamrl.StreamQueue, game: GuessTheNumber, hub,
+                     args: argparse.Namespace) -> None:
     async with q.timed("env_worker"):  # how much of its time goes to the queue
-        await _play(q, game, schedule, weights, args)
+        await _play(q, game, hub, args)
 
 
-async def _play(q: streamrl.StreamQueue, game: GuessTheNumber, schedule: Schedule,
-                weights: WeightSync, args: argparse.Namespace) -> None:
+async def _play(q: streamrl.StreamQueue, game: GuessTheNumber, hub,
+                args: argparse.Namespace) -> None:
     n = args.group_size
     agent = Agent(game.vocab_size, game.num_actions).requires_grad_(False)
     version = -1
-    for task in schedule:
-        # pacing: step k is trained at version k, so play it with k - max_staleness or newer
-        version = await weights.pull(agent, version, at_least=task.step - args.max_staleness)
+    while (got := await hub_call(hub, "next_task", version)) is not None:
+        task, version, weights = got  # paced: weights new enough for this step
+        if weights is not None:
+            agent.load_state_dict(weights)
         games = game.play(task.hi, task.secret, n)
         rows = await q.put({"uid": torch.full((n,), task.uid), "prompt": games.prompt,
                             "secret": torch.full((n,), task.secret)},
                            partition=f"step-{task.step}", version=version)
-        if schedule.put_done(task.step):
+        if await hub_call(hub, "put_done", task.step):
             await q.seal(f"step-{task.step}")
         gen = torch.Generator().manual_seed(args.seed * 1_000_003 + task.uid)
         state = agent.start(games.prompt)
@@ -166,6 +195,32 @@ async def _play(q: streamrl.StreamQueue, game: GuessTheNumber, schedule: Schedul
                 state = agent.observe(state, tokens)
         except streamrl.errors.RowsDropped:
             pass  # dropped under us (stale, cleared): the episode is of no use any more
+
+
+class EnvWorkerActor:
+    """An env worker in a Ray actor of its own (``--transport ray``): the queue handle
+    and the hub's actor handle arrive as arguments and work there as they are."""
+
+    async def run(self, q: streamrl.StreamQueue, game: GuessTheNumber, hub,
+                  args: argparse.Namespace) -> dict:
+        torch.set_num_threads(1)
+        await env_worker(q, game, hub, args)
+        return q.timings()["env_worker"].to_dict()
+
+
+def ray_env_workers(q: streamrl.StreamQueue, game: GuessTheNumber, hub: Hub,
+                    args: argparse.Namespace) -> tuple[object, list, list]:
+    """Start the hub and ``args.workers`` env workers as Ray actors; (hub actor, the
+    worker actors, their results to await: each worker's timing)."""
+    import ray
+    import ray.cloudpickle
+
+    # this example's modules are not importable in Ray's workers: send them by value
+    for mod in {Agent.__module__, GuessTheNumber.__module__, __name__} - {"__main__"}:
+        ray.cloudpickle.register_pickle_by_value(sys.modules[mod])
+    hub_actor = ray.remote(num_cpus=0)(Hub).remote(hub.schedule, hub._state, args.max_staleness)
+    workers = [ray.remote(num_cpus=0)(EnvWorkerActor).remote() for _ in range(args.workers)]
+    return hub_actor, workers, [w.run.remote(q, game, hub_actor, args) for w in workers]
 
 
 async def judge(q: streamrl.StreamQueue, game: GuessTheNumber, schedule: Schedule,
@@ -191,14 +246,14 @@ async def _judge(q: streamrl.StreamQueue, game: GuessTheNumber, schedule: Schedu
 
 
 async def trainer(q: streamrl.StreamQueue, game: GuessTheNumber, agent: Agent,
-                  weights: WeightSync, args: argparse.Namespace, metrics: "Metrics") -> None:
+                  hub, args: argparse.Namespace, metrics: "Metrics") -> None:
     """One GRPO step per partition, accumulating gradients over whole-group micro-batches."""
     async with q.timed("actor_update"):
-        await _train(q, game, agent, weights, args, metrics)
+        await _train(q, game, agent, hub, args, metrics)
 
 
 async def _train(q: streamrl.StreamQueue, game: GuessTheNumber, agent: Agent,
-                 weights: WeightSync, args: argparse.Namespace, metrics: "Metrics") -> None:
+                 hub, args: argparse.Namespace, metrics: "Metrics") -> None:
     opt = torch.optim.Adam(agent.parameters(), lr=args.lr)
     n = args.group_size
     turns, logps = turn_fields(game), logp_fields(game)
@@ -220,7 +275,7 @@ async def _train(q: streamrl.StreamQueue, game: GuessTheNumber, agent: Agent,
             opt.step()
             opt.zero_grad()
         await q.set_version(step + 1)
-        await weights.publish(agent, step + 1)
+        await hub_call(hub, "publish", step + 1, weights_of(agent))
         await metrics.end_step(step, trained)
 
 
@@ -348,11 +403,10 @@ async def run(args: argparse.Namespace) -> dict:
     torch.set_num_threads(1)  # a tiny model: more threads only add overhead
     game = GuessTheNumber()
     agent = Agent(game.vocab_size, game.num_actions)
-    weights = WeightSync(agent)
     schedule = Schedule(game, args.steps, args.groups, args.seed)
+    hub = Hub(schedule, weights_of(agent), args.max_staleness)
     rows_per_step = args.groups * args.group_size
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
+    out = output_dir(args)
     if not args.quiet:
         print(f"guess a number below {game.max_number // 2}..{game.max_number} in {game.max_turns} "
               f"guesses: {args.steps} steps x "
@@ -364,15 +418,32 @@ async def run(args: argparse.Namespace) -> dict:
             max_staleness=args.max_staleness, consumers=["judge", "actor_update"]) as q:
         await q.add_filter(zero_variance("reward", group_by="uid", group_size=args.group_size))
         metrics = Metrics(q, args.steps, args.quiet)
+        worker_timings: list = []
+        actors: list = []
         async with asyncio.TaskGroup() as tg:
             tg.create_task(judge(q, game, schedule, args, metrics))
-            for _ in range(args.workers):
-                tg.create_task(env_worker(q, game, schedule, weights, args))
-            await trainer(q, game, agent, weights, args, metrics)
+            if args.transport == "ray":  # env workers in Ray actors of their own
+                hub, workers, done = ray_env_workers(q, game, hub, args)
+                actors = [hub, *workers]
+
+                async def gather_workers():
+                    worker_timings.extend(await asyncio.gather(*done))
+
+                tg.create_task(gather_workers())
+            else:  # env workers as tasks of this event loop
+                for _ in range(args.workers):
+                    tg.create_task(env_worker(q, game, hub, args))
+            await trainer(q, game, agent, hub, args, metrics)
             await q.close()  # ends the judge's stream
         metrics.close()
         st = await q.stats()
         timings = {role: t.to_dict() for role, t in q.timings().items()}
+        if worker_timings:  # summed over the worker actors
+            timings["env_worker"] = merged(worker_timings)
+        for a in actors:
+            import ray
+
+            ray.kill(a)
 
     window = range(max(1, args.steps // 10))
     summary = {
@@ -408,6 +479,32 @@ async def run(args: argparse.Namespace) -> dict:
         print("games after training:\n  " + "\n  ".join(sample_games(game, agent, args.seed + 1)))
         print(f"wrote {out / 'curves.png'} and {out / 'summary.json'}")
     return summary
+
+
+def output_dir(args: argparse.Namespace) -> Path:
+    """``--out``, or a new ``runs/agentic/<date>-<time>-<transport>`` per run (so runs
+    do not overwrite each other's plots); created."""
+    if args.out is not None:
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        return out
+    stem = f"{time.strftime('%Y%m%d-%H%M%S')}-{args.transport}"
+    for i in range(1, 1000):
+        out = Path("runs/agentic") / (stem if i == 1 else f"{stem}-{i}")
+        try:
+            out.mkdir(parents=True)
+            return out
+        except FileExistsError:
+            continue
+    raise RuntimeError(f"no free output directory for {stem} under runs/agentic; pass --out")
+
+
+def merged(timings: list[dict]) -> dict:
+    """Role timings of several workers, summed (as ``q.timings()`` sums a process's)."""
+    out = {k: sum(t[k] for t in timings) for k in ("seconds", "queue_seconds",
+                                                  "compute_seconds", "blocks", "calls")}
+    out["queue_share"] = out["queue_seconds"] / out["seconds"] if out["seconds"] else 0.0
+    return out
 
 
 def main() -> None:
