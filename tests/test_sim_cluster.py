@@ -3,8 +3,8 @@ cannot share this session's Ray): env workers on every node put rollouts, a trai
 the head node consumes them all. The rows' bytes go from each worker to the storage unit
 on its own node and from there to the trainer; the controller reads metadata only.
 
-About a minute or more on 2 cores (four raylets start), so it runs only with
-STREAMRL_SIM_CLUSTER=1.
+The cluster takes about two minutes on 2 cores (four raylets start), so it runs only
+with STREAMRL_SIM_CLUSTER=1; the placement choice itself is also checked without one.
 """
 
 from __future__ import annotations
@@ -21,11 +21,33 @@ pytest.importorskip("ray")
 
 HERE = Path(__file__).resolve().parent
 
-pytestmark = pytest.mark.skipif(os.environ.get("STREAMRL_SIM_CLUSTER") != "1",
-                                reason="starts a 4-node Ray cluster (over a minute on 2 "
-                                       "cores): set STREAMRL_SIM_CLUSTER=1")
+
+async def test_a_small_put_goes_to_a_unit_on_the_producers_node(monkeypatch):
+    """The data-plane client's choice, without a cluster: the units on this process's
+    node when there are any (each asked for its node once), else every unit."""
+    from streamrl.transport.ray import RayDataPlane
+
+    nodes = {0: "B", 1: "A", 2: "B", 3: "A"}
+    asked: list[int] = []
+
+    async def call(self, shard, method, *args, rows=()):
+        assert method == "shm_info"
+        asked.append(shard)
+        return nodes[shard], 1
+
+    monkeypatch.setattr(RayDataPlane, "_call", call)
+    dp = RayDataPlane([None] * 4)
+    dp._node = "A"
+    assert await dp._on_this_node([0, 1, 2, 3]) == [1, 3]
+    assert await dp._on_this_node([0, 2, 3]) == [3]  # unit 1 is gone or unreachable
+    assert sorted(asked) == [0, 1, 2, 3]  # once per unit
+    dp._node = "C"
+    assert await dp._on_this_node([0, 1, 2, 3]) == []  # none here: put_rows takes any
 
 
+@pytest.mark.skipif(os.environ.get("STREAMRL_SIM_CLUSTER") != "1",
+                    reason="starts a 4-node Ray cluster (over a minute on 2 cores): set "
+                           "STREAMRL_SIM_CLUSTER=1")
 @pytest.mark.timeout(600)
 def test_four_nodes_each_worker_fills_its_own_nodes_unit_and_no_bytes_cross_the_controller():
     env = {**os.environ, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_ADDRESS": "",
