@@ -13,7 +13,7 @@ Examples:
     >>> QueueConfig.from_mapping({"capacty": 64})
     Traceback (most recent call last):
     ...
-    streamrl.errors.InvalidArgument: unknown queue option 'capacty' (did you mean 'capacity'?); valid options: capacity, capacity_bytes, consumers, lease_timeout, max_lead, max_staleness, name, num_shards, options, sampler, storage, transport
+    streamrl.errors.InvalidArgument: unknown queue option 'capacty' (did you mean 'capacity'?); valid options: capacity, capacity_bytes, checkpoint_dir, checkpoint_every, checkpoint_keep, consumers, lease_timeout, max_lead, max_staleness, name, num_shards, options, sampler, storage, transport
 """
 
 from __future__ import annotations
@@ -123,6 +123,10 @@ class QueueConfig:
             ``"spill"``, ...) or a mapping ``{"backend": name, **options}``.
         sampler: how ready rows are picked for a request by default: a registered name
             (``"fifo"``, ``"priority"``, ...) or a mapping ``{"sampler": name, **options}``.
+        checkpoint_every: seconds between periodic checkpoints (``None``: none); needs
+            ``checkpoint_dir``.
+        checkpoint_dir: where periodic checkpoints go (``ckpt-NNNNNNNN`` directories).
+        checkpoint_keep: how many periodic checkpoints are kept (the newest).
         options: transport-specific options (for ``"ray"``: ``namespace``,
             ``unit_options``, ``controller_options``, ``detached``, ``direct_calls``).
 
@@ -141,6 +145,9 @@ class QueueConfig:
     name: str | None = None
     storage: Any = "memory"
     sampler: Any = "fifo"
+    checkpoint_every: float | None = None
+    checkpoint_dir: str | None = None
+    checkpoint_keep: int = 2
     options: Mapping[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -163,6 +170,20 @@ class QueueConfig:
         object.__setattr__(self, "consumers", _consumers(self.consumers))
         _check_name("name", self.name, allow_none=True)
         _check_sampler(self.sampler, allow_none=False)
+        object.__setattr__(self, "checkpoint_every",
+                           check_duration("checkpoint_every", self.checkpoint_every))
+        if self.checkpoint_dir is not None:
+            if hasattr(self.checkpoint_dir, "__fspath__"):
+                object.__setattr__(self, "checkpoint_dir", str(self.checkpoint_dir))
+            _check_name("checkpoint_dir", self.checkpoint_dir, allow_none=False)
+        if self.checkpoint_every is not None and self.checkpoint_dir is None:
+            raise InvalidArgument(
+                "checkpoint_every needs checkpoint_dir: the directory periodic checkpoints "
+                "go to")
+        if not _is_int(self.checkpoint_keep) or self.checkpoint_keep < 1:
+            raise InvalidArgument(
+                f"checkpoint_keep must be an int >= 1 (periodic checkpoints kept), got "
+                f"{self.checkpoint_keep!r}")
         if not isinstance(self.options, Mapping):
             raise InvalidArgument(f"options must be a mapping, got {self.options!r}")
         object.__setattr__(self, "options", dict(self.options))

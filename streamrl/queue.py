@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import os
 import warnings
 import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import anyio
 import numpy as np
@@ -28,6 +29,9 @@ from .transport.base import DataPlane, Transport
 from .errors import (EndOfStream, InvalidArgument, LeaseExpired, SchemaError, StreamTimeout,
                      TransportError)
 from .stats import Stats
+
+if TYPE_CHECKING:
+    from .checkpoint.client import CheckpointInfo
 
 __all__ = ["StreamQueue", "Stream", "DEFAULT_PARTITION"]
 
@@ -72,6 +76,12 @@ class StreamQueue:
         sampler: how ready rows are picked for a request unless the request names its
             own: ``"fifo"`` (commit order, default) or a registered sampler by name or as
             ``{"sampler": name, **options}`` (docs/sampling.md).
+        checkpoint_every: write a checkpoint (:meth:`checkpoint`) every this many
+            seconds into ``checkpoint_dir``, from the queue's first call on, until
+            :meth:`shutdown` (``None``: no periodic checkpoints). A failed one is logged.
+        checkpoint_dir: where periodic checkpoints go, as ``ckpt-NNNNNNNN``
+            directories; :meth:`restore` of this directory takes the newest.
+        checkpoint_keep: how many periodic checkpoints to keep (the newest).
         **options: transport options (see :mod:`streamrl.transport`).
 
     Every option is a field of :class:`streamrl.config.QueueConfig`; build a queue from a
@@ -99,7 +109,8 @@ class StreamQueue:
                  lease_timeout: float = 600.0, max_staleness: int | None = None,
                  max_lead: int | None = None, consumers: Sequence[str] | None = None,
                  name: str | None = None, storage: Any = "memory", sampler: Any = "fifo",
-                 **options: Any):
+                 checkpoint_every: float | None = None, checkpoint_dir: str | None = None,
+                 checkpoint_keep: int = 2, **options: Any):
         if isinstance(transport, Transport):  # an already built deployment (connect, attach)
             self._config = None
             self._start(transport, name)
@@ -108,9 +119,16 @@ class StreamQueue:
             capacity=capacity, num_shards=num_shards, capacity_bytes=capacity_bytes,
             transport=transport, lease_timeout=lease_timeout, max_staleness=max_staleness,
             max_lead=max_lead, consumers=consumers, name=name, storage=storage,
-            sampler=sampler, options=options)
+            sampler=sampler, checkpoint_every=checkpoint_every,
+            checkpoint_dir=checkpoint_dir, checkpoint_keep=checkpoint_keep, options=options)
         self._config = config
         self._start(registry.resolve(config.transport)(config), name)
+        if config.checkpoint_every is not None:
+            from .checkpoint.client import Periodic
+
+            self._periodic = Periodic(self, config.checkpoint_every, config.checkpoint_dir,
+                                      config.checkpoint_keep)
+            self._periodic.start()  # (or at the first call, once a loop runs)
 
     def _start(self, transport: Transport, name: str | None) -> None:
         self.name = name
@@ -120,6 +138,7 @@ class StreamQueue:
         self._tags_by_part: OrderedDict[str, frozenset[str]] = OrderedDict()
         self._tags_any: frozenset[str] = frozenset()
         self._transport = transport
+        self._periodic = None  # periodic checkpoints (checkpoint_every)
         self._session = Session(self, transport)
         self._id = next(_ids)
         _registry[self._id] = self
@@ -182,6 +201,8 @@ class StreamQueue:
 
     @property
     def _control(self) -> ControlPlane:
+        if self._periodic is not None and self._periodic.task is None:
+            self._periodic.start()
         return self._transport.control
 
     @property
@@ -616,6 +637,83 @@ class StreamQueue:
         row of every finished partition was consumed, filtered, dropped or cleared)."""
         return sum((await self._control.leaked()).values())
 
+    # ------------------------------------------------------------------ checkpoints
+
+    async def checkpoint(self, path: "str | os.PathLike", *,
+                         timeout: float | None = None) -> "CheckpointInfo":
+        """Write a snapshot of the whole queue to the directory ``path``, atomically,
+        while producers and consumers go on; :meth:`restore` makes a running queue of it.
+
+        What is saved: every row with its fields and data, per-field readiness and each
+        task's consumption, partitions and their seals, consumers, the policy version,
+        the row-id counters (no id is ever reused), the filters' registrations, and the
+        queue's options. The snapshot is the queue at one instant during the call (the
+        *cut*): every put, write and ``ack`` that returned before ``checkpoint`` was
+        called is in it; those running meanwhile may or may not be (docs/checkpoint.md).
+        Leases held at the cut come back released: their rows are delivered again
+        (at-least-once) and counted as redelivered. Rows a task acknowledged before the
+        cut are never delivered to it again.
+
+        What waits: no queue call waits for the files; every call waits while the
+        controller takes the cut (``CheckpointInfo.pause``, about a microsecond per row
+        held). Rows dropped during the checkpoint keep their bytes until their storage
+        unit has written them. A second checkpoint waits for the first. Copies: none
+        in memory; every byte is written once, from where it is stored (each Ray
+        storage unit writes its own files; nothing goes through this process).
+
+        Args:
+            path: the checkpoint directory. It is written as a temporary directory
+                beside it and renamed at the end; a checkpoint already there is
+                replaced. On a queue spread over several Ray nodes, ``path`` must be on
+                a filesystem they all mount at the same place.
+
+        Keyword Args:
+            timeout: the longest the controller holds deletes back for this checkpoint
+                (default: the larger of 600 s and ``lease_timeout``); a checkpoint that
+                takes longer fails.
+
+        Returns:
+            A :class:`~streamrl.checkpoint.CheckpointInfo` (rows, bytes, seconds, pause).
+
+        Raises:
+            CheckpointError: the checkpoint could not be written (nothing is left at
+                ``path`` but what was there before).
+            EncodeError: a Python object field that cannot be encoded.
+        """
+        from .checkpoint.client import checkpoint
+
+        return await checkpoint(self, path, timeout=check_timeout("timeout", timeout))
+
+    @classmethod
+    async def restore(cls, path: "str | os.PathLike", *,
+                      filters: "Mapping[str, Callable] | None" = None,
+                      **overrides: Any) -> "StreamQueue":
+        """A running queue from the checkpoint at ``path`` (see :meth:`checkpoint`), or
+        the newest one of a ``checkpoint_dir``.
+
+        It is made with the saved options and ``overrides`` on top: any option of the
+        constructor, for example another ``transport`` (restore an embedded checkpoint
+        on Ray and the other way round), ``num_shards`` (rows of old unit ``s`` go to
+        unit ``s % num_shards``; with more units than before, the new ones start empty
+        and take new rows), ``capacity`` or ``name``, and transport options.
+
+        Filters: one registered as an importable module-level function (or a
+        ready-made filter of :mod:`streamrl.filters`) comes back by itself; pass the
+        others as ``filters={name: fn}``.
+
+        Every file is checked (sizes and CRC-32) as it is read; a torn or corrupt
+        checkpoint raises and the new queue is shut down: never partial data. Restoring
+        imports the modules its filters name, and decodes Python objects that were
+        pickled: restore only checkpoints you trust.
+
+        Raises:
+            CheckpointError: no checkpoint at ``path``; a newer format version; a torn or
+                corrupt file; filters that cannot be found (listed by name).
+        """
+        from .checkpoint.client import restore
+
+        return await restore(cls, path, filters=filters, **overrides)
+
     async def close(self) -> dict[str, int]:
         """Close the queue (idempotent): ``put`` raises :class:`~streamrl.errors.QueueClosed`,
         streams deliver what is ready and end, waiting ``put``/``get`` wake with an error.
@@ -628,7 +726,11 @@ class StreamQueue:
         return await self._control.close()
 
     async def shutdown(self) -> None:
-        """Free the deployment (Ray: kill the actors this queue started)."""
+        """Free the deployment (Ray: kill the actors this queue started); stops periodic
+        checkpoints (one being written is abandoned: the previous ones stay)."""
+        if self._periodic is not None:
+            await self._periodic.stop()
+            self._periodic = None
         await self._transport.shutdown()
 
 

@@ -12,7 +12,9 @@ an event loop:
 * **filters** -- filter jobs the controller queues are run right away by whoever caused
   them (usually the producer whose write completed a row or group), reading the needed
   fields from storage.
-* **storage deletes** -- rows the controller drops are deleted from their units.
+* **storage deletes** -- rows the controller drops are deleted from their units (while
+  a checkpoint is written, those of rows of its cut are held until its units wrote them:
+  see :mod:`streamrl.checkpoint.cut`).
 
 Everything runs in one event loop (the caller's for the embedded transport, the
 controller actor's on Ray); no locks are needed because controller calls never await.
@@ -23,6 +25,7 @@ from __future__ import annotations
 import inspect
 import logging
 import math
+import time
 from collections import OrderedDict, deque
 from collections.abc import Callable, Hashable, Sequence
 from typing import Any
@@ -33,8 +36,9 @@ from ._aio import shielded
 from .controller import Controller
 from .messages import (END, CommitResult, Delivery, DropReason, FilterJob, FilterSpec, PutAnswer,
                        PutStatus, Request, WriteToken)
-from .errors import (FilterError, InvalidArgument, QueueClosed, QueueFull, RowsDropped,
-                     StreamRLError, StreamTimeout)
+from .checkpoint.cut import CheckpointCut, Hold
+from .errors import (CheckpointError, FilterError, InvalidArgument, QueueClosed, QueueFull,
+                     RowsDropped, StreamRLError, StreamTimeout)
 from .stats import Stats, TaskStats
 from .transport.base import DataPlane
 
@@ -65,6 +69,10 @@ class ControllerService:
         self._tags_ready: dict[tuple[str, str | None], anyio.Event] = {}
         self._deferred: deque[list[int]] = deque()  # releases queued by finalizers
         self._loop = None  # the event loop this service runs in (set on first use)
+        # a checkpoint being written: the storage deletes it holds back (one at a time)
+        self._hold: Hold | None = None
+        self._hold_ended: anyio.Event | None = None
+        self._holds = 0
 
     # ------------------------------------------------------------------ plumbing
 
@@ -102,6 +110,8 @@ class ControllerService:
             self._loop = asyncio.get_running_loop()
         if self._deferred:
             self._apply_deferred()
+        if self._hold is not None and self._hold.expired(self.ctl.clock()):
+            await shielded(self._end_hold(self._hold))
         errors: list[FilterError] = []
         # Storage I/O for state the controller already changed runs to the end even if
         # the caller is cancelled meanwhile (shielded): once taken out of the outbox, a
@@ -135,6 +145,10 @@ class ControllerService:
                 log.error("streamrl: %s", e)
 
     async def _delete(self, deletes: dict[int, list[int]]) -> None:
+        if self._hold is not None:  # rows of a checkpoint's cut: deleted once written
+            deletes = self._hold.split(deletes)
+            if not deletes:
+                return
         try:
             await self.data.delete(deletes)
         except Exception:  # a dead unit: its rows are gone anyway
@@ -351,6 +365,8 @@ class ControllerService:
             await shielded(self._forget_now(undo))
 
     async def _forget_now(self, undo) -> None:
+        if self._hold is not None and self._hold.keeps(undo):
+            return  # fields of rows of a checkpoint's cut: forgotten once written
         try:
             await self._forget_parts(undo)
         except Exception:  # a dead unit: gone anyway
@@ -629,6 +645,92 @@ class ControllerService:
         verdict_by_row = dict(zip(order, keep))
         self.ctl.filter_done(job.id, [verdict_by_row.get(r, False) for r in job.rows])
         return None
+
+    # ------------------------------------------------------------------ checkpoints
+
+    async def checkpoint_begin(self, directory: str, timeout: float | None = None
+                               ) -> CheckpointCut:
+        """Take a checkpoint's cut: the controller's state at this instant, written to
+        ``directory`` (in a worker thread, while the queue goes on), and what each
+        storage unit must write. From now until :meth:`checkpoint_end` (or ``timeout``
+        seconds), storage deletes of rows of the cut are held back, so that the units
+        can still read them. Waits while another checkpoint is being written.
+
+        Cancelled (or failing) after the cut: the hold ends before this raises."""
+        from .checkpoint.cut import write_state
+        from .checkpoint.refs import filter_ref
+
+        while self._hold is not None:
+            await self._hold_ended.wait()
+        if self._deferred:
+            self._apply_deferred()
+        ctl = self.ctl
+        t0 = time.perf_counter()
+        cut = ctl.state_cut()
+        hold = Hold(self._holds + 1, set(ctl.rows),
+                    None if timeout is None else ctl.clock() + timeout)
+        pause = time.perf_counter() - t0
+        self._holds += 1
+        self._hold, self._hold_ended = hold, anyio.Event()
+        filters = {n: filter_ref(fn) for n, fn in self._filters.items()}
+        try:
+            entry, plans, rows, summary = await anyio.to_thread.run_sync(
+                write_state, directory, cut, ctl.num_shards)
+        except BaseException:
+            await shielded(self._end_hold(hold))
+            raise
+        summary["config"] = {k: v for k, v in ctl.config.to_dict().items()
+                             if k not in ("options", "transport", "name", "storage")}
+        return CheckpointCut(hold.token, plans, rows, entry, filters, summary, pause)
+
+    async def checkpoint_end(self, token: int) -> None:
+        """The units wrote checkpoint ``token``'s rows: the storage deletes held since
+        its cut are done now (nothing when the hold already ended)."""
+        if self._hold is not None and self._hold.token == token:
+            await shielded(self._end_hold(self._hold))
+
+    async def _end_hold(self, hold: Hold) -> None:
+        if self._hold is not hold:
+            return
+        self._hold = None
+        self._hold_ended.set()
+        if hold.deletes:
+            await self._delete(hold.deletes)
+        for undo in hold.undos:
+            await self._forget_now(undo)
+
+    async def checkpoint_load(self, directory: str, state: dict[str, Any],
+                              shards: dict[int, int] | None = None,
+                              filters: dict[str, Callable] | None = None) -> dict[str, Any]:
+        """Load the controller's state of the checkpoint in ``directory`` (its file
+        checked against ``state``, its entry) into this new, empty queue, whose storage
+        units hold the checkpoint's data already: rows of unit ``s`` are placed on unit
+        ``shards[s]`` (``None``: the same), ``filters`` are the functions of its filters.
+        Leases come back released, writes in flight aborted, filter jobs judged again
+        (see :meth:`Controller.load_state_dict`). Returns ``rows`` (held now) and
+        ``tag_fields``.
+
+        Raises:
+            CheckpointError: the queue is not new, the state file is missing, torn or
+                corrupt, or a filter of the checkpoint is not in ``filters``.
+        """
+        from .checkpoint.cut import read_state, remap_shards
+
+        ctl = self.ctl
+        if ctl.rows or ctl.parts or ctl.c_put:
+            raise CheckpointError("a checkpoint is loaded into a new queue only (this one "
+                                  "has had rows); use StreamQueue.restore")
+        st = await anyio.to_thread.run_sync(read_state, directory, state)
+        remap_shards(st, shards)
+        filters = dict(filters or {})
+        lacking = sorted(f["name"] for f in st.get("filters", ()) if f["name"] not in filters)
+        if lacking:
+            raise CheckpointError(f"the checkpoint's filters {lacking} were not given; pass "
+                                  "them to StreamQueue.restore(..., filters={name: fn})")
+        self._filters.update(filters)
+        ctl.load_state_dict(st)
+        await self._after()
+        return {"rows": len(ctl.rows), "tag_fields": sorted(ctl.tag_fields)}
 
     # ------------------------------------------------------------------ stats
 

@@ -786,7 +786,7 @@ class StreamQueue(_TwinBase):
         by_hand={"close": "a no-op once this blocking queue is shut down",
                  "shutdown": "closes a queue it owns first, wakes every blocked caller and "
                              "stops the event-loop thread"},
-        constructors={"from_config": True, "connect": False},
+        constructors={"from_config": True, "connect": False, "restore": True},
         attributes=("name",),
         extra={"wrap": "a blocking view of an existing async queue",
                "aqueue": "the async queue behind this one"})

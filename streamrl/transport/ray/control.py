@@ -31,9 +31,9 @@ from .calls import undone, unwrap
 
 __all__ = ["RayControl"]
 
-#: control calls with an argument that is pickled by value (a user's function, whose
-#: module the controller actor may not import): call -> parameter
-_BY_VALUE = {"add_filter": "fn"}
+#: control calls with an argument that is pickled by value (a user's function, or a
+#: dict of them, whose module the controller actor may not import): call -> parameter
+_BY_VALUE = {"add_filter": "fn", "checkpoint_load": "filters"}
 
 
 class RayControl:
@@ -108,7 +108,11 @@ def _by_value(method: str, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
     """The call's arguments with the one named in :data:`_BY_VALUE` pickled by value."""
     bound = CONTROL_METHODS[method].bind(None, *args, **kwargs)
     param = _BY_VALUE[method]
-    bound.arguments[param] = _ByValue(bound.arguments[param])
+    value = bound.arguments.get(param)
+    if isinstance(value, dict):
+        bound.arguments[param] = {k: _ByValue(fn) for k, fn in value.items()}
+    elif value is not None:
+        bound.arguments[param] = _ByValue(value)
     return bound.args[1:], bound.kwargs
 
 

@@ -322,6 +322,31 @@ class RayDataPlane(DataPlane):
                                    return_exceptions=True)
         return [(0, 0) if isinstance(r, BaseException) else r for r in res]
 
+    async def checkpoint_write(self, directory: str, plans: Mapping[int, Mapping],
+                               rows: Mapping[int, Sequence[int]]) -> list[dict]:
+        """Every unit actor writes its rows of the cut to its own files, all at once
+        (Ray actor calls: they take seconds, and run on an actor thread, beside the
+        unit's other calls)."""
+        return list(await asyncio.gather(*[
+            self._actor_call(s, "checkpoint_write", directory, dict(plans.get(s, {})),
+                             list(rows.get(s, ())))
+            for s in range(self.num_shards)]))
+
+    async def checkpoint_load(self, directory: str,
+                              sources: Mapping[int, Sequence[dict]]) -> None:
+        """Every unit actor reads and checks its part of a checkpoint, all at once."""
+        await asyncio.gather(*[self._actor_call(s, "checkpoint_load", directory, list(src))
+                               for s, src in sources.items() if src])
+
+    async def _actor_call(self, shard: int, method: str, *args: Any) -> Any:
+        """``method(*args)`` on unit ``shard`` as a Ray actor call."""
+        try:
+            return await getattr(self.units[shard], method).remote(*args)
+        except (ray.exceptions.RayActorError, ray.exceptions.ObjectLostError) as e:
+            raise TransportError(f"storage unit {shard} is gone ({type(e).__name__})") from None
+        except ray.exceptions.RayTaskError as e:
+            raise unwrap(e, "storage unit") from None
+
     async def arena_stats(self) -> list[dict[str, int]]:
         """Each unit's arena (see :meth:`.unit.StorageActorImpl.arena_stats`); ``{}`` for
         a unit that does not answer."""

@@ -35,7 +35,7 @@ from ...wire import WireTensor
 from ..rpc import ConnectFailed, Endpoint, RpcServer
 from .calls import new_loop, spawn
 from .control import RayControl
-from .wire import map_col, map_pieces, refs_in, tensors_in
+from .wire import SHM_MIN, map_col, map_pieces, refs_in, tensors_in
 
 __all__ = ["StorageActorImpl", "StorageActor", "ID_BLOCK"]
 
@@ -297,6 +297,61 @@ class StorageActorImpl:
     def node_id(self) -> str:
         return ray.get_runtime_context().get_node_id()
 
+    # -- checkpoints
+
+    def checkpoint_write(self, directory: str, plan: dict, rows: list[int]) -> dict:
+        """Write this unit's rows of a checkpoint's cut under ``directory`` (see
+        :func:`streamrl.checkpoint.units.write_unit`): each batch of rows is read under
+        the lock, its arena blocks pinned until written (an overwrite or a spill may
+        release them meanwhile), and written outside the lock, so puts and reads go on.
+        Ray actor call (it takes seconds): it runs on one of the actor's threads."""
+        from ...checkpoint.units import write_unit
+
+        def fetch(batch: list[int], field: str):
+            with self.lock:
+                pieces = self.unit.get(batch, [field])[field]
+                refs = refs_in({field: pieces})
+                for ref in refs:
+                    self.blocks[ref].pins += 1
+
+            def release() -> None:
+                with self.lock:
+                    for ref in refs:
+                        b = self.blocks.get(ref)
+                        if b is not None:
+                            b.pins -= 1
+                            self._maybe_free(ref, b)
+
+            return pieces, release
+
+        def raw(piece):
+            if isinstance(piece, WireTensor):
+                t = piece.inlined()
+                return ("t", t.dtype, t.itemsize, t.shape, t.buf)
+            return ("o", list(piece))  # objects: encoded bytes already
+
+        return write_unit(os.path.join(directory, f"unit-{self.index:05d}"), self.index,
+                          plan, rows, fetch, raw, node=self.node_id())
+
+    def checkpoint_load(self, directory: str, sources: list[dict]) -> int:
+        """Fill this new unit from the checkpoint's units ``sources`` (manifest entries)
+        under ``directory``: every file is read and checked first; tensors of at least
+        ``SHM_MIN`` bytes are read straight into blocks of the arena (one read, no
+        copy), smaller ones inline. Returns rows held. Ray actor call."""
+        from ...checkpoint.units import read_unit, unit_state
+
+        sink = _ArenaSink(self)
+        rows: list[int] = []
+        chunks: list = []
+        for entry in sources:
+            r, c = read_unit(os.path.join(directory, entry["dir"]), entry, sink,
+                             f"storage unit {entry['shard']}'s part")
+            rows += r
+            chunks += c
+        with self.lock:
+            self.unit.load_state_dict(unit_state(self.index, rows, chunks))
+            return self.unit.stats()[0]
+
     def memory(self) -> dict[str, int]:
         """This process's memory (bytes): ``VmRSS``, ``VmHWM`` (peak RSS), ``RssAnon``
         (private) and ``RssShmem`` (mapped shared memory: the arena), from /proc (Linux)."""
@@ -304,6 +359,49 @@ class StorageActorImpl:
 
     def ping(self) -> bool:
         return True
+
+
+class _ArenaSink:
+    """Where a unit's checkpoint is read into: arena blocks for big tensors (what a put
+    through the arena stores), numpy arrays for the rest; objects stay encoded."""
+
+    def __init__(self, unit: StorageActorImpl):
+        self.unit = unit
+
+    def alloc(self, nbytes: int) -> tuple[Any, Any]:
+        import numpy as np
+
+        if nbytes >= SHM_MIN:
+            u = self.unit
+            with u.lock:
+                try:
+                    ref = u._alloc(nbytes, os.getpid())
+                except OSError:  # no shared memory left: inline
+                    ref = None
+                if ref is not None:
+                    b = u.blocks[ref]
+                    b.stored, b.writer = True, None
+                    return u.arena.view(ref), ref
+        buf = np.empty(nbytes, dtype=np.uint8)
+        return buf, buf
+
+    def tensor(self, dtype: str, itemsize: int, shape: tuple, handle: Any) -> WireTensor:
+        if isinstance(handle, ShmRef):
+            return WireTensor(dtype, itemsize, shape, None, handle).pinned(
+                self.unit.arena.view(handle))
+        return WireTensor(dtype, itemsize, shape, handle)
+
+    def objects(self, values: list) -> list:
+        return values
+
+    def discard(self, handle: Any) -> None:
+        if isinstance(handle, ShmRef):
+            u = self.unit
+            with u.lock:
+                b = u.blocks.get(handle)
+                if b is not None:
+                    b.stored = False
+                    u._maybe_free(handle, b)
 
 
 async def _put_rows(unit: StorageActorImpl, n: int, cols: dict, partition: str,
