@@ -127,6 +127,9 @@ class QueueConfig:
             ``checkpoint_dir``.
         checkpoint_dir: where periodic checkpoints go (``ckpt-NNNNNNNN`` directories).
         checkpoint_keep: how many periodic checkpoints are kept (the newest).
+        metrics: serve Prometheus metrics over HTTP: ``True`` (a free port on 127.0.0.1),
+            a port number (on 127.0.0.1), ``"host:port"`` (``"0.0.0.0:9100"`` for other
+            machines to scrape), or ``None`` (off). See :mod:`streamrl.metrics`.
         options: transport-specific options (for ``"ray"``: ``namespace``,
             ``unit_options``, ``controller_options``, ``detached``, ``direct_calls``).
 
@@ -148,6 +151,7 @@ class QueueConfig:
     checkpoint_every: float | None = None
     checkpoint_dir: str | None = None
     checkpoint_keep: int = 2
+    metrics: Any = None
     options: Mapping[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -184,6 +188,9 @@ class QueueConfig:
             raise InvalidArgument(
                 f"checkpoint_keep must be an int >= 1 (periodic checkpoints kept), got "
                 f"{self.checkpoint_keep!r}")
+        from .metrics import parse_spec
+
+        parse_spec(self.metrics)  # raises for a bad spec
         if not isinstance(self.options, Mapping):
             raise InvalidArgument(f"options must be a mapping, got {self.options!r}")
         object.__setattr__(self, "options", dict(self.options))

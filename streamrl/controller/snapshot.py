@@ -114,7 +114,8 @@ class Snapshot:
                 "filtered_by": dict(self.c_filtered_by),
                 "filter_errors": dict(self.c_filter_errors),
                 "delivered": dict(self.c_delivered), "acked": dict(self.c_acked),
-                "redelivered": dict(self.c_redelivered), "expired": dict(self.c_expired)},
+                "redelivered": dict(self.c_redelivered), "expired": dict(self.c_expired),
+                "bytes_delivered": dict(self.c_bytes_delivered)},
         }
         # the one part that costs per row: a tuple of each row's fields, nothing converted
         rows = [(r.id, r.part.name, r.shard, r.version, dict(r.fields),
@@ -205,6 +206,7 @@ class Snapshot:
         self.c_filter_errors = dict(c["filter_errors"])
         self.c_delivered, self.c_acked = dict(c["delivered"]), dict(c["acked"])
         self.c_redelivered, self.c_expired = dict(c["redelivered"]), dict(c["expired"])
+        self.c_bytes_delivered = dict(c.get("bytes_delivered", {}))
         self._lease_outcome = OrderedDict((int(lid), o) for lid, o in st["lease_outcomes"]
                                           if o != "acked")
         self._outcome_floor = int(st.get("outcome_floor", 0))
@@ -237,7 +239,7 @@ class Snapshot:
                     f"{self.num_shards} units; load the state into a queue with at least "
                     f"{shard + 1} (num_shards=)")
             rid = int(rd["id"])
-            row = Row(rid, p, shard, int(rd["version"]))
+            row = Row(rid, p, shard, int(rd["version"]), self.clock())  # (latency from load)
             row.fields = {f: int(b) for f, b in rd["fields"].items()}
             row.nbytes = sum(row.fields.values())
             held += row.nbytes
