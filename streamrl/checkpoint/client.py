@@ -193,16 +193,25 @@ def _clean_stale(parent: str, name: str) -> None:
             shutil.rmtree(os.path.join(parent, d), ignore_errors=True)
 
 
+def _check_target(path: str) -> bool:
+    """Whether ``path`` can take a checkpoint: it does not exist, is an empty
+    directory, or holds a checkpoint (replaced). Returns whether it exists."""
+    if not os.path.lexists(path):
+        return False
+    if os.path.isdir(path) and not os.listdir(path):
+        return True
+    if not os.path.isfile(os.path.join(path, MANIFEST)):
+        raise CheckpointError(
+            f"{path} exists and is not a streamrl checkpoint; checkpoint to a new path "
+            "(or remove it)")
+    return True
+
+
 def _publish(tmp: str, path: str, nonce: str) -> None:
     """Rename the finished ``tmp`` to ``path``, replacing a checkpoint there."""
     parent, name = os.path.split(path)
-    if os.path.lexists(path):
-        if os.path.isdir(path) and not os.listdir(path):
-            os.rmdir(path)
-        elif not os.path.isfile(os.path.join(path, MANIFEST)):
-            raise CheckpointError(
-                f"{path} exists and is not a streamrl checkpoint; checkpoint to a new path "
-                "(or remove it)")
+    if _check_target(path) and os.path.isdir(path) and not os.listdir(path):
+        os.rmdir(path)
     if not os.path.lexists(path):
         os.rename(tmp, path)
         fsync_dir(parent)
@@ -212,6 +221,14 @@ def _publish(tmp: str, path: str, nonce: str) -> None:
     os.rename(tmp, path)
     fsync_dir(parent)
     shutil.rmtree(prev, ignore_errors=True)
+
+
+def _clean_prev(parent: str, name: str) -> None:
+    """Remove checkpoints left aside by replacements that did not finish (the one at
+    ``path`` is newer)."""
+    for d in os.listdir(parent):
+        if d.startswith(f".{name}.prev-"):
+            shutil.rmtree(os.path.join(parent, d), ignore_errors=True)
 
 
 def _plain_config(q: "StreamQueue", summary: dict[str, Any]) -> tuple[dict, list[str]]:
@@ -254,6 +271,7 @@ async def checkpoint(q: "StreamQueue", path: str | os.PathLike, *,
     if not name:
         raise InvalidArgument(f"checkpoint needs a directory path to write, got {path!r}")
     os.makedirs(parent, exist_ok=True)
+    _check_target(path)  # (before any work; checked again at the rename)
     _clean_stale(parent, name)
     nonce = uuid.uuid4().hex[:12]
     tmp = os.path.join(parent, f".{name}.tmp-{_host()}-{os.getpid()}-{nonce}")
@@ -286,6 +304,7 @@ async def checkpoint(q: "StreamQueue", path: str | os.PathLike, *,
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+    _clean_prev(parent, name)
     files = 2 + sum(u["files"] for u in units)
     nbytes = cut.state["bytes"] + sum(u["bytes"] + u["index"]["bytes"] for u in units)
     return CheckpointInfo(path=path, rows=cut.summary.get("rows", 0), bytes=nbytes,

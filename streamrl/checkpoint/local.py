@@ -12,6 +12,7 @@ each unit's files in a worker thread too, into fresh tensors that the units then
 from __future__ import annotations
 
 import os
+import threading
 from collections.abc import Sequence
 from typing import Any
 
@@ -37,19 +38,49 @@ async def write_units(units: Sequence[StorageBackend], directory: str,
     """Write every unit's rows of a cut under ``directory/unit-XXXXX``, concurrently;
     the units' manifest entries, by shard."""
     out: list[Any] = [None] * len(units)
+    stop = threading.Event()  # set when this is cancelled or a unit fails
 
     async def one(shard: int, unit: StorageBackend) -> None:
         def fetch(batch: list[int], field: str) -> tuple[list, None]:
             return anyio.from_thread.run_sync(lambda: unit.get(batch, [field])[field]), None
 
-        out[shard] = await anyio.to_thread.run_sync(
-            lambda: write_unit(os.path.join(directory, f"unit-{shard:05d}"), shard,
-                               plans.get(shard, {}), rows.get(shard, []), fetch, _raw))
+        try:
+            # (a cancelled wait still waits for its thread: stop makes that short, and
+            # no thread writes into the directory once this returns)
+            out[shard] = await anyio.to_thread.run_sync(
+                lambda: write_unit(os.path.join(directory, f"unit-{shard:05d}"), shard,
+                                   plans.get(shard, {}), rows.get(shard, []), fetch, _raw,
+                                   stopped=stop.is_set))
+        except BaseException:
+            stop.set()
+            raise
 
-    async with anyio.create_task_group() as tg:
-        for shard, unit in enumerate(units):
-            tg.start_soon(one, shard, unit)
+    try:
+        await _all([(one, shard, unit) for shard, unit in enumerate(units)])
+    finally:
+        stop.set()
     return out
+
+
+async def _all(calls: list[tuple]) -> None:
+    """Run ``fn(*args)`` of every call at once; the first error of one (a unit's
+    :class:`~streamrl.errors.CheckpointError`, say) is raised as it is, not in a group."""
+    try:
+        async with anyio.create_task_group() as tg:
+            for fn, *args in calls:
+                tg.start_soon(fn, *args)
+    except BaseExceptionGroup as eg:
+        leaves = list(_leaves(eg))
+        first = next((e for e in leaves if isinstance(e, Exception)), leaves[0])
+        raise first from None
+
+
+def _leaves(eg: BaseExceptionGroup):
+    for e in eg.exceptions:
+        if isinstance(e, BaseExceptionGroup):
+            yield from _leaves(e)
+        else:
+            yield e
 
 
 class TorchSink(Sink):
@@ -84,8 +115,5 @@ async def load_units(units: Sequence[StorageBackend], directory: str,
                      sources: dict[int, list[dict]]) -> None:
     """Fill each (new, empty) unit from the checkpoint's units ``sources[shard]``, all
     at once (nobody else uses the units yet)."""
-    async with anyio.create_task_group() as tg:
-        for shard, unit in enumerate(units):
-            if sources.get(shard):
-                tg.start_soon(anyio.to_thread.run_sync, load_unit, unit, directory,
-                              sources[shard])
+    await _all([(anyio.to_thread.run_sync, load_unit, unit, directory, sources[shard])
+                for shard, unit in enumerate(units) if sources.get(shard)])

@@ -130,7 +130,8 @@ class _Writer:
 def write_unit(directory: str, shard: int, plan: dict[str, tuple[list[int], list[int]]],
                rows: Sequence[int], fetch: Callable[[list[int], str], tuple[list, Any]],
                raw: Callable[[Any], tuple], *, file_bytes: int = FILE_BYTES,
-               node: str | None = None) -> dict[str, Any]:
+               node: str | None = None,
+               stopped: Callable[[], bool] | None = None) -> dict[str, Any]:
     """Write unit ``shard``'s part of a checkpoint under ``directory`` (created).
 
     Args:
@@ -140,15 +141,18 @@ def write_unit(directory: str, shard: int, plan: dict[str, tuple[list[int], list
         fetch: reads a field of some rows: ``(pieces, release)`` (see the module).
         raw: one piece as ``("t", dtype, itemsize, shape, bytes)`` or ``("o", [bytes])``.
         node: where the files were written (recorded in the manifest, for messages).
+        stopped: asked before each read of the unit; once true, the writing stops (the
+            checkpoint was cancelled, or another unit failed).
 
     Returns:
         The unit's manifest entry: ``shard``, ``dir`` (the directory's name), ``index``
         (the index file's entry), ``rows``, ``bytes`` (data files), ``files``, ``node``.
 
     Raises:
-        CheckpointError: a row of the cut is not held (the unit lost it).
+        CheckpointError: a row of the cut is not held (the unit lost it), or
+            ``stopped`` said so.
     """
-    os.makedirs(directory)
+    os.mkdir(directory)  # (not makedirs: a checkpoint given up has no parent any more)
     w = _Writer(directory, file_bytes)
     held: dict[str, int] = {}
     try:
@@ -162,6 +166,10 @@ def write_unit(directory: str, shard: int, plan: dict[str, tuple[list[int], list
                     size += sizes[j]
                     j += 1
                 batch = frows[i:j]
+                if stopped is not None and stopped():
+                    raise CheckpointError(
+                        f"storage unit {shard} stopped writing: the checkpoint was "
+                        "cancelled or another unit failed")
                 try:
                     pieces, release = fetch(batch, field)
                     w.released(release)

@@ -326,11 +326,24 @@ class RayDataPlane(DataPlane):
                                rows: Mapping[int, Sequence[int]]) -> list[dict]:
         """Every unit actor writes its rows of the cut to its own files, all at once
         (Ray actor calls: they take seconds, and run on an actor thread, beside the
-        unit's other calls)."""
-        return list(await asyncio.gather(*[
+        unit's other calls). If this is cancelled or a unit fails, the others are told
+        to stop, and this returns once no unit writes into ``directory`` any more."""
+        calls = [asyncio.ensure_future(
             self._actor_call(s, "checkpoint_write", directory, dict(plans.get(s, {})),
-                             list(rows.get(s, ())))
-            for s in range(self.num_shards)]))
+                             list(rows.get(s, ()))))
+            for s in range(self.num_shards)]
+        try:
+            return list(await asyncio.gather(*calls))
+        except BaseException:
+            await asyncio.shield(self._stop_writes(directory, calls))
+            raise
+
+    async def _stop_writes(self, directory: str, calls: list[asyncio.Future]) -> None:
+        if all(c.done() for c in calls):
+            return
+        await asyncio.gather(*[self._actor_call(s, "checkpoint_stop", directory)
+                               for s in range(self.num_shards)], return_exceptions=True)
+        await asyncio.gather(*calls, return_exceptions=True)
 
     async def checkpoint_load(self, directory: str,
                               sources: Mapping[int, Sequence[dict]]) -> None:

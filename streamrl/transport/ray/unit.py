@@ -74,6 +74,7 @@ class StorageActorImpl:
         self._pin_ids = itertools.count(1)
         self.unit = create_unit(storage, index, on_release=self._released)
         self.lock = threading.Lock()
+        self._ckpt_stops: set[str] = set()  # checkpoint directories told to stop
         self._endpoint: Endpoint | None = None
         self._controller: RayControl | None = None  # for put_rows (socket thread)
         self._ids = [0, 0]  # [next, end) of the row ids leased for put_rows (socket thread)
@@ -330,8 +331,18 @@ class StorageActorImpl:
                 return ("t", t.dtype, t.itemsize, t.shape, t.buf)
             return ("o", list(piece))  # objects: encoded bytes already
 
-        return write_unit(os.path.join(directory, f"unit-{self.index:05d}"), self.index,
-                          plan, rows, fetch, raw, node=self.node_id())
+        stops = self._ckpt_stops
+        try:
+            return write_unit(os.path.join(directory, f"unit-{self.index:05d}"), self.index,
+                              plan, rows, fetch, raw, node=self.node_id(),
+                              stopped=lambda: directory in stops)
+        finally:
+            stops.discard(directory)
+
+    def checkpoint_stop(self, directory: str) -> None:
+        """Stop a :meth:`checkpoint_write` into ``directory`` at its next read (the
+        checkpoint was cancelled or another unit failed). Ray actor call."""
+        self._ckpt_stops.add(directory)
 
     def checkpoint_load(self, directory: str, sources: list[dict]) -> int:
         """Fill this new unit from the checkpoint's units ``sources`` (manifest entries)
