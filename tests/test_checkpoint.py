@@ -158,9 +158,14 @@ async def test_restore_onto_fewer_or_more_units(make_queue, restored, tmp_path):
         await q.put(_rows([i]), partition="p")
     await q.checkpoint(tmp_path / "ck")
     for n in (1, 2, 5):
-        r = await restored(await streamrl.StreamQueue.restore(tmp_path / "ck", num_shards=n))
+        r = await restored(await streamrl.StreamQueue.restore(
+            tmp_path / "ck", num_shards=n, capacity=36 + 4 * n, capacity_bytes=1 << 26))
         assert r.num_shards == n and await r.audit() == []
-        assert sum((await r.stats()).unit_rows) == 36
+        st = await r.stats()
+        assert sum(st.unit_rows) == 36
+        assert (st.capacity, st.capacity_bytes) == (36 + 4 * n, 1 << 26)  # overridden
+        with pytest.raises(streamrl.errors.QueueFull):  # the new bound holds
+            await r.put_nowait(_rows(range(200, 201 + 4 * n)), partition="n")
         await r.seal("p")
         assert sorted(await _drain(r, "t", ["sid", "x", "chat", "ragged"])) == list(range(36))
         new = await r.put(_rows(range(40, 40 + 4 * n)), partition="n")  # every unit usable
@@ -503,8 +508,12 @@ async def test_periodic_checkpoints_keep_the_newest(tmp_path, restored):
 
     await until(lambda: q._periodic.last is not None and q._periodic.last.rows == 4)
     await q.put(_rows(range(4, 8)), partition="p")
-    await until(lambda: q._periodic.last.rows == 8 and int(sorted(
-        n for n in os.listdir(d) if n.startswith("ckpt-"))[-1][5:]) >= 3)
+    await until(lambda: q._periodic.last.rows == 8
+                and int(os.path.basename(q._periodic.last.path)[5:]) >= 3)  # (pruned after)
+    # (last is set once the older ones are pruned; a newer one may have landed since,
+    # before its own prune: stop, and prune as the task would next)
+    await q._periodic.stop()
+    q._periodic._prune()
     names = sorted(n for n in os.listdir(d) if n.startswith("ckpt-"))
     assert len(names) == 2 and q._periodic.failures == 0
     await q.shutdown()

@@ -270,13 +270,21 @@ async def checkpoint(q: "StreamQueue", path: str | os.PathLike, *,
     parent, name = os.path.split(path)
     if not name:
         raise InvalidArgument(f"checkpoint needs a directory path to write, got {path!r}")
-    os.makedirs(parent, exist_ok=True)
-    _check_target(path)  # (before any work; checked again at the rename)
-    _clean_stale(parent, name)
     nonce = uuid.uuid4().hex[:12]
     tmp = os.path.join(parent, f".{name}.tmp-{_host()}-{os.getpid()}-{nonce}")
     units_dir = os.path.join(tmp, _UNITS)
-    os.makedirs(units_dir)
+
+    def prepare() -> None:
+        os.makedirs(parent, exist_ok=True)
+        _check_target(path)  # (before any work; checked again at the rename)
+        _clean_stale(parent, name)
+        os.makedirs(units_dir)
+
+    try:
+        await anyio.to_thread.run_sync(prepare)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)  # (made just now: empty)
+        raise
     hold = timeout if timeout is not None else max(600.0, _lease_timeout(q))
     try:
         cut = await q._control.checkpoint_begin(tmp, hold)
@@ -284,7 +292,6 @@ async def checkpoint(q: "StreamQueue", path: str | os.PathLike, *,
             units = await q._data.checkpoint_write(units_dir, cut.plans, cut.rows)
         finally:
             await shielded(q._control.checkpoint_end(cut.token))
-        _check_visible(tmp, cut, units)
         config, unsaved = _plain_config(q, cut.summary)
         manifest = {
             "format": FORMAT, "version": FORMAT_VERSION, "id": nonce,
@@ -297,14 +304,20 @@ async def checkpoint(q: "StreamQueue", path: str | os.PathLike, *,
             "summary": {k: v for k, v in cut.summary.items() if k != "config"},
             "pause": cut.pause,
         }
-        _write_manifest(tmp, manifest)
-        fsync_dir(units_dir)
-        fsync_dir(tmp)
-        _publish(tmp, path, nonce)
+
+        def finish() -> None:  # file system calls that may take long: not in the loop
+            _check_visible(tmp, cut, units)
+            _write_manifest(tmp, manifest)
+            fsync_dir(units_dir)
+            fsync_dir(tmp)
+            _publish(tmp, path, nonce)
+            _clean_prev(parent, name)
+
+        await anyio.to_thread.run_sync(finish)
     except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
+        await shielded(anyio.to_thread.run_sync(
+            lambda: shutil.rmtree(tmp, ignore_errors=True)))
         raise
-    _clean_prev(parent, name)
     files = 2 + sum(u["files"] for u in units)
     nbytes = cut.state["bytes"] + sum(u["bytes"] + u["index"]["bytes"] for u in units)
     return CheckpointInfo(path=path, rows=cut.summary.get("rows", 0), bytes=nbytes,
@@ -441,7 +454,7 @@ class Periodic:
                 return
             seq += 1
             try:
-                self.last = await checkpoint(q, os.path.join(self.dir, f"{_PERIODIC}{seq:08d}"))
+                info = await checkpoint(q, os.path.join(self.dir, f"{_PERIODIC}{seq:08d}"))
             except asyncio.CancelledError:
                 raise
             except Exception:  # noqa: BLE001 - the next one may succeed
@@ -450,7 +463,8 @@ class Periodic:
                 continue
             finally:
                 del q
-            self._prune()
+            await anyio.to_thread.run_sync(self._prune)
+            self.last = info  # (once the older ones are pruned)
 
     def _prune(self) -> None:
         try:
