@@ -174,7 +174,7 @@ def column_dtype(name: str, col: Column) -> str:
 def row_nbytes(col: Column, n: int) -> list[int]:
     """Bytes of each row of a column (exact for tensors, estimated for objects)."""
     if isinstance(col, torch.Tensor):
-        return [col.element_size() * col[0].numel() if n else 0] * n
+        return [col.element_size() * (col.numel() // n) if n else 0] * n
     return [approx_size(x) for x in col]
 
 

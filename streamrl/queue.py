@@ -818,6 +818,8 @@ def _split_by_shard(rows: Sequence[int], shards: Sequence[int], cols: Mapping[st
     """(shard, rows, columns) per storage unit: slices (views) for contiguous runs of one
     shard, gathered copies otherwise."""
     n = len(rows)
+    if n and all(s == shards[0] for s in shards):  # one unit (every one-row put): as is
+        return [(shards[0], list(rows), dict(cols))]
     runs: list[tuple[int, int, int]] = []  # (shard, start, stop)
     start = 0
     for i in range(1, n + 1):
