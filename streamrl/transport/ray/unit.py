@@ -64,11 +64,11 @@ class _Block:
 class StorageActorImpl:
     """One storage unit as a (threaded) actor, with its shared-memory arena."""
 
-    def __init__(self, index: int, storage: Any = "memory"):
+    def __init__(self, index: int, storage: Any = "memory", arena: dict | None = None):
         from ...storage import create_unit
 
         self.index = index
-        self.arena = Arena(index)
+        self.arena = Arena(index, **(arena or {}))
         self.blocks: dict[ShmRef, _Block] = {}
         self.pins: dict[int, tuple[int, list[ShmRef]]] = {}  # pin -> (reader pid, blocks)
         self._pin_ids = itertools.count(1)
