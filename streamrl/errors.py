@@ -27,6 +27,7 @@ __all__ = [
     "DispatchError",
     "TransportError",
     "EventLoopError",
+    "NotSupported",
 ]
 
 
@@ -134,6 +135,11 @@ class EventLoopError(StreamRLError, RuntimeError):
     or that loop is not running, or stopped while the call waited (nothing would ever
     answer it). Use the async API inside the loop; keep the loop running while threads
     use the queue through :meth:`streamrl.sync.StreamQueue.wrap`."""
+
+
+class NotSupported(StreamRLError, NotImplementedError):
+    """The call exists for compatibility (for example in :mod:`streamrl.compat`) but what
+    it needs is not built yet; the message says when it arrives and what to do meanwhile."""
 
 
 def rows_preview(rows: Iterable[int]) -> str:
