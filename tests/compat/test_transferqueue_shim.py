@@ -377,6 +377,7 @@ def test_init_twice_and_attach_keep_one_system(client):
 
 
 @pytest.mark.ray
+@pytest.mark.skipif("ray" not in TRANSPORTS, reason="the Ray transport is not in this run")
 def test_ray_default_config_asks_for_no_cpu(ray_session):
     """TransferQueue's default configuration asks for 3 CPUs (controller + 2 units) and
     waits for ever on a 2-CPU node; here nothing asks for a CPU."""

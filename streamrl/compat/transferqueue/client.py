@@ -15,15 +15,18 @@ What moves where:
 * ``get_data`` reads the rows of the batch straight from the storage units and returns
   a copy the caller owns (TransferQueue's data is serialised over sockets, so writing into
   what ``get_data`` returned never changes the stored samples; streamrl's reads are views
-  of shared memory, so the copy keeps that promise). Tensor fields of samples with at
-  least one dimension come back as jagged nested tensors, as TransferQueue returns them
-  (per-sample scalars as a dense tensor, Python objects as a ``NonTensorStack``).
+  of shared memory, so the copy keeps that promise). The copy is nearly all of a read's
+  time; ``streamrl.copy_on_get: false`` hands out the views instead (native read speed;
+  treat them as read-only). Tensor fields of samples with at least one dimension come back
+  as jagged nested tensors, as TransferQueue returns them (per-sample scalars as a dense
+  tensor, Python objects as a ``NonTensorStack``).
 """
 
 from __future__ import annotations
 
 import asyncio
 import copy
+import functools
 import logging
 import threading
 from collections.abc import Callable, Mapping, Sequence
@@ -141,17 +144,18 @@ class System:
         self.service = service
         self.loop = _Loop.get()
         self.put_timeout = config["streamrl"].get("put_timeout")
+        self.copy = config["streamrl"].get("copy_on_get", True)
         self.embedded = queue.transport == "embedded"
 
 
 def _on_loop(fn: Callable) -> Callable:
-    """An ``async_*`` method that runs ``fn`` on the loop thread, awaitable anywhere."""
+    """Run the coroutine method ``fn`` on the loop thread, so it can be awaited from any
+    event loop (``fn`` itself stays at ``__wrapped__``, for the blocking twin)."""
 
+    @functools.wraps(fn)
     async def method(self, *args, **kwargs):
         return await self._sys.loop.hop(fn(self, *args, **kwargs))
 
-    method.__name__ = method.__qualname__ = fn.__name__.lstrip("_")
-    method.__doc__ = fn.__doc__
     return method
 
 
@@ -188,7 +192,8 @@ class AsyncTransferQueueClient:
 
     # ------------------------------------------------------------------ metadata
 
-    async def _async_get_meta(self, data_fields: Sequence[str], batch_size: int,
+    @_on_loop
+    async def async_get_meta(self, data_fields: Sequence[str], batch_size: int,
                               partition_id: str, mode: str = "fetch",
                               task_name: str | None = None,
                               sampling_config: dict[str, Any] | None = None) -> BatchMeta:
@@ -208,7 +213,8 @@ class AsyncTransferQueueClient:
         return await self._ctl("get_meta", data_fields, batch_size, partition_id, mode,
                                task_name, sampling_config)
 
-    async def _async_set_custom_meta(self, metadata: BatchMeta) -> None:
+    @_on_loop
+    async def async_set_custom_meta(self, metadata: BatchMeta) -> None:
         """Store the batch's ``custom_meta`` (one dict per sample) in the controller."""
         if metadata is None or metadata.size == 0:
             return
@@ -242,7 +248,8 @@ class AsyncTransferQueueClient:
         if rows:
             await asyncio.shield(self._sys.queue.drop(list(rows)))
 
-    async def _async_put(self, data: Any, metadata: BatchMeta | None = None,
+    @_on_loop
+    async def async_put(self, data: Any, metadata: BatchMeta | None = None,
                          partition_id: str | None = None,
                          data_parser: Callable[[Any], Any] | None = None) -> BatchMeta:
         """Write ``data`` (a TensorDict, one row per sample).
@@ -349,7 +356,8 @@ class AsyncTransferQueueClient:
 
     # ------------------------------------------------------------------ get_data
 
-    async def _async_get_data(self, metadata: BatchMeta) -> TensorDict:
+    @_on_loop
+    async def async_get_data(self, metadata: BatchMeta) -> TensorDict:
         """The batch's fields as a TensorDict the caller owns (see the module docstring
         for the layout); empty for an empty batch."""
         from streamrl.batch import RowRemoteBatch
@@ -380,7 +388,7 @@ class AsyncTransferQueueClient:
         names = [store[f] for f in fields]
         rb = RowRemoteBatch(self._sys.queue, rows, shards, names)
         try:
-            td = await rb.materialize(names, copy=True)
+            td = await rb.materialize(names, copy=self._sys.copy)
         except UnknownField as e:
             raise ValueError(f"some samples of this batch lack a field it names: {e}") from None
         except RowsDropped as e:
@@ -388,16 +396,18 @@ class AsyncTransferQueueClient:
                              "fresh metadata") from None
         out = TensorDict({}, batch_size=[metadata.size])
         for f, name in zip(fields, names):
-            out.set(f, _tq_column(td.get(name), self._sys.embedded))
+            out.set(f, _tq_column(td.get(name), self._sys.embedded and self._sys.copy))
         return out
 
     # ------------------------------------------------------------------ clearing
 
-    async def _async_clear_partition(self, partition_id: str) -> None:
+    @_on_loop
+    async def async_clear_partition(self, partition_id: str) -> None:
         """Forget a partition and drop its samples' data (frees room at once)."""
         await self._ctl("clear_partition", partition_id)
 
-    async def _async_clear_samples(self, metadata: BatchMeta) -> None:
+    @_on_loop
+    async def async_clear_samples(self, metadata: BatchMeta) -> None:
         """Forget the batch's samples and drop their data."""
         if metadata is None or metadata.size == 0:
             return
@@ -409,45 +419,53 @@ class AsyncTransferQueueClient:
 
     # ------------------------------------------------------------------ status
 
-    async def _async_get_consumption_status(self, task_name: str, partition_id: str):
+    @_on_loop
+    async def async_get_consumption_status(self, task_name: str, partition_id: str):
         """``(global indexes, consumed)`` tensors of the partition (``(None, None)`` when
         there is no such partition)."""
         return await self._ctl("get_consumption_status", task_name, partition_id)
 
-    async def _async_get_production_status(self, data_fields: Sequence[str], partition_id: str):
+    @_on_loop
+    async def async_get_production_status(self, data_fields: Sequence[str], partition_id: str):
         """``(global indexes, produced [samples, fields])`` tensors (``(None, None)`` when
         the partition or a field is unknown)."""
         return await self._ctl("get_production_status", data_fields, partition_id)
 
-    async def _async_check_consumption_status(self, task_name: str, partition_id: str) -> bool:
+    @_on_loop
+    async def async_check_consumption_status(self, task_name: str, partition_id: str) -> bool:
         """True when the partition has samples and ``task_name`` consumed every one."""
-        _, st = await self._async_get_consumption_status(task_name, partition_id)
+        _, st = await self.async_get_consumption_status(task_name, partition_id)
         return st is not None and st.numel() > 0 and bool(torch.all(st == 1))
 
-    async def _async_check_production_status(self, data_fields: Sequence[str],
+    @_on_loop
+    async def async_check_production_status(self, data_fields: Sequence[str],
                                              partition_id: str) -> bool:
         """True when every sample of the partition has all of ``data_fields``."""
-        _, st = await self._async_get_production_status(data_fields, partition_id)
+        _, st = await self.async_get_production_status(data_fields, partition_id)
         return st is not None and bool(torch.all(st == 1))
 
-    async def _async_reset_consumption(self, partition_id: str, task_name: str | None = None) -> bool:
+    @_on_loop
+    async def async_reset_consumption(self, partition_id: str, task_name: str | None = None) -> bool:
         """Make the partition's samples unconsumed again for ``task_name`` (all tasks when
         ``None``): fetch mode hands them out again. False when there is no such partition."""
         return await self._ctl("reset_consumption", partition_id, task_name)
 
-    async def _async_get_partition_list(self) -> list[str]:
+    @_on_loop
+    async def async_get_partition_list(self) -> list[str]:
         """The partitions the controller knows."""
         return await self._ctl("list_partitions")
 
     # ------------------------------------------------------------------ keys
 
-    async def _async_kv_retrieve_meta(self, keys: Sequence[str] | str, partition_id: str,
+    @_on_loop
+    async def async_kv_retrieve_meta(self, keys: Sequence[str] | str, partition_id: str,
                                       create: bool = False) -> BatchMeta:
         """The samples of user keys (made when ``create``), with the fields all of them have."""
         keys = _key_list(keys)
         return await self._ctl("kv_retrieve_meta", keys, partition_id, create)
 
-    async def _async_kv_retrieve_keys(self, global_indexes: Sequence[int] | int,
+    @_on_loop
+    async def async_kv_retrieve_keys(self, global_indexes: Sequence[int] | int,
                                       partition_id: str) -> list[str]:
         """The keys of samples.
 
@@ -463,22 +481,27 @@ class AsyncTransferQueueClient:
                                f"{partition_id!r}")
         return keys
 
-    async def _async_kv_list(self, partition_id: str | None = None) -> dict[str, dict[str, Any]]:
+    @_on_loop
+    async def async_kv_list(self, partition_id: str | None = None) -> dict[str, dict[str, Any]]:
         """``{partition: {key: tags}}`` of one partition (or all)."""
         return await self._ctl("kv_list", partition_id)
 
     # ------------------------------------------------------------------ checkpoints
 
-    async def _async_save_controller_checkpoint(self, path: str) -> None:
+    @_on_loop
+    async def async_save_controller_checkpoint(self, path: str) -> None:
         raise NotSupported(_CHECKPOINTS)
 
-    async def _async_load_controller_checkpoint(self, path: str) -> None:
+    @_on_loop
+    async def async_load_controller_checkpoint(self, path: str) -> None:
         raise NotSupported(_CHECKPOINTS)
 
-    async def _async_save_storage_checkpoint(self, checkpoint_dir: str) -> None:
+    @_on_loop
+    async def async_save_storage_checkpoint(self, checkpoint_dir: str) -> None:
         raise NotSupported(_CHECKPOINTS)
 
-    async def _async_load_storage_checkpoint(self, checkpoint_dir: str) -> None:
+    @_on_loop
+    async def async_load_storage_checkpoint(self, checkpoint_dir: str) -> None:
         raise NotSupported(_CHECKPOINTS)
 
     def close(self) -> None:
@@ -491,22 +514,22 @@ _CALLS = ["get_meta", "set_custom_meta", "put", "get_data", "clear_partition", "
           "kv_retrieve_meta", "kv_retrieve_keys", "kv_list", "save_controller_checkpoint",
           "load_controller_checkpoint", "save_storage_checkpoint", "load_storage_checkpoint"]
 
-for _name in _CALLS:
-    setattr(AsyncTransferQueueClient, f"async_{_name}",
-            _on_loop(getattr(AsyncTransferQueueClient, f"_async_{_name}")))
-
-
 class TransferQueueClient(AsyncTransferQueueClient):
-    """TransferQueue's blocking client: the ``async_*`` methods, and each without the
-    prefix, blocking (usable from threads and synchronous Ray actors; not from the
-    compatibility layer's own event loop, e.g. inside a sampler)."""
+    """TransferQueue's blocking client: the ``async_*`` methods, and each of them without
+    the prefix, blocking, with the same arguments (``get_meta``, ``put``, ``get_data``,
+    ``clear_partition``, ``clear_samples``, ``set_custom_meta``, ``get_consumption_status``,
+    ``get_production_status``, ``check_consumption_status``, ``check_production_status``,
+    ``reset_consumption``, ``get_partition_list``, ``kv_retrieve_meta``,
+    ``kv_retrieve_keys``, ``kv_list`` and the checkpoint calls). They are usable from
+    threads and synchronous Ray actors; not from the compatibility layer's own event loop
+    (inside a sampler), where they raise :class:`~streamrl.errors.EventLoopError`."""
 
     def _run_coroutine(self, coro: Any) -> Any:
         return self._sys.loop.run(coro)
 
 
 def _blocking(name: str) -> Callable:
-    impl = getattr(AsyncTransferQueueClient, f"_async_{name}")
+    impl = getattr(AsyncTransferQueueClient, f"async_{name}").__wrapped__
 
     def method(self, *args, **kwargs):
         return self._run_coroutine(impl(self, *args, **kwargs))

@@ -28,6 +28,10 @@ key                                                        becomes
                                                            before it raises
 ``streamrl.namespace`` (new)                               Ray namespace of the queue's
                                                            actors
+``streamrl.copy_on_get`` (new; ``true``)                   ``get_data`` returns a copy the
+                                                           caller owns (``false``: views of
+                                                           the stored data, at native read
+                                                           speed; do not write into them)
 =========================================================  =================================
 
 ``zmq_info`` entries are filled by TransferQueue itself and ignored silently. Everything
@@ -67,7 +71,7 @@ DEFAULTS: dict[str, Any] = {
                           "ssd_offload": dict(_SSD)},
     },
     "streamrl": {"transport": "auto", "capacity_bytes": "auto", "put_timeout": None,
-                 "namespace": None},
+                 "namespace": None, "copy_on_get": True},
 }
 
 _USED = {"controller.polling_mode", "controller.sampler", "controller.get_meta_timeout",

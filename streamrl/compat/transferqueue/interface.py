@@ -240,22 +240,22 @@ async def _kv_batch_put(keys: Sequence[str], partition_id: str, fields: Any = No
     if tags is not None and len(tags) != len(keys):
         raise ValueError(f"{len(keys)} keys but {len(tags)} tags; give one tag dict per key")
     client = _client()
-    meta = await client._async_kv_retrieve_meta(keys, partition_id, create=True)
+    meta = await client.async_kv_retrieve_meta(keys, partition_id, create=True)
     if meta.size != len(keys):
         raise RuntimeError(f"got {meta.size} samples for {len(keys)} keys")
     if tags is not None:
         meta.update_custom_meta(tags)
     if fields is not None:
-        meta = await client._async_put(fields, meta, data_parser=data_parser)
+        meta = await client.async_put(fields, meta, data_parser=data_parser)
     else:
-        await client._async_set_custom_meta(meta)
+        await client.async_set_custom_meta(meta)
     return _kv_meta(keys, partition_id, meta)
 
 
 async def _kv_batch_get(keys: Sequence[str] | str, partition_id: str,
                         select_fields: Sequence[str] | str | None = None) -> TensorDict:
     client = _client()
-    meta = await client._async_kv_retrieve_meta(keys, partition_id, create=False)
+    meta = await client.async_kv_retrieve_meta(keys, partition_id, create=False)
     if meta.size == 0:
         raise ValueError(f"keys {keys if isinstance(keys, str) else list(keys)[:8]} were not "
                          f"found in partition {partition_id!r}")
@@ -264,7 +264,7 @@ async def _kv_batch_get(keys: Sequence[str] | str, partition_id: str,
                                   else list(select_fields))
     if not meta.is_ready:
         raise ValueError("some requested keys lack some of the fields: not every sample is ready")
-    return await client._async_get_data(meta)
+    return await client.async_get_data(meta)
 
 
 async def _kv_batch_get_by_meta(meta: KVBatchMeta,
@@ -282,14 +282,14 @@ async def _kv_batch_get_by_meta(meta: KVBatchMeta,
 
 
 async def _kv_list(partition_id: str | None = None) -> dict[str, dict[str, Any]]:
-    return await _client()._async_kv_list(partition_id)
+    return await _client().async_kv_list(partition_id)
 
 
 async def _kv_clear(keys: Sequence[str] | str, partition_id: str) -> None:
     client = _client()
-    meta = await client._async_kv_retrieve_meta(keys, partition_id, create=False)
+    meta = await client.async_kv_retrieve_meta(keys, partition_id, create=False)
     if meta.size:
-        await client._async_clear_samples(meta)
+        await client.async_clear_samples(meta)
 
 
 def kv_put(key: str, partition_id: str, fields: Any = None, tag: Mapping[str, Any] | None = None,
