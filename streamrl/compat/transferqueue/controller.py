@@ -494,13 +494,26 @@ class ControllerService:
         self.queue = queue
         self.config = config
         self.timeout = settings["get_meta_timeout"]
-        self._events: dict[str, asyncio.Event] = {}
+        # partition -> [event set on its next change, number of get_meta waiting on it]
+        self._events: dict[str, list] = {}
         self._closed = False
 
     def _changed(self, partition_id: str) -> None:
-        ev = self._events.pop(partition_id, None)
-        if ev is not None:
-            ev.set()
+        entry = self._events.pop(partition_id, None)
+        if entry is not None:
+            entry[0].set()
+
+    async def _wait_change(self, partition_id: str, timeout: float | None) -> None:
+        entry = self._events.setdefault(partition_id, [asyncio.Event(), 0])
+        entry[1] += 1
+        try:
+            await asyncio.wait_for(entry[0].wait(), timeout)
+        except asyncio.TimeoutError:
+            pass
+        finally:
+            entry[1] -= 1
+            if not entry[1] and self._events.get(partition_id) is entry:
+                del self._events[partition_id]
 
     async def _drop(self, rows: Sequence[tuple[int, int]]) -> None:
         if rows:
@@ -543,11 +556,7 @@ class ControllerService:
                     f"{task_name!r}; {n} are ready. Put more data, ask for fewer, or raise "
                     "controller.get_meta_timeout (null waits for ever); polling_mode=True "
                     "returns an empty BatchMeta instead")
-            ev = self._events.setdefault(partition_id, asyncio.Event())
-            try:
-                await asyncio.wait_for(ev.wait(), left)
-            except asyncio.TimeoutError:
-                pass
+            await self._wait_change(partition_id, left)
 
     async def commit(self, partition_id: str, indexes: Sequence[int] | None, rows: Sequence[int],
                      shards: Sequence[int], schema: Mapping[str, Mapping[str, Any]],

@@ -20,6 +20,8 @@ with TransferQueue. Differences, each a TransferQueue defect users work around:
 
 from __future__ import annotations
 
+import os
+import threading
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -49,6 +51,19 @@ _SYSTEM: System | None = None
 
 class StorageKeyNotFoundError(KeyError):
     """A key a storage backend was asked for is not there (TransferQueue's name)."""
+
+
+def _forget_after_fork() -> None:
+    """A forked child has none of its parent's threads: it starts afresh (``init()``
+    again attaches to a Ray system; an embedded one stays the parent's)."""
+    global _SYSTEM, _TQ_CLIENT, _TQ_CONTROLLER, _TQ_STORAGE
+    _SYSTEM = _TQ_CLIENT = _TQ_CONTROLLER = _TQ_STORAGE = None
+    _Loop._current = None
+    _Loop._lock = threading.Lock()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_after_fork)
 
 
 def _system() -> System:
