@@ -317,6 +317,8 @@ class AsyncTransferQueueClient:
                 by_pid.setdefault(pid, []).append(p)
             for pid, pos in by_pid.items():
                 await self._commit(pid, pos, metadata, rows, shards, wire, stored, made)
+                bound = {rows[p] for p in pos}  # the controller holds these now
+                made[:] = [r for r in made if r not in bound]
         except BaseException:
             await self._drop_rows(made)
             raise
@@ -346,12 +348,11 @@ class AsyncTransferQueueClient:
         lost = [pos[c] for c, _, _ in conflicts]
         await self._store({f: take_rows(c, lost) for f, c in stored.items()},
                           [r for _, r, _ in conflicts])
-        extra = [rows[p] for p in lost]
+        extra = [rows[p] for p in lost if rows[p] in made]  # never drop a row not made here
         for (_, r, s), p in zip(conflicts, lost):
             rows[p], shards[p] = r, s
         await self._drop_rows(extra)
-        for r in extra:
-            made.remove(r)
+        made[:] = [r for r in made if r not in extra]
         await self._commit(pid, lost, meta, rows, shards, wire, stored, made)
 
     # ------------------------------------------------------------------ get_data

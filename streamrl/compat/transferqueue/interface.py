@@ -138,11 +138,16 @@ def init(conf: Any = None) -> Any:
         try:
             actor = actor_cls.options(name=ACTOR_NAME, namespace=ACTOR_NAMESPACE, num_cpus=0,
                                       max_concurrency=1000).remote(merged, queue, settings)
-            ray.get(actor.ping.remote())
         except ValueError:  # another process made it first: use that one
             loop.run(queue.shutdown())
             if _attach():
                 return conf
+            raise
+        try:
+            ray.get(actor.ping.remote())
+        except BaseException:  # it could not start (a sampler that does not unpickle...)
+            ray.kill(actor)
+            loop.run(queue.shutdown())
             raise
         _set(System(queue, _RayController(actor), merged, owner=True, actor=actor))
     else:
