@@ -535,8 +535,8 @@ def _blocking(name: str) -> Callable:
     def method(self, *args, **kwargs):
         return self._run_coroutine(impl(self, *args, **kwargs))
 
-    method.__name__ = method.__qualname__ = name
-    method.__doc__ = impl.__doc__
+    functools.update_wrapper(method, impl)  # its signature and docstring, for help()
+    method.__name__, method.__qualname__ = name, f"TransferQueueClient.{name}"
     return method
 
 
