@@ -28,8 +28,10 @@ _EXPORTS = {
     "Stats": "stats",
     "TaskStats": "stats",
     "filters": None,
+    "sampling": None,
     "sync": None,
     "codec": None,
+    "storage": None,
 }
 
 __all__ = sorted(_EXPORTS) + ["errors", "__version__"]
@@ -50,7 +52,7 @@ def __dir__() -> list[str]:
 
 
 if TYPE_CHECKING:  # for type checkers and IDEs
-    from . import codec, filters, sync
+    from . import codec, filters, sampling, storage, sync
     from .batch import BatchProxy, ColumnRemoteBatch, RemoteBatch, RowRemoteBatch
     from .queue import DEFAULT_PARTITION, Stream, StreamQueue
     from .stats import Stats, TaskStats

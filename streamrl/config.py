@@ -123,6 +123,9 @@ class QueueConfig:
             ``"spill"``, ...) or a mapping ``{"backend": name, **options}``.
         sampler: how ready rows are picked for a request by default: a registered name
             (``"fifo"``, ``"priority"``, ...) or a mapping ``{"sampler": name, **options}``.
+        metrics: serve Prometheus metrics over HTTP: ``True`` (a free port on 127.0.0.1),
+            a port number (on 127.0.0.1), ``"host:port"`` (``"0.0.0.0:9100"`` for other
+            machines to scrape), or ``None`` (off). See :mod:`streamrl.metrics`.
         options: transport-specific options (for ``"ray"``: ``namespace``,
             ``unit_options``, ``controller_options``, ``detached``, ``direct_calls``).
 
@@ -141,6 +144,7 @@ class QueueConfig:
     name: str | None = None
     storage: Any = "memory"
     sampler: Any = "fifo"
+    metrics: Any = None
     options: Mapping[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -162,9 +166,16 @@ class QueueConfig:
         _check_bound("max_lead", self.max_lead)
         object.__setattr__(self, "consumers", _consumers(self.consumers))
         _check_name("name", self.name, allow_none=True)
+        _check_sampler(self.sampler, allow_none=False)
+        from .metrics import parse_spec
+
+        parse_spec(self.metrics)  # raises for a bad spec
         if not isinstance(self.options, Mapping):
             raise InvalidArgument(f"options must be a mapping, got {self.options!r}")
         object.__setattr__(self, "options", dict(self.options))
+        from .storage import check_spec  # names and options, here (not in a Ray actor)
+
+        check_spec(self.storage)
 
     @classmethod
     def fields(cls) -> tuple[str, ...]:
@@ -309,3 +320,16 @@ def validate_request(req: Request) -> None:
         raise InvalidArgument(
             f"dp_remainder must be 'error', 'drop' or 'pad', got {req.dp_remainder!r}")
     check_duration("lease_timeout", req.lease_timeout)
+    _check_sampler(req.sampler, allow_none=True)
+
+
+def _check_sampler(spec: Any, *, allow_none: bool) -> None:
+    """A sampler spec must resolve (see :func:`streamrl.sampling.resolve`)."""
+    if spec is None and allow_none:
+        return
+    if spec is None:
+        raise InvalidArgument("sampler must be a registered name such as 'fifo', a mapping "
+                              "{'sampler': name, **options} or a Sampler, got None")
+    from .sampling import resolve
+
+    resolve(spec)  # raises InvalidArgument, naming what there is

@@ -95,8 +95,8 @@ class ControlPlane(Protocol):
         """Rows still held under these leases."""
         ...
 
-    async def ensure_tags(self, fields: Sequence[str]) -> None:
-        """Make every row's value of these tag fields known."""
+    async def ensure_tags(self, fields: Sequence[str], partition: str | None = None) -> None:
+        """Make the values of these tag fields known for every row of ``partition``."""
         ...
 
     # -- lifecycle

@@ -27,6 +27,7 @@ __all__ = [
     "DispatchError",
     "TransportError",
     "EventLoopError",
+    "CheckpointError",
     "NotSupported",
 ]
 
@@ -135,6 +136,12 @@ class EventLoopError(StreamRLError, RuntimeError):
     or that loop is not running, or stopped while the call waited (nothing would ever
     answer it). Use the async API inside the loop; keep the loop running while threads
     use the queue through :meth:`streamrl.sync.StreamQueue.wrap`."""
+
+
+class CheckpointError(StreamRLError, ValueError):
+    """A saved state cannot be loaded: it is not a streamrl state, its format version is
+    unknown or newer than this streamrl reads, or it does not fit the controller it is
+    loaded into (for example rows on a storage unit the queue does not have)."""
 
 
 class NotSupported(StreamRLError, NotImplementedError):

@@ -117,7 +117,7 @@ class CommitResult:
     """What :meth:`Controller.commit` tells the writer."""
 
     dead: dict[int, list[int]]  # shard -> rows dropped while the write was in flight
-    tag_fields: frozenset[str]  # tags the controller wants with writes of those fields
+    tag_fields: frozenset[str]  # tags kept for the rows written (of their partition)
     missing_tags: dict[str, list[int]]  # tag field -> rows written without that tag
 
 

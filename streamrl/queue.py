@@ -6,6 +6,7 @@ import asyncio
 import itertools
 import warnings
 import weakref
+from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -23,6 +24,8 @@ from .control import ControlPlane
 from .messages import Delivery, FilterSpec, Request
 from .session import Session
 from .transport import registry
+from .timing import RoleTiming, Timer
+from .timing import counted as _timed
 from .transport.base import DataPlane, Transport
 from .errors import (EndOfStream, InvalidArgument, LeaseExpired, SchemaError, StreamTimeout,
                      TransportError)
@@ -98,7 +101,7 @@ class StreamQueue:
                  lease_timeout: float = 600.0, max_staleness: int | None = None,
                  max_lead: int | None = None, consumers: Sequence[str] | None = None,
                  name: str | None = None, storage: Any = "memory", sampler: Any = "fifo",
-                 **options: Any):
+                 metrics: Any = None, **options: Any):
         if isinstance(transport, Transport):  # an already built deployment (connect, attach)
             self._config = None
             self._start(transport, name)
@@ -107,14 +110,48 @@ class StreamQueue:
             capacity=capacity, num_shards=num_shards, capacity_bytes=capacity_bytes,
             transport=transport, lease_timeout=lease_timeout, max_staleness=max_staleness,
             max_lead=max_lead, consumers=consumers, name=name, storage=storage,
-            sampler=sampler, options=options)
+            sampler=sampler, metrics=metrics, options=options)
         self._config = config
         self._start(registry.resolve(config.transport)(config), name)
+        self._serve_metrics(config)
+
+    def _serve_metrics(self, config: QueueConfig) -> None:
+        """Start the ``/metrics`` endpoint of ``metrics=`` (see :mod:`streamrl.metrics`):
+        in this process for an in-process transport; transports whose controller lives
+        elsewhere serve it there (``metrics_url``)."""
+        from .metrics import MetricsServer, parse_spec
+
+        addr = parse_spec(config.metrics)
+        if addr is None or getattr(self._transport, "metrics_url", None) is not None:
+            return
+        try:
+            first = asyncio.get_running_loop()
+        except RuntimeError:
+            first = None
+        control = self._transport.control
+
+        def loop():
+            return getattr(control, "_loop", None) or first
+
+        self._metrics = MetricsServer(self.stats, loop, self.name or self.queue_id[:8], addr,
+                                      self._session.reads)
+
+    @property
+    def metrics_url(self) -> str | None:
+        """Where the queue's Prometheus metrics are served (``metrics=``), or ``None``."""
+        if self._metrics is not None:
+            return self._metrics.url
+        return getattr(self._transport, "metrics_url", None)
 
     def _start(self, transport: Transport, name: str | None) -> None:
+        self._metrics = None
+        self._timings: dict[str, RoleTiming] = {}
         self.name = name
         self._closed_locally = False
-        self._tag_fields: frozenset[str] = frozenset()
+        # tag fields (group keys...) as the controller last said, per partition, and of
+        # any partition: see _tags
+        self._tags_by_part: OrderedDict[str, frozenset[str]] = OrderedDict()
+        self._tags_any: frozenset[str] = frozenset()
         self._transport = transport
         self._session = Session(self, transport)
         self._id = next(_ids)
@@ -258,8 +295,8 @@ class StreamQueue:
         never races the undo. A write with ``overwrite=True`` is the exception: it is
         idempotent, and a cancelled one leaves each row with its old or its new value.
         """
-        return await self._put(data, partition, rows, version=version, overwrite=overwrite,
-                               timeout=timeout, nowait=False)
+        return await _timed(self._put(data, partition, rows, version=version,
+                                      overwrite=overwrite, timeout=timeout, nowait=False))
 
     async def put_nowait(self, data: Mapping[str, Any] | TensorDictBase,
                          partition: str | None = None, *, version: int | None = None
@@ -267,8 +304,33 @@ class StreamQueue:
         """Like :meth:`put` of new rows, but raises :class:`~streamrl.errors.QueueFull`
         instead of waiting for room. (It is a coroutine because storing may still need I/O
         on distributed transports.)"""
-        return await self._put(data, partition, None, version=version, overwrite=False,
-                               timeout=None, nowait=True)
+        return await _timed(self._put(data, partition, None, version=version,
+                                      overwrite=False, timeout=None, nowait=True))
+
+    def _tags(self, part: str | None, cols: Mapping[str, Column]) -> dict[str, list]:
+        """The tag values (group keys...) to send with a write: those of fields that are
+        tags of the rows' partition must be scalars per row (a SchemaError before
+        anything is admitted); fields that are tags only elsewhere are sent when they can
+        be (a group key of one partition says nothing of another's field)."""
+        strict = self._tags_by_part.get(part, frozenset()) if part is not None else frozenset()
+        tags = {}
+        for f, col in cols.items():
+            if f in strict:
+                tags[f] = tag_values(f, col)
+            elif f in self._tags_any:
+                try:
+                    tags[f] = tag_values(f, col)
+                except SchemaError:
+                    pass
+        return tags
+
+    def _learn_tags(self, part: str | None, fields: frozenset[str]) -> None:
+        self._tags_any = self._tags_any | fields
+        if part is not None:
+            self._tags_by_part[part] = fields
+            self._tags_by_part.move_to_end(part)
+            while len(self._tags_by_part) > 256:
+                self._tags_by_part.popitem(last=False)
 
     async def _put(self, data, partition, rows, *, version, overwrite, timeout, nowait):
         timeout = check_timeout("timeout", timeout)
@@ -285,14 +347,14 @@ class StreamQueue:
         dtypes = {f: column_dtype(f, c) for f, c in cols.items()}
         ctl = self._control
         target: RowRemoteBatch | None = None
-        tags = {f: tag_values(f, cols[f]) for f in names if f in self._tag_fields}
         if rows is None:
             part = DEFAULT_PARTITION if partition is None else partition
+            tags = self._tags(part, cols)
             done = None
             if self._data.caps.unit_admitted_puts:  # one call, no waiting (Ray)
                 done = await self._data.put_rows(part, cols, n, nbytes, tags, version, dtypes)
             if done is not None:
-                self._tag_fields = done[2].tag_fields
+                self._learn_tags(part, done[2].tag_fields)
                 out = RowRemoteBatch(self, done[0], done[1], names, partition=part)
                 out._learn(cols)
                 return out
@@ -321,6 +383,7 @@ class StreamQueue:
                     "target row")
             if len(set(ids)) != len(ids):
                 raise SchemaError("the target rows repeat; write each row once")
+            tags = self._tags(part, cols)
             tok = await ctl.begin_write(ids, names, overwrite=overwrite, dtypes=dtypes)
         try:
             split = _split_by_shard(tok.rows, tok.shards, cols)
@@ -342,7 +405,7 @@ class StreamQueue:
             await shielded(self._data.delete(parts) if rows is None
                            else self._data.delete_fields(parts, names, write=tok.id))
             raise
-        self._tag_fields = res.tag_fields
+        self._learn_tags(part, res.tag_fields)
         if target is not None:
             target._learn(cols)
             return target
@@ -377,7 +440,7 @@ class StreamQueue:
         """
         req = self._request(locals())
         timeout = check_timeout("timeout", timeout)
-        d = await self._control.take(req, timeout)
+        d = await _timed(self._control.take(req, timeout))
         if d is None:
             where = f"partition {partition!r} is sealed and" if partition else "the queue is closed and"
             raise EndOfStream(f"task {task!r}: {where} every row was delivered; nothing more to get")
@@ -566,8 +629,36 @@ class StreamQueue:
         spec = FilterSpec(name, frozenset(fields), group_by, group_size)
         await self._control.add_filter(fn, spec)
         if group_by:
-            self._tag_fields = self._tag_fields | {group_by}
+            self._tags_any = self._tags_any | {group_by}
         return name
+
+    def timed(self, role: str) -> Timer:
+        """Record how long ``role`` waits on this queue against how long it computes:
+        ``with q.timed("actor_update"): ...`` (or ``async with``) around the role's work;
+        queue calls inside it (in this task and tasks it starts) count as queue time.
+        Read the totals with :meth:`timings`. See :mod:`streamrl.timing`.
+
+        Examples:
+            >>> import asyncio, torch, streamrl
+            >>> async def main():
+            ...     async with streamrl.StreamQueue(capacity=8) as q:
+            ...         with q.timed("producer"):
+            ...             await q.put({"x": torch.zeros(4)})
+            ...         return q.timings()["producer"].calls
+            >>> asyncio.run(main())
+            1
+        """
+        if not isinstance(role, str) or not role:
+            raise InvalidArgument(f"role must be a non-empty str, got {role!r}")
+        rec = self._timings.get(role)
+        if rec is None:
+            rec = self._timings[role] = RoleTiming()
+        return Timer(rec)
+
+    def timings(self) -> dict[str, RoleTiming]:
+        """Per role timed with :meth:`timed` in this process: seconds in its blocks,
+        the part in queue calls, and the rest (compute)."""
+        return dict(self._timings)
 
     async def stats(self) -> Stats:
         """A snapshot of counters and holdings (see :class:`~streamrl.Stats`)."""
@@ -598,7 +689,10 @@ class StreamQueue:
         return await self._control.close()
 
     async def shutdown(self) -> None:
-        """Free the deployment (Ray: kill the actors this queue started)."""
+        """Free the deployment (Ray: kill the actors this queue started) and stop serving
+        metrics."""
+        if self._metrics is not None:
+            self._metrics.close()
         await self._transport.shutdown()
 
 
@@ -643,7 +737,7 @@ class Stream:
                 warnings.warn(f"streamrl: {e}", RuntimeWarning, stacklevel=2)
         if self._done:
             raise StopAsyncIteration
-        d = await self._q._control.take(self._req, self._timeout)
+        d = await _timed(self._q._control.take(self._req, self._timeout))
         if d is None:
             self._done = True
             raise StopAsyncIteration

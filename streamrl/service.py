@@ -35,7 +35,7 @@ from .messages import (END, CommitResult, Delivery, DropReason, FilterJob, Filte
                        PutStatus, Request, WriteToken)
 from .errors import (FilterError, InvalidArgument, QueueClosed, QueueFull, RowsDropped,
                      StreamRLError, StreamTimeout)
-from .stats import Stats, TaskStats
+from .stats import Histogram, Stats, TaskStats
 from .transport.base import DataPlane
 
 log = logging.getLogger("streamrl")
@@ -61,7 +61,9 @@ class ControllerService:
         self._filters: dict[str, Callable] = {}
         self._filter_failures: deque[str] = deque(maxlen=16)
         self._waits: deque[float] = deque(maxlen=10000)
-        self._tags_ready: dict[str, anyio.Event] = {}  # tag field -> backfill done
+        self._wait_hist: dict[str, Histogram] = {}  # task -> how long its takes waited
+        # (tag field, partition or None) -> its backfill is done
+        self._tags_ready: dict[tuple[str, str | None], anyio.Event] = {}
         self._deferred: deque[list[int]] = deque()  # releases queued by finalizers
         self._loop = None  # the event loop this service runs in (set on first use)
 
@@ -381,27 +383,48 @@ class ControllerService:
         for (s, rows, _), cols in zip(req, got):
             self.ctl.set_tags(field, rows, tag_values(field, assemble(cols[field])))
 
-    def tags_pending(self, fields: Sequence[str | None]) -> list[str]:
-        """Tag fields (group keys, balance keys) whose values are not all known yet."""
-        return [f for f in fields if f and not (f in self._tags_ready and self._tags_ready[f].is_set())]
-
-    async def ensure_tags(self, fields: Sequence[str]) -> None:
-        """Make sure every row's value of each tag field is known (reading the values of
-        rows written before the field became a tag). Concurrent callers wait for the
-        first one's backfill."""
+    def tags_pending(self, fields: Sequence[str | None], partition: str | None = None
+                     ) -> list[str]:
+        """Tag fields (group keys, balance keys, samplers' fields) of rows of
+        ``partition`` (``None``: every partition) whose values are not all known yet."""
+        out = []
         for f in fields:
-            ev = self._tags_ready.get(f)
-            if ev is not None:
-                await ev.wait()
+            if not f:
                 continue
-            ev = self._tags_ready[f] = anyio.Event()
-            try:
-                await self._backfill_tags(f, self.ctl.register_tag(f))
-            except BaseException:
-                del self._tags_ready[f]
+            ev = self._tags_ready.get((f, partition)) or self._tags_ready.get((f, None))
+            if ev is None or not ev.is_set():
+                out.append(f)
+        return out
+
+    async def ensure_tags(self, fields: Sequence[str], partition: str | None = None) -> None:
+        """Make sure the value of each tag field is known for every row of ``partition``
+        (``None``: of every partition), reading the values of rows written before the
+        field became a tag. A group key of one partition says nothing of a field of the
+        same name in another: only rows in scope are read (a value that is no scalar
+        raises :class:`~streamrl.errors.SchemaError` here, to the consumer that asked).
+        Concurrent callers wait for the first one's backfill."""
+        if partition is not None and partition in self.ctl.retired:
+            return
+        for key in [k for k in self._tags_ready if k[1] is not None and k[1] in self.ctl.retired]:
+            del self._tags_ready[key]  # finished partitions keep no state
+        for f in fields:
+            while True:
+                mine = self._tags_ready.get((f, partition))
+                every = self._tags_ready.get((f, None)) if partition is not None else None
+                if (mine is not None and mine.is_set()) or (every is not None and every.is_set()):
+                    break
+                if mine is not None or every is not None:  # another caller backfills
+                    await (mine or every).wait()
+                    continue  # (it may have failed: look again)
+                ev = self._tags_ready[(f, partition)] = anyio.Event()
+                try:
+                    await self._backfill_tags(f, self.ctl.register_tag(f, partition))
+                except BaseException:
+                    del self._tags_ready[(f, partition)]
+                    ev.set()
+                    raise
                 ev.set()
-                raise
-            ev.set()
+                break
         await self._after()
 
     # ------------------------------------------------------------------ reads
@@ -414,9 +437,9 @@ class ControllerService:
         """
         ctl = self.ctl
         ctl.validate_request(req)
-        need = self.tags_pending([req.group_by, req.balance_by])
-        if need:
-            await self.ensure_tags(need)
+        need = self.tags_pending(ctl.request_tags(req), req.partition)  # group, balance,
+        if need:  # sampler fields
+            await self.ensure_tags(need, req.partition)
         start = ctl.clock()
         deadline = None if timeout is None else start + timeout
         key = req.sub_key()
@@ -428,7 +451,12 @@ class ControllerService:
                 await self._after()
                 return None
             if res is not None:
-                self._waits.append(ctl.clock() - start)
+                waited = ctl.clock() - start
+                self._waits.append(waited)
+                hist = self._wait_hist.get(req.task)
+                if hist is None:
+                    hist = self._wait_hist[req.task] = Histogram()
+                hist.observe(waited)
                 try:
                     await self._after()  # (it may run filter jobs: a real wait)
                 except BaseException:
@@ -616,11 +644,22 @@ class ControllerService:
         ctl.expire()
         await self._after()
         tasks = {}
+        states = ctl.task_states()
         for t in set(ctl.c_delivered) | set(ctl.c_acked) | {s.task for s in ctl.subs.values()}:
+            hd, hw = ctl.h_delivery.get(t), self._wait_hist.get(t)
+            st = states.get(t, {})
             tasks[t] = TaskStats(
                 delivered=ctl.c_delivered.get(t, 0), acked=ctl.c_acked.get(t, 0),
                 redelivered=ctl.c_redelivered.get(t, 0), expired=ctl.c_expired.get(t, 0),
-                leased=sum(len(le.rows) for le in ctl.leases.values() if le.task == t))
+                leased=sum(len(le.rows) for le in ctl.leases.values() if le.task == t),
+                bytes=ctl.c_bytes_delivered.get(t, 0), ready=st.get("ready", 0),
+                waiting=st.get("waiting", 0),
+                delivery_p50=hd.quantile(0.5) if hd else None,
+                delivery_p99=hd.quantile(0.99) if hd else None,
+                wait_p50=hw.quantile(0.5) if hw else None,
+                wait_p99=hw.quantile(0.99) if hw else None,
+                delivery_latency=hd.merge(Histogram()) if hd else None,
+                wait=hw.merge(Histogram()) if hw else None)
         units = await self.data.unit_stats() if with_units else []
         waits = sorted(self._waits)
         return Stats(

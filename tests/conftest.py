@@ -40,22 +40,74 @@ def ray_session():
     ray.shutdown()
 
 
-@pytest.fixture(params=TRANSPORTS)
-def transport(request):
-    if request.param == "ray":
-        request.getfixturevalue("ray_session")
-    return request.param
+#: The behavioural suite also runs on the spill storage backend with a tiny memory budget
+#: (so rows really go to disk and come back): its tests (those using ``make_queue``) get
+#: the deployment "embedded-spill" besides "embedded" and "ray", and those of RAY_SPILL
+#: also "ray-spill" (each Ray test costs ~10 s here, mostly starting actors: the whole
+#: suite on ray-spill would add ~8 minutes).
+SPILL_SUITE = {"test_semantics", "test_lifecycle", "test_cancellation"}
+#: the data-path tests of the suite: puts, reads of ragged and object fields, writes of
+#: new fields, failed/cancelled/expired writes and their undo, drops, nothing left behind
+RAY_SPILL = {
+    "test_partial_samples_pipeline_through_four_roles",
+    "test_exactly_once_per_task_with_concurrent_consumers",
+    "test_failed_write_of_new_fields_keeps_the_rows_other_fields",
+    "test_expired_write_to_existing_rows_frees_what_it_stored",
+    "test_drop_and_clear_leave_zero_rows_and_bytes",
+    "test_materialize_fetches_only_requested_fields",
+    "test_non_tensor_and_ragged_fields",
+    "test_a_cancelled_write_of_a_new_field_then_retried_lands_whole",
+    "test_a_cancelled_put_of_new_rows_leaves_nothing",
+    "test_a_cancelled_overwrite_leaves_old_or_new_values",
+    "test_grpo_zero_variance_filter_ends_with_nothing_held",
+}
+#: 256 bytes of tensors per unit: most puts of the suite go to disk at once, the last
+#: small ones stay in memory
+SPILL = {"backend": "spill", "memory_bytes": 256}
+
+
+def pytest_generate_tests(metafunc):
+    """Parametrise ``transport`` over TRANSPORTS (plus the spill deployments for the
+    suite), unless the test parametrises it itself (``test_ray.py``: ``["ray"]``)."""
+    if "transport" not in metafunc.fixturenames or any(
+            "transport" in m.args[0] for m in metafunc.definition.iter_markers("parametrize")):
+        return
+    params = list(TRANSPORTS)
+    if metafunc.module.__name__ in SPILL_SUITE and "make_queue" in metafunc.fixturenames:
+        params += [f"{t}-spill" for t in TRANSPORTS
+                   if t != "ray" or metafunc.function.__name__ in RAY_SPILL]
+    metafunc.parametrize("transport", params, indirect=True)
 
 
 @pytest.fixture
-async def make_queue(transport):
-    """make_queue(**kwargs) -> StreamQueue on the parametrised transport; every queue is
-    closed and shut down after the test."""
+def transport(request):
+    """The transport name: the parametrised ``"<transport>"`` or ``"<transport>-spill"``
+    (see SPILL_SUITE) without its storage part."""
+    name = request.param.split("-")[0]
+    if name == "ray":
+        request.getfixturevalue("ray_session")
+    return name
+
+
+@pytest.fixture
+def storage(request, tmp_path):
+    """The ``storage=`` of the parametrised deployment (spill files under tmp_path)."""
+    callspec = getattr(request.node, "callspec", None)
+    if callspec is not None and str(callspec.params.get("transport", "")).endswith("-spill"):
+        return {**SPILL, "dir": str(tmp_path)}
+    return "memory"
+
+
+@pytest.fixture
+async def make_queue(transport, storage):
+    """make_queue(**kwargs) -> StreamQueue on the parametrised transport and storage;
+    every queue is closed and shut down after the test."""
     made: list[streamrl.StreamQueue] = []
 
     def make(**kw) -> streamrl.StreamQueue:
         kw.setdefault("capacity", 1024)
         kw.setdefault("num_shards", 2)
+        kw.setdefault("storage", storage)
         q = streamrl.StreamQueue(transport=transport, **kw)
         made.append(q)
         return q

@@ -34,6 +34,26 @@ async def _settled(q, deadline=10.0):
         await asyncio.sleep(0.05)
 
 
+def _slow_filter(tmp_path):
+    """A filter that marks a file when it starts (it may run in another process: the
+    Ray controller actor) and then takes a second; and a wait for that mark."""
+    mark = tmp_path / "filter-started"
+
+    async def slow_keep(td):
+        mark.touch()
+        await asyncio.sleep(1.0)
+        return True
+
+    async def started(deadline=30.0):
+        loop = asyncio.get_running_loop()
+        end = loop.time() + deadline
+        while not mark.exists():
+            assert loop.time() < end, "the filter never ran"
+            await asyncio.sleep(0.01)
+
+    return slow_keep, started
+
+
 async def _cancel_after(coro, delay):
     """Run ``coro``, cancelling it after ``delay`` seconds (0: after one loop turn).
     Returns (completed, result)."""
@@ -102,19 +122,16 @@ async def test_a_cancelled_put_of_new_rows_leaves_nothing(make_queue, transport)
     assert await _settled(q) == []
 
 
-async def test_a_put_cancelled_while_its_async_filter_runs_leaves_nothing(make_queue):
+async def test_a_put_cancelled_while_its_async_filter_runs_leaves_nothing(make_queue, tmp_path):
     """The filter a put's commit triggers runs in the put; cancelling the put there
     takes the rows back, so a retry does not duplicate them."""
     q = make_queue(capacity=256)
-
-    async def slow_keep(td):  # (on Ray it runs in the controller actor)
-        await asyncio.sleep(1.0)
-        return True
+    slow_keep, started = _slow_filter(tmp_path)
 
     await q.add_filter(slow_keep, fields=["x"], name="slow")
     task = asyncio.ensure_future(q.put({"idx": torch.arange(4), "x": torch.zeros(4, 2)},
                                        partition="p"))
-    await asyncio.sleep(0.3)  # the put's filter runs now
+    await started()  # the put's filter runs now
     task.cancel()
     with pytest.raises(asyncio.CancelledError):
         await task
@@ -129,17 +146,14 @@ async def test_a_put_cancelled_while_its_async_filter_runs_leaves_nothing(make_q
     assert await _settled(q) == []
 
 
-async def test_a_write_cancelled_while_its_filter_runs_can_be_retried(make_queue):
+async def test_a_write_cancelled_while_its_filter_runs_can_be_retried(make_queue, tmp_path):
     q = make_queue(capacity=256)
-
-    async def slow_keep(td):  # (on Ray it runs in the controller actor)
-        await asyncio.sleep(1.0)
-        return True
+    slow_keep, started = _slow_filter(tmp_path)
 
     rows = await q.put({"idx": torch.arange(4)}, partition="p")
     await q.add_filter(slow_keep, fields=["reward"], name="slow")
     task = asyncio.ensure_future(q.put({"reward": torch.ones(4)}, rows=rows))
-    await asyncio.sleep(0.3)  # the put's filter runs now
+    await started()  # the put's filter runs now
     task.cancel()
     with pytest.raises(asyncio.CancelledError):
         await task

@@ -25,8 +25,7 @@ import time
 import pytest
 import torch
 
-from streamrl.errors import (EndOfStream, LeaseExpired, QueueClosed, RowsDropped,
-                             StreamRLError, StreamTimeout)
+from streamrl.errors import (EndOfStream, LeaseExpired, QueueClosed, RowsDropped)
 
 SOAK = float(os.environ.get("STREAMRL_CHAOS_SECONDS", "0"))
 SEED = os.environ.get("STREAMRL_CHAOS_SEED")

@@ -379,3 +379,89 @@ def test_retract_takes_a_committed_write_back():
     c.commit(new, {"x": [8, 8]})
     c.retract(new)  # new rows: dropped as cancelled
     assert c.c_dropped["cancelled"] == 2 and not set(new.rows) & set(c.rows)
+
+
+@pytest.mark.parametrize("group_size", [None, 3])
+def test_grouped_filter_judges_a_sealed_group_once_an_awaited_member_is_dropped(group_size):
+    """A grouped filter over a sealed partition waits for every member of a group; a
+    member dropped before it got the filter's fields must not keep the others waiting
+    for ever (the stream over the partition would never end)."""
+    c = Controller(100)
+    c.add_filter(FilterSpec("g", frozenset({"r"}), "uid", group_size))
+    rows, _ = put(c, 3, ("x", "uid"), tags={"uid": [1, 1, 1]})
+    tok = c.begin_write(rows[:2], ("r",))
+    c.commit(tok, {"r": [4, 4]})
+    c.seal("p")
+    assert not c.drain()[1]  # the third member has no "r" yet
+    c.drop([rows[2]])
+    (job,) = c.drain()[1]
+    assert sorted(job.rows) == rows[:2]
+    c.filter_done(job.id, [True, True])
+    assert sorted(c.take(req(fields=("r",), partition="p")).rows) == rows[:2]
+
+
+def test_grouped_filter_judges_a_short_last_group_when_its_partition_is_sealed():
+    """A group smaller than the filter's group_size is judged once its partition is
+    sealed (no more rows can join it), also when the seal comes after its rows."""
+    c = Controller(100)
+    c.add_filter(FilterSpec("g", frozenset({"r"}), "uid", 2))
+    rows, _ = put(c, 3, ("r", "uid"), tags={"uid": [1, 1, 2]})
+    (full,) = c.drain()[1]
+    assert sorted(full.rows) == rows[:2]
+    c.seal("p")
+    (short,) = c.drain()[1]
+    assert short.rows == [rows[2]]
+    c.filter_done(full.id, [True, True])
+    c.filter_done(short.id, [True])
+    r = req(fields=("r",), bs=4, partition="p")
+    assert sorted(c.take(r).rows) == rows
+    c.ack(list(c.leases))
+    assert c.take(r) is END
+
+
+def test_close_lets_short_groups_out_and_grouped_streams_end():
+    """After close a grouped stream drains what is deliverable now, short last groups
+    included, and ends (it must not wait for rows that can never come)."""
+    c = Controller(100)
+    c.register_tag("uid")
+    rows, _ = put(c, 3, ("x", "uid"), tags={"uid": [1, 1, 2]})
+    r = req(bs=2, group_by="uid", group_size=2, partition="p")
+    c.ack([c.take(r).lease])
+    c.close()
+    assert c.take(r).rows == [rows[2]]
+    c.ack(list(c.leases))
+    assert c.take(r) is END
+
+
+def test_a_late_ack_of_an_expired_lease_raises_after_many_newer_leases():
+    """Acked leases take no memory, so the outcome of an expired lease is still known
+    after 100k newer leases (it used to be forgotten after 65,536)."""
+    clock = Clock()
+    c = Controller(1 << 17, lease_timeout=10.0, clock=clock)
+    put(c, 1, part="old")
+    old = c.take(req(bs=1, partition="old"))
+    clock.t = 11.0
+    c.expire()  # expired: its rows go to someone else
+    put(c, 100_000, part="new")
+    r = req(bs=1, partition="new")
+    for _ in range(100_000):
+        c.ack([c.take(r).lease])
+    with pytest.raises(LeaseExpired):
+        c.ack([old.lease])
+    assert len(c._lease_outcome) == 1
+
+
+def test_a_lease_older_than_the_outcome_memory_is_not_acked_silently(monkeypatch):
+    import streamrl.controller.state as state
+
+    monkeypatch.setattr(state, "OUTCOME_MEMORY", 2)
+    clock = Clock()
+    c = Controller(64, lease_timeout=1.0, clock=clock)
+    put(c, 4)
+    held = c.take(req(bs=1))  # held by a consumer that is slow to ack
+    for _ in range(3):  # three newer leases expire: the oldest outcomes are forgotten
+        c.take(req(bs=1, task="u"))
+    clock.t = 2.0
+    c.expire()
+    with pytest.raises(LeaseExpired):  # its outcome is forgotten: not taken as acked
+        c.ack([held.lease])

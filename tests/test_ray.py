@@ -435,7 +435,7 @@ async def test_bytes_go_inline_when_shared_memory_cannot_be_mapped(rq, monkeypat
     def denied(path, size):
         raise PermissionError(13, "Permission denied", path)
 
-    monkeypatch.setattr(ray_transport, "map_segment", denied)
+    monkeypatch.setattr(ray_transport.data, "map_segment", denied)
     x = torch.randn(8, 16384)  # 512 KiB
     await q.put({"x": x}, partition="p")
     await _until(lambda: _used_zero(q), "the unreserve")  # the reserved block went back
@@ -471,7 +471,8 @@ async def test_a_small_put_is_one_call_to_a_storage_unit(rq, monkeypatch):
     call = RpcClient.call
 
     async def counted(self, method, *args, **kwargs):
-        calls.append(method)
+        # a call the caller may cancel goes as cancellable(rid, method, args, kwargs)
+        calls.append(args[1] if method == "cancellable" else method)
         return await call(self, method, *args, **kwargs)
 
     monkeypatch.setattr(RpcClient, "call", counted)
@@ -526,15 +527,17 @@ async def test_a_small_put_into_a_full_queue_waits_its_turn(rq):
 
 
 class _SlowController:
-    """Wraps a unit's client of the controller: put_rows waits 2 s before it is sent."""
+    """Wraps a unit's control-plane client: put_rows waits 2 s before it is sent."""
 
-    def __init__(self, rpc):
-        self.rpc = rpc
+    def __init__(self, control):
+        self.control = control
 
-    async def call(self, method, *args):
-        if method == "put_rows":
-            await asyncio.sleep(2.0)
-        return await self.rpc.call(method, *args)
+    def __getattr__(self, name):
+        return getattr(self.control, name)
+
+    async def put_rows(self, *args, **kwargs):
+        await asyncio.sleep(2.0)
+        return await self.control.put_rows(*args, **kwargs)
 
 
 @ray.remote(num_cpus=0)

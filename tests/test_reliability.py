@@ -214,3 +214,47 @@ async def test_a_timeout_says_what_the_rows_lack_and_whether_sealed(make_queue):
     with pytest.raises(StreamTimeout, match=r"lacking 'y': 2.*partition is sealed") as e:
         await q.get("t", ["x", "y"], 4, partition="p", timeout=0.2)
     assert "seal it" not in str(e.value)
+
+
+# ---------------------------------------------------------------- 10: group keys per partition
+
+
+async def test_a_group_key_of_one_partition_says_nothing_of_another(make_queue):
+    """Grouping partition A by "uid" must not make B's "uid" (a [n, 3] field there) a
+    group key: B's puts keep working and A's grouped stream works."""
+    q = make_queue(capacity=64)
+    await q.put({"uid": torch.zeros(4, 3, dtype=torch.long), "x": torch.ones(4)}, partition="B")
+    await q.put({"uid": torch.tensor([0, 0, 1, 1]), "x": torch.ones(4)}, partition="A")
+    await q.seal("A")
+    got = []
+    async for mb in q.stream("t", ["uid", "x"], 2, partition="A", group_by="uid",
+                             group_size=2, timeout=10):
+        got.append(sorted((await mb.materialize())["uid"].tolist()))
+    assert sorted(got) == [[0, 0], [1, 1]]
+    await q.put({"uid": torch.zeros(2, 3, dtype=torch.long), "x": torch.ones(2)}, partition="B")  # still fine
+    rows = await q.put({"uid": torch.tensor([5, 5]), "x": torch.ones(2)}, partition="A2")
+    assert len(rows) == 2
+    # grouping B itself by its [n, 3] field is what fails, and only for that consumer
+    with pytest.raises(SchemaError, match="uid"):
+        await q.get("t", ["uid"], 2, partition="B", group_by="uid", timeout=5)
+    assert (await q.stats()).rows == 12 and await q.audit() == []
+
+
+# ---------------------------------------------------------------- 14: bytes of nested objects
+
+
+async def test_bytes_of_deeply_nested_objects_are_counted(make_queue):
+    """A 20 MiB string inside an agent trajectory (dict/list/dict/list/dict) counts 20
+    MiB: a 10 MiB queue refuses it at once instead of admitting 100 MiB of them."""
+    from streamrl.errors import QueueFull
+
+    q = make_queue(capacity=64, capacity_bytes=10 << 20)
+    traj = [{"turns": [{"msgs": [{"content": "x" * (20 << 20)}]}]}]
+    with pytest.raises(QueueFull, match="can never fit"):
+        await q.put({"traj": traj}, partition="p")
+    small = [{"turns": [{"msgs": [{"content": "x" * (4 << 20)}]}]}]
+    await q.put({"traj": small}, partition="p")
+    await q.put({"traj": small}, partition="p")
+    with pytest.raises(QueueFull):  # a third would pass 10 MiB
+        await q.put_nowait({"traj": small}, partition="p")
+    assert (await q.stats()).bytes >= 8 << 20

@@ -11,6 +11,7 @@ import anyio
 import pytest
 import torch
 
+import streamrl.sampling
 from streamrl import RowRemoteBatch
 from streamrl.errors import (DuplicateField, EndOfStream, InvalidArgument, QueueClosed, QueueFull,
                              RowsDropped, SchemaError, StreamRLError, StreamTimeout, UnknownField)
@@ -296,6 +297,52 @@ async def test_groups_without_group_size_complete_at_seal(make_queue):
     assert sorted(x for b in got for x in b) == [1, 1, 2, 2, 2, 3]
     for b in got:
         assert len(b) <= 4 or len(set(b)) == 1
+
+
+# ---------------------------------------------------------------- samplers
+
+
+async def idx_batches(q, task, fields, bs, **kw):
+    return [(await mb.materialize(["idx"]))["idx"].tolist()
+            async for mb in q.stream(task, fields, bs, partition="p", **kw)]
+
+
+async def test_priority_sampler_takes_the_highest_value_first(make_queue):
+    q = make_queue(sampler={"sampler": "priority", "field": "adv"})
+    adv = torch.tensor([0.1, 3.0, -1.0, 2.0, 0.5, 2.5])
+    await q.put({"idx": torch.arange(6), "adv": adv}, partition="p")  # before "adv" is a tag
+    await q.seal("p")
+    assert await idx_batches(q, "t", ["idx"], 2) == [[1, 5], [3, 4], [0, 2]]
+    # per request: another sampler than the queue's
+    asc = streamrl.sampling.PrioritySampler("adv", order="asc")
+    assert await idx_batches(q, "u", ["idx"], 3, sampler=asc) == [[2, 0, 4], [3, 5, 1]]
+    assert await idx_batches(q, "v", ["idx"], 6, sampler="fifo") == [list(range(6))]
+    st = await q.stats()
+    assert st.tasks["t"].delivered == 6 and st.tasks["t"].redelivered == 0
+
+
+async def test_priority_sampler_keeps_groups_whole(make_queue):
+    q = make_queue()
+    await q.put({"idx": torch.arange(4), "uid": torch.tensor([0, 0, 1, 1]),
+                 "adv": torch.tensor([0.0, 1.0, 5.0, 4.0])}, partition="p")
+    await q.put({"idx": torch.arange(4, 8), "uid": torch.tensor([2, 2, 3, 3]),
+                 "adv": torch.tensor([2.0, 2.0, 9.0, -9.0])}, partition="p")
+    await q.seal("p")
+    by_mean = {"sampler": "priority", "field": "adv", "reduce": "mean"}
+    got = await idx_batches(q, "t", ["idx"], 4, group_by="uid", group_size=2, sampler=by_mean)
+    assert got == [[2, 3, 4, 5], [0, 1, 6, 7]]  # means 4.5, 2 | 0.5, 0: groups stay whole
+    by_max = {"sampler": "priority", "field": "adv"}  # max is the default
+    got = await idx_batches(q, "u", ["idx"], 2, group_by="uid", group_size=2, sampler=by_max)
+    assert got == [[6, 7], [2, 3], [4, 5], [0, 1]]
+
+
+async def test_priority_sampler_by_version_takes_the_newest_first(make_queue):
+    q = make_queue(sampler=streamrl.sampling.PrioritySampler(streamrl.sampling.VERSION))
+    await q.set_version(2)
+    for v in (0, 2, 1):
+        await q.put({"idx": torch.tensor([10 * v, 10 * v + 1])}, partition="p", version=v)
+    await q.seal("p")
+    assert await idx_batches(q, "t", ["idx"], 2) == [[20, 21], [10, 11], [0, 1]]
 
 
 async def test_sealed_partition_gives_short_last_batch_and_drop_last_skips_it(make_queue):

@@ -13,7 +13,7 @@ from ..errors import InvalidArgument
 from ..config import QueueConfig
 from ..controller import Controller
 from ..service import ControllerService
-from ..storage import StorageUnit, create_unit
+from ..storage import StorageBackend, StorageUnit, create_unit
 from .base import Column, DataCaps, DataPlane, Transport
 
 __all__ = ["EmbeddedTransport", "LocalDataPlane", "create"]
@@ -34,9 +34,11 @@ class LocalDataPlane(DataPlane):
 
     caps = DataCaps(zero_copy_reads=True)
 
-    def __init__(self, units: Sequence[StorageUnit]):
+    def __init__(self, units: Sequence[StorageBackend]):
         self.units = list(units)
         self.num_shards = len(self.units)
+        if not all(u.caps.zero_copy_reads for u in self.units):  # e.g. rows read from disk
+            self.caps = DataCaps(zero_copy_reads=False)
 
     async def put(self, parts: Sequence[tuple[int, Sequence[int], Mapping[str, Column]]],
                   write: int = 0) -> None:
@@ -74,7 +76,7 @@ class EmbeddedTransport(Transport):
 
     name = "embedded"
 
-    def __init__(self, controller: Controller, units: Sequence[StorageUnit] | None = None):
+    def __init__(self, controller: Controller, units: Sequence[StorageBackend] | None = None):
         if units is None:
             units = [StorageUnit(i) for i in range(controller.num_shards)]
         self._data = LocalDataPlane(units)
@@ -95,3 +97,8 @@ class EmbeddedTransport(Transport):
         controller call (the cyclic GC runs at any allocation) or in another thread, so
         the release is queued and applied by the event loop as a callback of its own."""
         self._service.defer_release(lease_ids)
+
+    async def shutdown(self) -> None:
+        """Close the storage units (a spilling unit frees its file)."""
+        for u in self._data.units:
+            u.close()

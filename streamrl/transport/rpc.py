@@ -376,7 +376,10 @@ class RpcClient:
         loop = asyncio.get_running_loop()
         _, conn = await asyncio.wait_for(loop.create_connection(
             lambda: _Connection(self.on_broken), self.host, self.port), _CONNECT_TIMEOUT)
-        conn.transport.write(self.token)
+        try:
+            conn.send([self.token])
+        except ConnectionError as e:  # closed at once (the server is going away)
+            raise ConnectFailed(f"{self.host}:{self.port} closed the connection: {e}") from None
         return conn
 
     async def connection(self) -> _Connection:
@@ -400,7 +403,12 @@ class RpcClient:
         """Call ``method``; raises what it raised, :class:`ConnectFailed` (nothing was
         sent) or :class:`ConnectionError` (the connection broke: the call may have run)."""
         conn = await self.connection()
-        return await conn.call(method, args, kwargs)
+        try:
+            return await conn.call(method, args, kwargs)
+        except RuntimeError as e:  # uvloop: an operation on a transport whose handle closed
+            if "handler is closed" not in str(e):
+                raise
+            raise ConnectFailed(f"the connection to {self.host}:{self.port} closed: {e}") from None
 
     def close(self) -> None:
         """Close this event loop's connection, if it has one (reopened on the next call)."""

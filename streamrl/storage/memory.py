@@ -1,4 +1,5 @@
-"""Storage units: column-oriented, in-memory holders of row data.
+"""The ``"memory"`` storage backend (the default): column-oriented, in-memory holders
+of row data.
 
 A :class:`StorageUnit` holds, per field, one entry per row. A tensor entry is a reference
 to the tensor given to ``put`` plus the row's offset in it: **nothing is copied on put**.
@@ -16,39 +17,70 @@ from __future__ import annotations
 
 import sys
 from collections import OrderedDict
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
-from .errors import RowsDropped, UnknownField, rows_preview
+from .._types import Column
+from ..errors import RowsDropped, UnknownField, rows_preview
+from .base import STATE_FORMAT, StateChunk, StorageBackend, StorageCaps, load_chunks
 
-__all__ = ["StorageUnit", "approx_size", "create_unit"]
+__all__ = ["StorageUnit", "approx_size", "create"]
 
 # This module does not import torch: a unit stores anything with the tensor surface it
 # uses (``shape``, ``element_size()``, ``numel()``, row slices, ``unsqueeze(0)``), that is
 # torch tensors (embedded) and :class:`streamrl.wire.WireTensor` (storage-unit actors).
-Column = Any
 
 
 def _is_tensor(x: Any) -> bool:
     return hasattr(x, "element_size") and hasattr(x, "shape") and not isinstance(x, (list, tuple))
 
 
-def approx_size(obj: Any, _depth: int = 0) -> int:
-    """A cheap estimate of the memory an object holds (exact for tensors and bytes)."""
-    if _is_tensor(obj):
-        return obj.element_size() * obj.numel()
-    nbytes = getattr(obj, "nbytes", None)  # numpy arrays
-    if isinstance(nbytes, int):
-        return nbytes
-    if isinstance(obj, (bytes, bytearray, memoryview, str)):
-        return len(obj)
-    if _depth < 4:
-        if isinstance(obj, (list, tuple, set, frozenset)):
-            return 8 * len(obj) + sum(approx_size(x, _depth + 1) for x in obj)
-        if isinstance(obj, dict):
-            return 8 * len(obj) + sum(approx_size(k, _depth + 1) + approx_size(v, _depth + 1)
-                                      for k, v in obj.items())
-    return sys.getsizeof(obj)
+def approx_size(obj: Any) -> int:
+    """The bytes an object holds, for capacity accounting.
+
+    Exact for tensors, numpy arrays, ``bytes`` and ``str`` (their payload). Containers
+    (lists, tuples, sets, dicts, and objects with a ``__dict__`` or ``__slots__``) are
+    walked to any depth, each object counted once (shared and cyclic references too),
+    adding 8 bytes per reference and ``sys.getsizeof`` for other scalars. So a 20 MiB
+    string deep inside an agent trajectory counts 20 MiB. The walk visits every object
+    once: a put of Python objects costs time in proportion to what they hold."""
+    total = 0
+    seen: set[int] = set()
+    stack = [obj]
+    while stack:
+        x = stack.pop()
+        if _is_tensor(x):
+            total += x.element_size() * x.numel()
+            continue
+        if isinstance(x, (bytes, bytearray, memoryview, str)):
+            total += len(x)
+            continue
+        nbytes = getattr(x, "nbytes", None)  # numpy arrays
+        if isinstance(nbytes, int) and not isinstance(x, type):
+            total += nbytes
+            continue
+        if isinstance(x, (int, float, bool, complex)) or x is None:
+            total += 8
+            continue
+        if id(x) in seen:
+            continue
+        seen.add(id(x))
+        if isinstance(x, dict):
+            total += 8 * len(x)
+            stack.extend(x.keys())
+            stack.extend(x.values())
+        elif isinstance(x, (list, tuple, set, frozenset)):
+            total += 8 * len(x)
+            stack.extend(x)
+        else:
+            total += sys.getsizeof(x)
+            d = getattr(x, "__dict__", None)
+            if isinstance(d, dict):
+                stack.append(d)
+            for slot in getattr(type(x), "__slots__", ()) or ():
+                if isinstance(slot, str) and hasattr(x, slot):
+                    stack.append(getattr(x, slot))
+    return total
 
 
 class _Obj:
@@ -65,6 +97,7 @@ class _Obj:
 _GONE_MAX = 1 << 16  # deleted-before-stored rows remembered (late data is seconds late at most)
 
 _OFF_BITS = 32  # a tensor entry is the int (segment id << 32) | row offset in the segment
+_OFF_MASK = (1 << _OFF_BITS) - 1
 
 
 class _Segment:
@@ -79,8 +112,8 @@ class _Segment:
         self.write = write  # the write that stored it (0: unknown)
 
 
-class StorageUnit:
-    """One shard of row data.
+class StorageUnit(StorageBackend):
+    """One shard of row data, in memory (the ``"memory"`` backend).
 
     Tensor entries are packed ints ``(segment id << 32) | offset``: rows of one put sit at
     consecutive ints, so a run of rows is found by comparing integers, and the cyclic
@@ -102,6 +135,9 @@ class StorageUnit:
         (2, 48)
     """
 
+    name = "memory"
+    caps = StorageCaps(zero_copy_reads=True)
+
     def __init__(self, index: int = 0, on_release: Callable[[Any], None] | None = None):
         self.index = index
         self.on_release = on_release  # called with a tensor once no row refers to it
@@ -117,12 +153,23 @@ class StorageUnit:
         # writes aborted (by id): their data, should it still arrive, is dropped
         self._aborted: OrderedDict[int, None] = OrderedDict()
 
-    def _segment(self, t: Any, n: int, write: int = 0) -> int:
+    def _segment(self, t: Any, n: int, write: int, field: str, rows: Sequence[int]) -> int:
+        """A new segment for tensor ``t`` of ``n`` rows (field ``field`` of ``rows``):
+        the packed int of its first row."""
         sid = self._next_seg
         self._next_seg += 1
         per = t.element_size() * (t.numel() // n if n else 0)
         self.segments[sid] = _Segment(t, per, n, write)
         return sid << _OFF_BITS
+
+    def _rows(self, seg: _Segment, off: int, k: int) -> Any:
+        """Rows ``off:off + k`` of a segment's tensor (subclasses keep them elsewhere)."""
+        return seg.tensor[off:off + k]
+
+    def _dead(self, sid: int, seg: _Segment) -> None:
+        """Segment ``sid`` lost its last row (it is out of ``segments`` already)."""
+        if self.on_release is not None:
+            self.on_release(seg.tensor)
 
     def _write_of(self, e: int | _Obj) -> int:
         return e.write if isinstance(e, _Obj) else self.segments[e >> _OFF_BITS].write
@@ -137,8 +184,7 @@ class StorageUnit:
             seg.live -= 1
             if not seg.live:
                 del self.segments[sid]
-                if self.on_release is not None:
-                    self.on_release(seg.tensor)
+                self._dead(sid, seg)
 
     def forgotten(self, rows: Sequence[int], write: int = 0) -> bool:
         """Whether the data of a write is to be dropped on arrival: ``rows`` (new rows)
@@ -159,14 +205,14 @@ class StorageUnit:
         for name, col in columns.items():
             store = self.columns.setdefault(name, {})
             if _is_tensor(col):
-                base = self._segment(col, n, write)
+                base = self._segment(col, n, write, name, rows)
                 entries: list = list(range(base, base + n))
                 self.nbytes += self.segments[base >> _OFF_BITS].row_bytes * n
             else:
                 entries = []
-                for x in col:
+                for r, x in zip(rows, col):
                     if _is_tensor(x):
-                        entries.append(self._segment(x.unsqueeze(0), 1, write))
+                        entries.append(self._segment(x.unsqueeze(0), 1, write, name, (r,)))
                     else:
                         entries.append(_Obj(x, approx_size(x), write))
                 self.nbytes += sum(self._entry_bytes(e) for e in entries)
@@ -228,8 +274,7 @@ class StorageUnit:
             j = i + 1
             while j < n and entries[j] == e + (j - i) and not isinstance(entries[j], _Obj):
                 j += 1
-            off = e & ((1 << _OFF_BITS) - 1)
-            pieces.append(self.segments[e >> _OFF_BITS].tensor[off:off + (j - i)])
+            pieces.append(self._rows(self.segments[e >> _OFF_BITS], e & _OFF_MASK, j - i))
             i = j
         return pieces
 
@@ -260,9 +305,7 @@ class StorageUnit:
                     emptied.append(e >> _OFF_BITS)
         self.nbytes -= freed
         for sid in emptied:
-            seg = segments.pop(sid)
-            if self.on_release is not None:
-                self.on_release(seg.tensor)
+            self._dead(sid, segments.pop(sid))
         for f in [f for f, st in self.columns.items() if not st]:
             del self.columns[f]
         while len(self._gone) > _GONE_MAX:
@@ -313,19 +356,72 @@ class StorageUnit:
         """(rows, bytes) held now."""
         return len(self.row_fields), self.nbytes
 
+    # ------------------------------------------------------------------ state
 
-def create_unit(spec: Any, index: int, *, on_release: Callable[[Any], None] | None = None
-                ) -> StorageUnit:
-    """The storage unit ``index`` of a queue whose ``storage`` option is ``spec`` (a
-    backend name, or a mapping ``{"backend": name, **options}``). Every transport builds
-    its units through this function.
+    #: most bytes (tensor runs) or objects in one chunk of :meth:`state_dict`
+    STATE_CHUNK_BYTES = 64 << 20
+    STATE_CHUNK_OBJECTS = 4096
 
-    Raises:
-        InvalidArgument: an unknown backend or bad options.
-    """
-    from .errors import InvalidArgument
+    def state_dict(self) -> dict[str, Any]:
+        """The unit's rows and data (see :meth:`StorageBackend.state_dict`). Chunks
+        follow each field's rows in the order they were first written: a run of rows of
+        one put (at most :attr:`STATE_CHUNK_BYTES`) is one chunk, a view of what was put;
+        consecutive objects make chunks of up to :attr:`STATE_CHUNK_OBJECTS`.
 
-    name = spec.get("backend") if isinstance(spec, Mapping) else spec
-    if name != "memory" or (isinstance(spec, Mapping) and set(spec) - {"backend"}):
-        raise InvalidArgument(f"unknown storage {spec!r}; the built-in backend is 'memory'")
+        Examples:
+            >>> import torch
+            >>> u = StorageUnit()
+            >>> u.put([1, 2], {"x": torch.zeros(2, 3), "chat": ["hi", "yo"]})
+            >>> st = u.state_dict()
+            >>> st["rows"], st["fields"]
+            ([1, 2], {'x': 2, 'chat': 2})
+            >>> [(c.field, c.rows) for c in st["chunks"]]
+            [('x', [1, 2]), ('chat', [1, 2])]
+        """
+        return {"format": STATE_FORMAT, "backend": self.name, "index": self.index,
+                "rows": sorted(self.row_fields),
+                "fields": {f: len(st) for f, st in self.columns.items()},
+                "bytes": self.nbytes, "chunks": self._chunks()}
+
+    def _chunks(self) -> Iterator[StateChunk]:
+        for f in list(self.columns):
+            store = self.columns.get(f)
+            if store is None:  # (the unit changed under the iterator)
+                continue
+            items = list(store.items())
+            i, n = 0, len(items)
+            while i < n:
+                r, e = items[i]
+                if isinstance(e, _Obj):
+                    j = i + 1
+                    while (j < n and j - i < self.STATE_CHUNK_OBJECTS
+                           and isinstance(items[j][1], _Obj) and items[j][1].write == e.write):
+                        j += 1
+                    yield StateChunk(f, [x[0] for x in items[i:j]], [x[1].value for x in items[i:j]],
+                                     e.write)
+                    i = j
+                    continue
+                seg = self.segments[e >> _OFF_BITS]
+                most = max(1, self.STATE_CHUNK_BYTES // seg.row_bytes) if seg.row_bytes else n
+                j = i + 1
+                while (j < n and j - i < most and not isinstance(items[j][1], _Obj)
+                       and items[j][1] == e + (j - i)):
+                    j += 1
+                data = self._rows(seg, e & _OFF_MASK, j - i)
+                inlined = getattr(data, "inlined", None)  # a WireTensor: bytes, not a block
+                yield StateChunk(f, [x[0] for x in items[i:j]],
+                                 inlined() if inlined is not None else data, seg.write)
+                i = j
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Fill this empty unit from a :meth:`state_dict` of any backend (see
+        :meth:`StorageBackend.load_state_dict`). Tensors are stored as given (no copy)."""
+        for c in load_chunks(self, state):
+            self.put(c.rows, {c.field: c.data})
+        for r in state.get("rows", ()):
+            self.row_fields.setdefault(r, 0)  # rows held with no field
+
+
+def create(index: int = 0, *, on_release: Callable[[Any], None] | None = None) -> StorageUnit:
+    """The registered factory of ``storage="memory"`` (it takes no options)."""
     return StorageUnit(index, on_release=on_release)

@@ -1,0 +1,401 @@
+"""Admission and writes: capacity and version pacing, row ids (the controller's own and
+those leased to storage units), placement on units, and the life of a write token
+(allocate or begin_write -> commit, abort or retract)."""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Hashable, Iterable, Mapping, Sequence
+
+from ..errors import (
+    DuplicateField,
+    InvalidArgument,
+    QueueClosed,
+    QueueFull,
+    RowsDropped,
+    SchemaError,
+    StreamTimeout,
+    rows_preview,
+)
+from ..messages import CommitResult, DropReason, Undo, WriteToken
+from .state import _MISSING, LEASE_MEMORY, Row, _by_shard_of, _dtype_name
+
+
+class Admission:
+    """Capacity, ids, placement and write tokens (part of :class:`Controller`)."""
+
+    # ------------------------------------------------------------------ capacity
+
+    def check_fits(self, n: int, nbytes: int) -> None:
+        """Raise :class:`QueueFull` if ``n`` rows of ``nbytes`` could never be admitted."""
+        if n > self.capacity:
+            raise QueueFull(
+                f"a single put of {n} rows can never fit a queue whose capacity is "
+                f"{self.capacity} rows; split the put or raise capacity")
+        if self.capacity_bytes is not None and nbytes > self.capacity_bytes:
+            raise QueueFull(
+                f"a single put of {nbytes} bytes can never fit a queue whose capacity_bytes "
+                f"is {self.capacity_bytes}; split the put or raise capacity_bytes")
+
+    def admission(self, n: int, nbytes: int, version: int | None) -> str | None:
+        """Why ``n`` new rows cannot be admitted now: ``"full"``, ``"ahead"`` (version
+        pacing) or ``None`` when they can. Raises if they never could."""
+        if self.closed:
+            raise QueueClosed("the queue is closed; no rows can be put any more")
+        self.check_fits(n, nbytes)
+        if version is not None and self.max_lead is not None and version > self.version + self.max_lead:
+            return "ahead"
+        if self.rows and len(self.rows) + n > self.capacity:
+            return "full"
+        if (self.capacity_bytes is not None and self.rows
+                and self.bytes_held + self.reserved_bytes + nbytes > self.capacity_bytes):
+            return "full"
+        return None
+
+    # ------------------------------------------------------------------ ids
+
+    def unit_ids(self, shard: int, n: int) -> tuple[int, int]:
+        """Lease ``n`` fresh row ids ``[start, end)`` to storage unit ``shard``: it names
+        the rows of puts it admits itself (:meth:`allocate` with ``ids=``) before asking
+        here. Ids are never reused, whether or not they are ever used."""
+        if not isinstance(n, int) or n <= 0:
+            raise InvalidArgument(f"lease at least one id, got {n!r}")
+        start = self._next_id
+        self._next_id = start + n
+        blocks = self._unit_ids.setdefault(shard, [])
+        blocks.append([start, start + n])
+        del blocks[:-2]  # the unit uses its blocks in order: two cover the change-over
+        return start, start + n
+
+    def _id_block(self, shard: int, ids: Sequence[int]) -> list[int] | None:
+        """The block leased to ``shard`` whose next unused ids are ``ids``, if any."""
+        if not ids or list(ids) != list(range(ids[0], ids[0] + len(ids))):
+            return None
+        for b in self._unit_ids.get(shard, ()):
+            if b[0] <= ids[0] and ids[-1] < b[1]:
+                return b
+        return None
+
+    def owns_ids(self, shard: int, ids: Sequence[int]) -> bool:
+        """Whether storage unit ``shard`` may name new rows ``ids`` (see :meth:`unit_ids`)."""
+        return shard not in self.dead_shards and self._id_block(shard, ids) is not None
+
+    # ------------------------------------------------------------------ new rows
+
+    def allocate(self, partition: str, n: int, fields: Sequence[str], *, nbytes: int = 0,
+                 version: int | None = None, ids: Sequence[int] | None = None,
+                 shard: int | None = None, dtypes: Mapping[str, str] | None = None
+                 ) -> WriteToken:
+        """Admit ``n`` new rows in ``partition`` whose ``fields`` are about to be written.
+
+        With ``ids`` and ``shard``, the rows are the ones storage unit ``shard`` already
+        stored under ids leased to it by :meth:`unit_ids`. ``dtypes`` (field -> dtype
+        name) are checked against the dtypes the fields already have (see
+        :meth:`check_dtypes`).
+
+        Raises :class:`QueueFull` when they do not fit now (callers wait and retry),
+        :class:`QueueClosed` after close, :class:`InvalidArgument` for a sealed partition
+        (or for ``ids`` that are not the unit's next unused ones) and
+        :class:`SchemaError` for a field given another dtype than it has.
+        """
+        if not isinstance(n, int) or n <= 0:
+            raise InvalidArgument(f"a put needs at least one row, got {n!r}")
+        why = self.admission(n, nbytes, version)
+        if why == "full":
+            raise QueueFull(
+                f"no room for {n} rows ({nbytes} bytes): {len(self.rows)}/{self.capacity} rows"
+                + (f", {self.bytes_held + self.reserved_bytes}/{self.capacity_bytes} bytes"
+                   if self.capacity_bytes is not None else "")
+                + " held; wait (use put) or consume/drop rows")
+        if why == "ahead":
+            raise QueueFull(
+                f"rows of version {version} are more than max_lead={self.max_lead} versions "
+                f"ahead of the trainer (version {self.version}); wait (use put) or set_version")
+        if self.sealed_all:
+            raise InvalidArgument(
+                "the queue is sealed (seal() without a partition): no new rows; new fields of "
+                "existing rows are still accepted")
+        p = None if partition in self.retired else self._part(partition)
+        if p is None or p.sealed:
+            raise InvalidArgument(
+                f"partition {partition!r} is sealed; put new rows into another partition "
+                "(a sealed partition only takes new fields of its existing rows)")
+        if version is None:
+            version = self.version
+        elif not isinstance(version, int):
+            raise InvalidArgument(f"version must be an int, got {version!r}")
+        self.check_dtypes(dtypes)
+        if ids is None:
+            start = self._next_id
+            self._next_id = start + n
+            ids = list(range(start, start + n))
+            shards = self._place(n)
+        else:
+            block = (self._id_block(shard, ids)
+                     if len(ids) == n and shard not in self.dead_shards else None)
+            if block is None:
+                raise InvalidArgument(
+                    f"rows {rows_preview(ids)} are not unused ids leased to storage unit "
+                    f"{shard}; admit them without ids")
+            block[0] = ids[-1] + 1  # used
+            ids, shards = list(ids), [shard] * n
+        self._learn_dtypes(dtypes)
+        pending = 0
+        for name in self.filters:
+            pending |= self._fbits[name]
+        wmask = self._wmask(fields)
+        born = self.clock()
+        for rid, s in zip(ids, shards):
+            row = Row(rid, p, s, version, born)
+            row.pending = pending
+            row.writing = wmask
+            self.rows[rid] = row
+            p.rows[rid] = row
+        self.reserved_bytes += nbytes
+        self.c_put += n
+        tok = WriteToken(self._new_token_id(), ids, shards, tuple(fields), nbytes, True)
+        self._track(tok)
+        if self.max_staleness is not None and version < self.version - self.max_staleness:
+            # admitted and immediately stale: it will never be delivered
+            self._drop_rows([self.rows[r] for r in ids], DropReason.STALE, group=True)
+        return tok
+
+    def check_dtypes(self, dtypes: Mapping[str, str] | None) -> None:
+        """Raise :class:`SchemaError` if a field would get another dtype than the one it
+        has in this queue: a field has one dtype, so that rows of different puts read in
+        one batch are never converted (an int64 ``2**40 + 1`` read as float32 changes)."""
+        if not dtypes:
+            return
+        for f, d in dtypes.items():
+            have = self.dtypes.get(f)
+            if have is not None and have != d:
+                raise SchemaError(
+                    f"field {f!r} holds {_dtype_name(have)} in this queue and this write gives "
+                    f"{_dtype_name(d)}; a field has one dtype (rows of different puts are read "
+                    "together, never converted): convert the data before the put, or use "
+                    "another field name")
+
+    def _learn_dtypes(self, dtypes: Mapping[str, str] | None) -> None:
+        if dtypes:
+            for f, d in dtypes.items():
+                self.dtypes.setdefault(f, d)
+
+    def _wmask(self, fields: Iterable[str]) -> int:
+        m = 0
+        for f in fields:
+            m |= self._bit(self._field_bits, f)
+        return m
+
+    def _place(self, n: int) -> list[int]:
+        """The storage unit of each of ``n`` new rows: all rows of one put go to one
+        living unit, the next put to the next unit. A put's rows then stay one segment,
+        so a batch that is a run of one put is read as one piece (no join copy); load
+        spreads over units across puts (producers put many small batches)."""
+        live = [s for s in range(self.num_shards) if s not in self.dead_shards]
+        if not live:
+            from ..errors import TransportError
+
+            raise TransportError("every storage unit of this queue is gone; create a new queue")
+        shard = live[self._next_shard % len(live)]
+        self._next_shard = (self._next_shard + 1) % len(live)
+        return [shard] * n
+
+    # ------------------------------------------------------------------ writes
+
+    def begin_write(self, rows: Sequence[int], fields: Sequence[str], *,
+                    overwrite: bool = False, dtypes: Mapping[str, str] | None = None
+                    ) -> WriteToken:
+        """Admit a write of ``fields`` to existing ``rows``.
+
+        Raises :class:`RowsDropped` if any row is gone, :class:`DuplicateField` if a
+        field is already written (or being written) and ``overwrite`` is false, and
+        :class:`SchemaError` for a field given another dtype than it has. Nothing
+        changes when it raises.
+        """
+        self.check_dtypes(dtypes)
+        dead = [r for r in rows if r not in self.rows]
+        if dead:
+            raise RowsDropped(
+                f"cannot write {list(fields)} to rows {rows_preview(dead)}: they were dropped "
+                "(by drop, clear, a filter, staleness or consumer-set cleanup); skip them",
+                dead)
+        objs = [self.rows[r] for r in rows]
+        wmask = self._wmask(fields)
+        if not overwrite:
+            for f in fields:
+                fb = self._field_bits[f]
+                dup = [r.id for r in objs if f in r.fields or r.writing & fb]
+                if dup:
+                    raise DuplicateField(
+                        f"field {f!r} is already written to rows {rows_preview(dup)}; pass "
+                        "overwrite=True to replace it, or write it under another name")
+        self._learn_dtypes(dtypes)
+        for r in objs:
+            r.writing |= wmask
+        tok = WriteToken(self._new_token_id(), list(rows), [r.shard for r in objs],
+                         tuple(fields), overwrite=overwrite)
+        self._track(tok)
+        return tok
+
+    def _new_token_id(self) -> int:
+        tid = self._next_token
+        self._next_token = tid + 1
+        return tid
+
+    def _track(self, tok: WriteToken) -> None:
+        self._tokens[tok.id] = tok
+        heapq.heappush(self._token_heap, (self.clock() + self.lease_timeout, tok.id))
+
+    def abort(self, token: int | WriteToken) -> Undo | None:
+        """Forget a write that failed before it was committed; new rows it admitted are
+        dropped (and deleted from storage through :attr:`deletes`). Returns what storage
+        must forget of a write to existing rows (see :class:`Undo`), or ``None``."""
+        tok = self._tokens.pop(token.id if isinstance(token, WriteToken) else token, None)
+        if tok is None:
+            return None
+        self.reserved_bytes -= tok.reserved_bytes
+        live = [self.rows[r] for r in tok.rows if r in self.rows]
+        wmask = self._wmask(tok.fields)
+        for r in live:
+            r.writing &= ~wmask
+        if tok.new_rows:  # never put: neither counted as put nor as dropped
+            self._drop_rows(live, None)
+            self.c_put -= len(live)  # (rows that left meanwhile were counted as dropped)
+            return None
+        return self._undo(tok, live)
+
+    def _undo(self, tok: WriteToken, live: list[Row]) -> Undo:
+        """What storage must forget of ``tok``'s write to existing rows ``live``: the
+        fields those rows do not hold committed (an overwrite keeps the others, whose old
+        or new value is as good)."""
+        buckets: dict[tuple[str, ...], dict[int, list[int]]] = {}
+        for row in live:
+            fs = tuple(f for f in tok.fields if f not in row.fields)
+            if fs:
+                buckets.setdefault(fs, {}).setdefault(row.shard, []).append(row.id)
+        return Undo(tok.id, frozenset(tok.shards), list(buckets.items()))
+
+    def retract(self, token: WriteToken) -> Undo | None:
+        """Take back a committed write whose writer was cancelled before it heard of the
+        commit (so it will retry): new rows are dropped (``"cancelled"``); fields written
+        to existing rows are un-written (filters that judged them judge again when they
+        come back), and batches leased for those fields meanwhile lose those rows, as if
+        they had been dropped (the rows are delivered again once the fields are written
+        again; the batch's ``ack`` raises :class:`LeaseExpired` naming them, as for an
+        expired lease). An ``overwrite`` write is idempotent and stays. Rows already gone
+        are skipped; a second retract of the same write does nothing. Returns what
+        storage must forget (see :class:`Undo`), or ``None``."""
+        if token.id in self._tokens:  # not committed after all: an abort
+            return self.abort(token.id)
+        if token.id in self._retracted:  # once
+            return None
+        self._retracted[token.id] = None
+        if len(self._retracted) > LEASE_MEMORY:
+            self._retracted.popitem(last=False)
+        live = [self.rows[r] for r in token.rows if r in self.rows]
+        if token.new_rows:
+            self._drop_rows(live, DropReason.CANCELLED)
+            return None
+        if token.overwrite or not live:
+            return None
+        fields = set(token.fields)
+        fmask = 0
+        for spec in self.filters.values():
+            if spec.fields & fields:
+                fmask |= self._fbits[spec.name]
+        self._unjudge({r.id for r in live}, fmask)
+        freed = 0
+        for row in live:
+            # batches leased for these fields lose these rows (as if dropped); the rows
+            # come again once the fields are written again
+            for task, lid in list(row.leased.items()):
+                lease = self.leases.get(lid)
+                if lease is not None and lease.fields & fields:
+                    del row.leased[task]
+                    lease.rows.remove(row.id)
+                    lease.withdrawn.append(row.id)  # its ack says so
+                    if not lease.rows:
+                        del self.leases[lid]
+                        self._remember(lid, ["withdrawn", lease.withdrawn])
+            for f in token.fields:
+                b = row.fields.pop(f, None)
+                if b is None:
+                    continue
+                row.nbytes -= b
+                freed += b
+                v = row.tags.pop(f, _MISSING)
+                if v is not _MISSING:
+                    self._ungroup(row, f, v)
+            row.pending |= fmask
+        self.bytes_held -= freed
+        self.c_bytes_freed += freed
+        self.space_freed = True
+        self._reindex(live)
+        for p in {r.part for r in live}:
+            self._wake_part(p.name)
+        return Undo(token.id, frozenset(token.shards),
+                    [(tuple(token.fields), _by_shard_of(live))])
+
+    def commit(self, token: int | WriteToken, nbytes: dict[str, Sequence[int]],
+               tags: dict[str, Sequence[Hashable]] | None = None) -> CommitResult:
+        """The write's bytes are in storage: mark its fields ready on its rows.
+
+        Args:
+            token: from :meth:`allocate` or :meth:`begin_write`.
+            nbytes: per field, the bytes of each row (in the token's row order).
+            tags: per registered tag field written here, the scalar value of each row.
+        """
+        tid = token.id if isinstance(token, WriteToken) else token
+        tok = self._tokens.pop(tid, None)
+        if tok is None:
+            if tid in self._expired_tokens:
+                raise StreamTimeout(
+                    f"this write was admitted more than lease_timeout={self.lease_timeout}s "
+                    "ago without being committed, so it was aborted (its writer was presumed "
+                    "dead; new rows it admitted were dropped). Raise lease_timeout for writes "
+                    "that take that long")
+            raise InvalidArgument("unknown or already finished write token")
+        self.reserved_bytes -= tok.reserved_bytes
+        tags = tags or {}
+        dead: dict[int, list[int]] = {}
+        touched: list[Row] = []
+        added = 0
+        keep = ~self._wmask(tok.fields)
+        zeros = [0] * len(tok.rows)
+        sizes = [(f, [int(b) for b in nbytes[f]] if f in nbytes else zeros) for f in tok.fields]
+        rows = self.rows
+        for i, (rid, s) in enumerate(zip(tok.rows, tok.shards)):
+            row = rows.get(rid)
+            if row is None:
+                dead.setdefault(s, []).append(rid)
+                continue
+            row.writing &= keep
+            have = row.fields
+            delta = 0
+            for f, col in sizes:  # (the hot loop of a put: kept flat)
+                b = col[i]
+                delta += b - have.get(f, 0)
+                have[f] = b
+            row.nbytes += delta
+            added += delta
+            for f, vals in tags.items():
+                self._set_tag(row, f, vals[i])
+            touched.append(row)
+        self.bytes_held += added
+        self.c_bytes_put += max(added, 0)
+        if tok.reserved_bytes:
+            self.space_freed = True
+        missing: dict[str, list[int]] = {}
+        tagged = [f for f in tok.fields if f not in tags and (
+            f in self.tag_fields or any(f in s for s in self.part_tags.values()))]
+        for f in tagged:  # tags the writer did not give: the service reads them
+            rows_ = [r.id for r in touched if self._tagged(f, r.part.name)]
+            if rows_:
+                missing[f] = rows_
+        parts = {r.part.name for r in touched}
+        scope = (self.tags_of(parts.pop()) if len(parts) == 1
+                 else frozenset(self.tag_fields))
+        if touched:
+            self._reindex(touched)
+            self._filter_check(touched)
+        return CommitResult(dead, scope, missing)

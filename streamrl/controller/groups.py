@@ -1,0 +1,218 @@
+"""Tags, groups and filters.
+
+A *tag* is the scalar value of a registered field per row (a group key, a length, a
+sampler's priority); rows sharing a tag value are a *group* of their partition. A
+*filter* must pass a row before it is delivered to a task asking for any of the filter's
+fields; the controller queues *filter jobs* (row sets to judge, whole groups for grouped
+filters) and records their verdicts.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Hashable, Sequence
+
+from ..errors import InvalidArgument
+from ..messages import DropReason, FilterJob, FilterSpec
+from .lifecycle import _unbucket
+from .state import _MISSING, Partition, Row
+
+
+class Groups:
+    """Tags, groups and filters (part of :class:`Controller`)."""
+
+    # ------------------------------------------------------------------ tags
+
+    def register_tag(self, field: str, partition: str | None = None) -> dict[int, list[int]]:
+        """Keep the scalar value of ``field`` per row (for grouping or balancing) of
+        ``partition`` (``None``: of every partition). Returns rows (per shard) in that
+        scope that already have the field but no tag: the caller reads their values from
+        storage and passes them to :meth:`set_tags`."""
+        self._tag_scope(field, partition)
+        if partition is None:
+            rows = self.rows.values()
+        else:
+            p = self.parts.get(partition)
+            rows = p.rows.values() if p is not None else ()
+        out: dict[int, list[int]] = {}
+        for r in rows:
+            if field in r.fields and field not in r.tags:
+                out.setdefault(r.shard, []).append(r.id)
+        return out
+
+    def set_tags(self, field: str, rows: Sequence[int], values: Sequence[Hashable]) -> None:
+        """Record the tag ``field`` of ``rows`` (rows gone meanwhile are skipped)."""
+        touched = []
+        for rid, v in zip(rows, values):
+            row = self.rows.get(rid)
+            if row is not None:
+                self._set_tag(row, field, v)
+                touched.append(row)
+        if touched:
+            self._reindex(touched)
+            self._filter_check(touched)
+
+    def _set_tag(self, row: Row, f: str, v: Hashable) -> None:
+        old = row.tags.get(f, _MISSING)
+        if old is not _MISSING:
+            if old == v:
+                return
+            self._ungroup(row, f, old)
+        row.tags[f] = v
+        row.part.groups.setdefault(f, {}).setdefault(v, {})[row.id] = None
+
+    @staticmethod
+    def _ungroup(row: Row, f: str, v: Hashable) -> None:
+        """Take ``row`` out of its partition's group ``v`` of tag ``f``."""
+        grp = row.part.groups.get(f, {}).get(v)
+        if grp is not None:
+            grp.pop(row.id, None)
+            if not grp:
+                del row.part.groups[f][v]
+
+    # ------------------------------------------------------------------ filters
+
+    def add_filter(self, spec: FilterSpec) -> None:
+        """Register a filter: every live row must pass it before it is delivered to a
+        task that asks for any of ``spec.fields``."""
+        if spec.name in self.filters:
+            raise InvalidArgument(f"a filter named {spec.name!r} exists already; pass another name")
+        self.filters[spec.name] = spec
+        self._filter_ready[spec.name] = {}
+        fbit = self._bit(self._fbits, spec.name)
+        if spec.group_by:
+            self.tag_fields.add(spec.group_by)
+        for sub in self.subs.values():
+            sub.gating = self._gating(sub.fields)
+        for row in self.rows.values():
+            row.pending |= fbit
+        self._reindex(list(self.rows.values()))
+        self._filter_check(list(self.rows.values()), only=spec)
+
+    def _filter_check(self, rows: list[Row], only: FilterSpec | None = None) -> None:
+        """Queue filter jobs for rows that now have every field a filter needs."""
+        if not self.filters:
+            return
+        specs = [only] if only else list(self.filters.values())
+        for spec in specs:
+            buckets = self._filter_ready[spec.name]
+            fbit = self._fbits[spec.name]
+            new_keys: dict[tuple, Partition] = {}
+            for row in rows:
+                if not row.pending & fbit or row.id not in self.rows:
+                    continue
+                if not spec.fields.issubset(row.fields):
+                    continue
+                if spec.group_by:
+                    if spec.group_by not in row.tags:
+                        continue
+                    key = (row.part.name, row.tags[spec.group_by])
+                else:
+                    key = (row.part.name, None)
+                buckets.setdefault(key, {})[row.id] = None
+                new_keys[key] = row.part
+            for key, p in new_keys.items():
+                self._maybe_filter_job(spec, p, key[1] if spec.group_by else None, key)
+
+    def _maybe_filter_job(self, spec: FilterSpec, p: Partition, gkey, key: tuple | None = None) -> None:
+        key = key or (p.name, gkey)
+        fbit = self._fbits[spec.name]
+        b = self._filter_ready[spec.name].get(key)
+        if not b:
+            return
+        if spec.group_by is None:
+            self._emit_job(spec, list(b))
+            del self._filter_ready[spec.name][key]
+        elif spec.group_size is not None:
+            while len(b) >= spec.group_size:
+                take = list(itertools.islice(b, spec.group_size))
+                for r in take:
+                    del b[r]
+                self._emit_job(spec, take)
+            if not b:
+                del self._filter_ready[spec.name][key]
+            elif p.sealed:
+                members = p.groups.get(spec.group_by, {}).get(gkey, {})
+                waiting = [r for r in members if self.rows[r].pending & fbit]
+                if len(b) >= len(waiting):
+                    self._emit_job(spec, list(b))
+                    del self._filter_ready[spec.name][key]
+        else:
+            if not p.sealed:
+                return
+            members = p.groups.get(spec.group_by, {}).get(gkey, {})
+            waiting = [r for r in members if self.rows[r].pending & fbit]
+            if len(b) >= len(waiting):
+                self._emit_job(spec, list(b))
+                del self._filter_ready[spec.name][key]
+
+    def _emit_job(self, spec: FilterSpec, rids: list[int]) -> None:
+        fbit = self._fbits[spec.name]
+        for r in rids:
+            row = self.rows[r]
+            row.pending &= ~fbit
+            row.judging |= fbit
+        job = FilterJob(self._next_job, spec.name, rids,
+                        [self.rows[r].shard for r in rids], tuple(sorted(spec.fields)))
+        self._next_job += 1
+        self._jobs[job.id] = job
+        self.filter_jobs.append(job)
+
+    def filter_done(self, job_id: int, keep: Sequence[bool] | None, *, error: bool = False) -> int:
+        """Record a filter verdict: ``keep[i]`` for the job's i-th row. Rejected rows (all
+        of them when ``error``) are dropped. Returns how many were dropped."""
+        job = self._jobs.pop(job_id, None)
+        if job is None:
+            return 0
+        live = [self.rows[r] for r in job.rows if r in self.rows]
+        fbit = self._fbits[job.filter]
+        for row in live:
+            row.judging &= ~fbit
+        if error:
+            rejected = live
+            self.c_filter_errors[job.filter] = self.c_filter_errors.get(job.filter, 0) + len(live)
+            reason = DropReason.FILTER_ERROR
+        else:
+            verdict = dict(zip(job.rows, keep))
+            rejected = [r for r in live if not verdict[r.id]]
+            self.c_filtered_by[job.filter] = self.c_filtered_by.get(job.filter, 0) + len(rejected)
+            reason = DropReason.FILTERED
+        self._drop_rows(rejected, reason)
+        rej = {r.id for r in rejected}
+        self._reindex([r for r in live if r.id not in rej])
+        return len(rejected)
+
+    def filter_retry(self, job_id: int) -> None:
+        """A job could not run to the end (cancelled): queue it again."""
+        job = self._jobs.get(job_id)
+        if job is not None:
+            self.filter_jobs.append(job)
+
+    def job_live(self, job_id: int) -> bool:
+        """Whether a filter job still waits for its verdict (not withdrawn)."""
+        return job_id in self._jobs
+
+    def _unjudge(self, rids: set[int], fmask: int) -> None:
+        """Filters of ``fmask`` forget their pending judgement of ``rids``: jobs that
+        hold any of them are withdrawn, and their other rows wait to be judged again."""
+        if not fmask:
+            return
+        again: list[Row] = []
+        for jid, job in list(self._jobs.items()):
+            fbit = self._fbits[job.filter]
+            if not fbit & fmask or rids.isdisjoint(job.rows):
+                continue
+            del self._jobs[jid]
+            for r in job.rows:
+                row = self.rows.get(r)
+                if row is not None:
+                    row.judging &= ~fbit
+                    row.pending |= fbit
+                    if r not in rids:
+                        again.append(row)
+        self.filter_jobs = [j for j in self.filter_jobs if j.id in self._jobs]
+        for name in self.filters:
+            if self._fbits[name] & fmask:
+                _unbucket(self._filter_ready[name], rids)
+        if again:
+            self._filter_check(again)

@@ -1,0 +1,194 @@
+"""The readiness index: derived from the rows, never saved.
+
+Each distinct request shape (a *subscription*: task, fields, partition, grouping) keeps
+an ordered set of its deliverable rows, updated when a write, lease, ack, filter verdict
+or drop touches a row, so that taking a batch is O(batch) and never a scan. The order of
+that set is the order rows became deliverable (commit order, a released row goes last):
+it is queue order, the one thing about the index :meth:`Controller.state_dict` keeps.
+
+This module also creates every other derived structure (:meth:`Index._init_index`), so
+that what :meth:`Controller.load_state_dict` rebuilds is listed in one place.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Iterable
+
+from ..config import Request, validate_request
+from ..errors import InvalidArgument
+from .state import _MISSING, Row
+
+
+class _Sub:
+    """One request shape and its index of deliverable rows."""
+
+    __slots__ = ("key", "task", "fields", "partition", "group_by", "group_size", "avail",
+                 "buckets", "complete", "gating", "tbit")
+
+    def __init__(self, key: tuple, gating: int, tbit: int):
+        self.key = key
+        self.task, fields, self.partition, self.group_by, self.group_size = key
+        self.fields: frozenset[str] = fields
+        self.avail: dict[int, None] = {}  # deliverable rows, in the order they became so
+        self.buckets: dict[tuple[str, Hashable], dict[int, None]] = {}  # (part, key) -> rows
+        self.complete: dict[tuple[str, Hashable], None] = {}  # groups that may go out
+        self.gating = gating  # bitmask of filters that must pass a row first
+        self.tbit = tbit
+
+
+class Index:
+    """Subscriptions and the readiness index (part of :class:`Controller`)."""
+
+    def _init_index(self) -> None:
+        """Every derived structure of the controller, empty."""
+        self.subs: dict[tuple, _Sub] = {}
+        self._subs_by_part: dict[str | None, list[_Sub]] = {}
+        self._subs_by_task: dict[str, list[_Sub]] = {}
+        self._cands: dict[str, list[_Sub]] = {}  # partition -> subscriptions that see it
+        # filter name -> (partition, key) -> rows that have the filter's fields, unjudged
+        self._filter_ready: dict[str, dict[tuple, dict[int, None]]] = {}
+        self._lease_heap: list[tuple[float, int]] = []  # (deadline, lease id)
+        self._token_heap: list[tuple[float, int]] = []  # (deadline, token id)
+        self._dispatchers: dict[tuple, object] = {}  # DP dispatch progress (see .dispatch)
+
+    def validate_request(self, req: Request) -> None:
+        """Raise :class:`InvalidArgument` for a request that can never be served."""
+        validate_request(req)
+        sampler = self._sampler_of(req)  # an unknown sampler name raises here
+        if req.balance_by and req.dp_size > 1 and not sampler.balances:
+            raise InvalidArgument(
+                f"balance_by={req.balance_by!r} needs a sampler whose DP split balances "
+                f"ranks, and {sampler!r} does not; derive it from "
+                "streamrl.sampling.BalancedSampler, or drop balance_by")
+
+    def request_tags(self, req: Request) -> list[str]:
+        """Tag fields a request relies on (group key, balance key, its sampler's fields),
+        registered yet or not."""
+        out = [f for f in (req.group_by, req.balance_by) if f]
+        for f in self._sampler_of(req).fields:
+            if f not in out:
+                out.append(f)
+        return out
+
+    def tags_needed(self, req: Request) -> list[str]:
+        """Tag fields a request relies on (group key, balance key, its sampler's fields)
+        not registered yet."""
+        return [f for f in self.request_tags(req) if not self._tagged(f, req.partition)]
+
+    def _sub(self, req: Request) -> _Sub:
+        key = req.sub_key()
+        sub = self.subs.get(key)
+        if sub is None and req.partition in self.retired:
+            # a finished partition: an empty, unregistered subscription (it has ended)
+            return _Sub(key, 0, self._bit(self._tbits, req.task))
+        if sub is None:
+            for f in self.tags_needed(req):
+                self._tag_scope(f, req.partition)
+            sub = self._new_sub(key)
+            rows = (self.parts[sub.partition].rows.values() if sub.partition in self.parts
+                    else ()) if sub.partition is not None else self.rows.values()
+            for row in rows:
+                if self._eligible(row, sub):
+                    self._add(sub, row)
+        return sub
+
+    def _new_sub(self, key: tuple) -> _Sub:
+        """Register an empty subscription."""
+        sub = _Sub(key, self._gating(key[1]), self._bit(self._tbits, key[0]))
+        self.subs[key] = sub
+        self._subs_by_part.setdefault(sub.partition, []).append(sub)
+        self._subs_by_task.setdefault(sub.task, []).append(sub)
+        self._cands.clear()
+        return sub
+
+    def _gating(self, fields: frozenset[str]) -> int:
+        m = 0
+        for s in self.filters.values():
+            if s.fields & fields:
+                m |= self._fbits[s.name]
+        return m
+
+    def _eligible(self, row: Row, sub: _Sub) -> bool:
+        if row.acked & sub.tbit or sub.task in row.leased:
+            return False
+        if not sub.fields.issubset(row.fields):
+            return False
+        if sub.group_by is not None and sub.group_by not in row.tags:
+            return False
+        if (row.pending | row.judging) & sub.gating:
+            return False
+        return True
+
+    def _add(self, sub: _Sub, row: Row) -> None:
+        if sub.group_by is None:
+            sub.avail[row.id] = None
+        else:
+            gk = (row.part.name, row.tags[sub.group_by])
+            sub.buckets.setdefault(gk, {})[row.id] = None
+            sub.avail[row.id] = None
+            self._check_complete(sub, gk)
+        self.woken.add(sub.key)
+
+    def _remove(self, sub: _Sub, row: Row) -> None:
+        del sub.avail[row.id]
+        if sub.group_by is not None:
+            gk = (row.part.name, row.tags.get(sub.group_by, _MISSING))
+            b = sub.buckets.get(gk)
+            if b is not None:
+                b.pop(row.id, None)
+                if not b:
+                    del sub.buckets[gk]
+                    sub.complete.pop(gk, None)
+                else:
+                    self._check_complete(sub, gk)
+
+    def _check_complete(self, sub: _Sub, gk: tuple) -> None:
+        b = sub.buckets.get(gk)
+        if b and self._group_complete(sub, gk, b):
+            sub.complete[gk] = None
+        else:
+            sub.complete.pop(gk, None)
+
+    def _group_complete(self, sub: _Sub, gk: tuple, bucket: dict[int, None]) -> bool:
+        if sub.group_size is not None and len(bucket) >= sub.group_size:
+            return True
+        p = self.parts.get(gk[0])
+        if p is None or not (p.sealed or self.closed):
+            return False
+        # sealed: complete when every live row of the key that the task still owes is here
+        members = p.groups.get(sub.group_by, {}).get(gk[1], {})
+        owed = sum(1 for r in members if not self.rows[r].acked & sub.tbit)
+        return len(bucket) >= owed
+
+    def _reindex(self, rows: Iterable[Row], tasks: Iterable[str] | None = None) -> None:
+        """Re-evaluate ``rows`` against subscriptions (of ``tasks`` only, if given)."""
+        if not self.subs:
+            return
+        for row in rows:
+            for sub in self._candidates(row.part.name):
+                if tasks is not None and sub.task not in tasks:
+                    continue
+                ok = self._eligible(row, sub)
+                if ok and row.id not in sub.avail:
+                    self._add(sub, row)
+                elif not ok and row.id in sub.avail:
+                    self._remove(sub, row)
+
+    def _candidates(self, name: str) -> list[_Sub]:
+        c = self._cands.get(name)
+        if c is None:
+            c = self._cands[name] = self._subs_by_part.get(name, []) + self._subs_by_part.get(None, [])
+        return c
+
+    def _unindex(self, row: Row, tasks: Iterable[str] | None = None) -> None:
+        for sub in self._candidates(row.part.name):
+            if (tasks is None or sub.task in tasks) and row.id in sub.avail:
+                self._remove(sub, row)
+
+    def _wake_part(self, name: str) -> None:
+        for sub in self._candidates(name):
+            if sub.group_by is not None:
+                for gk in list(sub.buckets):
+                    if gk[0] == name:
+                        self._check_complete(sub, gk)
+            self.woken.add(sub.key)

@@ -1,0 +1,91 @@
+"""Outboxes and introspection: what the caller must do after a call (:meth:`drain`), and
+the read-only views ``stats()`` is built from."""
+
+from __future__ import annotations
+
+from ..messages import FilterJob
+
+
+class Introspect:
+    """Outboxes and stats helpers (part of :class:`Controller`)."""
+
+    def drain(self) -> tuple[dict[int, list[int]], list[FilterJob], set[tuple], set, bool]:
+        """Take and reset the outboxes: (deletes, filter_jobs, woken, changed, space_freed)."""
+        out = (self.deletes, self.filter_jobs, self.woken, self.changed, self.space_freed)
+        self.deletes, self.filter_jobs, self.woken, self.changed = {}, [], set(), set()
+        self.space_freed = False
+        return out
+
+    def pending_filter_rows(self) -> dict[str, int]:
+        """Per filter, live rows it has not judged yet."""
+        out = {name: 0 for name in self.filters}
+        for row in self.rows.values():
+            for name in self._names(self._fbits, row.pending | row.judging):
+                out[name] += 1
+        return out
+
+    def partition_states(self) -> dict[str, dict[str, int]]:
+        """Rows held per partition and per state: ``waiting`` (no subscription can take
+        them yet), ``ready`` (deliverable to some task), ``leased``, ``consumed``
+        (acknowledged by some task, not leased, still held)."""
+        ready: set[int] = set()
+        for sub in self.subs.values():
+            ready.update(sub.avail)
+        out: dict[str, dict[str, int]] = {}
+        for p in self.parts.values():
+            st = {"rows": len(p.rows), "waiting": 0, "ready": 0, "leased": 0, "consumed": 0,
+                  "sealed": int(p.sealed)}
+            for row in p.rows.values():
+                if row.leased:
+                    st["leased"] += 1
+                elif row.id in ready:
+                    st["ready"] += 1
+                elif row.acked:
+                    st["consumed"] += 1
+                else:
+                    st["waiting"] += 1
+            out[p.name] = st
+        return out
+
+    def task_states(self) -> dict[str, dict[str, int]]:
+        """Per task (that asked for rows): rows held that it could take at once
+        (``ready``) and rows it has neither consumed nor leased and cannot take yet
+        (``waiting``: fields missing, a filter pending), within the partitions its
+        requests name."""
+        out: dict[str, dict[str, int]] = {}
+        for task, subs in self._subs_by_task.items():
+            if not subs:
+                continue
+            ready: set[int] = set()
+            scope: dict[int, object] = {}
+            for sub in subs:
+                ready.update(sub.avail)
+                rows = (self.rows if sub.partition is None
+                        else self.parts[sub.partition].rows if sub.partition in self.parts
+                        else {})
+                scope.update(rows)
+            bit = self._tbits.get(task, 0)
+            waiting = sum(1 for rid, row in scope.items()
+                          if rid not in ready and not row.acked & bit and task not in row.leased)
+            out[task] = {"ready": len(ready), "waiting": waiting}
+        return out
+
+    def leaked(self) -> dict[str, int]:
+        """Rows still held in sealed partitions that no task will ever take: not leased,
+        and acknowledged by every declared consumer (or, with none declared, by every
+        task that has read from the partition)."""
+        out: dict[str, int] = {}
+        for p in self.parts.values():
+            if not p.sealed or not p.rows:
+                continue
+            mask = p.cmask or self._mask(p.tasks)
+            if not mask:
+                continue
+            n = sum(1 for r in p.rows.values() if not r.leased and r.acked & mask == mask)
+            if n:
+                out[p.name] = n
+        return out
+
+    def held_by_partition(self) -> dict[str, int]:
+        """Rows held per partition (partitions holding none are left out)."""
+        return {p.name: len(p.rows) for p in self.parts.values() if p.rows}

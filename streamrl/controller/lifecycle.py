@@ -1,0 +1,229 @@
+"""How rows and partitions end: consumer sets, seal and close, drop and clear, staleness,
+and storage units that died. Every removal of a row goes through :meth:`_drop_rows`."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+
+from ..errors import InvalidArgument
+from ..messages import DropReason
+from .state import _MISSING, Partition, Row, _consumers
+
+
+class Lifecycle:
+    """Partitions' ends and rows' removal (part of :class:`Controller`)."""
+
+    def declare(self, partition: str, consumers: Sequence[str] | None) -> None:
+        """Set the tasks that must acknowledge each row of ``partition`` before it is
+        dropped automatically (``None`` turns automatic cleanup off for it). Rows already
+        acknowledged by all of them are dropped now."""
+        p = self._part(partition)
+        p.consumers = _consumers(consumers)
+        p.cmask = self._mask(p.consumers)
+        if p.cmask:
+            done = [r for r in p.rows.values() if r.acked & p.cmask == p.cmask and not r.leased]
+            self._drop_rows(done, DropReason.CONSUMED)
+
+    def seal_all(self) -> None:
+        """No new rows anywhere (new fields of existing rows are still accepted): every
+        partition is sealed, and streams over all partitions end once drained."""
+        if self.sealed_all:
+            return
+        self.sealed_all = True
+        for name in list(self.parts):
+            self.seal(name)
+        self.changed.add(None)
+        self.woken.update(self.subs)
+
+    def seal(self, partition: str) -> None:
+        """No new rows will be added to ``partition``; streams over it end once drained."""
+        if partition in self.retired:
+            return
+        p = self._part(partition)
+        if not p.sealed:
+            p.sealed = True
+            self.changed.add(p.name)
+            self._wake_part(p.name)
+            # no row can join a group any more: groups without a group_size, and short
+            # last groups of a group_size, are judged once every member is ready
+            for spec in self.filters.values():
+                if spec.group_by:
+                    for (pname, key) in list(self._filter_ready.get(spec.name, {})):
+                        if pname == p.name:
+                            self._maybe_filter_job(spec, p, key)
+            self._maybe_retire(p)
+
+    def _maybe_retire(self, p: Partition) -> None:
+        """Forget a sealed partition once its last row has left, so that a long run with
+        a partition per step keeps no state per finished step."""
+        if not p.sealed or p.rows or self.parts.get(p.name) is not p:
+            return
+        del self.parts[p.name]
+        self.part_tags.pop(p.name, None)
+        self.retired.add(p.name)
+        self.changed.add(p.name)
+        self.woken.update(k for k, sub in self.subs.items() if sub.partition == p.name)
+        for key in [k for k, sub in self.subs.items() if sub.partition == p.name]:
+            sub = self.subs.pop(key)
+            self._subs_by_task[sub.task].remove(sub)
+            self._dispatchers = {k: d for k, d in self._dispatchers.items() if k[:5] != key}
+        self._subs_by_part.pop(p.name, None)
+        self._cands.clear()
+        for buckets in self._filter_ready.values():
+            for k in [k for k in buckets if k[0] == p.name]:
+                del buckets[k]
+
+    def close(self) -> None:
+        """Refuse new rows; every stream drains what is deliverable now and ends."""
+        if not self.closed:
+            self.closed = True
+            self.changed.add(None)
+            self.woken.update(self.subs)
+            self.space_freed = True
+            for name in list(self.parts):  # short last groups are complete now
+                self._wake_part(name)
+
+    def mark_lost(self, shard: int) -> int:
+        """Storage unit ``shard`` is gone: its rows are dropped as ``"lost"`` (nothing is
+        deleted from it), and new rows are placed on the living units. Idempotent;
+        returns the rows lost now."""
+        if shard in self.dead_shards:
+            return 0
+        self.dead_shards.add(shard)
+        lost = [r for r in self.rows.values() if r.shard == shard]
+        self._drop_rows(lost, DropReason.LOST)
+        self.deletes.pop(shard, None)  # nothing to delete on a dead unit
+        return len(lost)
+
+    # ------------------------------------------------------------------ dropping
+
+    def drop(self, rows: Iterable[int], reason: str = DropReason.DROPPED) -> int:
+        """Delete rows for good (idempotent: rows already gone are skipped). Returns how
+        many were dropped."""
+        objs = [self.rows[r] for r in dict.fromkeys(rows) if r in self.rows]
+        self._drop_rows(objs, reason)
+        return len(objs)
+
+    def clear(self, partition: str) -> int:
+        """Drop every row of ``partition``. An unsealed partition stays open for new
+        rows; a sealed one is forgotten (as it is when its last row leaves)."""
+        p = self.parts.get(partition)
+        if p is None:
+            return 0
+        n = len(p.rows)
+        self._drop_rows(list(p.rows.values()), DropReason.CLEARED)
+        return n
+
+    def _drop_rows(self, objs: list[Row], reason: str | None, *, group: bool = False) -> None:
+        if group:
+            objs = self._with_groups(objs)
+        if not objs:
+            return
+        freed = 0
+        gone = 0
+        parts: set[Partition] = set()
+        regroup: list[tuple[str, Partition, object]] = []  # grouped filters to look at again
+        for row in objs:
+            if self.rows.pop(row.id, None) is None:
+                continue
+            gone += 1
+            p = row.part
+            del p.rows[row.id]
+            for task in self._names(self._tbits, row.acked):
+                p.acked[task] -= 1
+            for f, v in row.tags.items():
+                grp = p.groups.get(f, {}).get(v)
+                if grp is not None:
+                    grp.pop(row.id, None)
+                    if not grp:
+                        del p.groups[f][v]
+            self._unindex(row)
+            for task, lid in row.leased.items():
+                lease = self.leases.get(lid)
+                if lease is not None:
+                    lease.rows.remove(row.id)
+                    if not lease.rows:
+                        del self.leases[lid]
+                        self._remember(lid, "acked")
+            waiting = row.pending | row.judging
+            if waiting:
+                for name in self._names(self._fbits, waiting):
+                    buckets = self._filter_ready.get(name)
+                    if buckets:
+                        _unbucket(buckets, (row.id,))
+                    if row.pending & self._fbits[name] and p.sealed:
+                        regroup.append((name, p, row.tags))
+            freed += row.nbytes
+            self.deletes.setdefault(row.shard, []).append(row.id)
+            parts.add(p)
+        self.bytes_held -= freed
+        self.c_bytes_freed += freed
+        if reason is not None:
+            self.c_dropped[reason] = self.c_dropped.get(reason, 0) + gone
+        self.space_freed = True
+        for name, p, tags in regroup:
+            # a member the filter still awaited left: the rest of its group may go now
+            spec = self.filters[name]
+            key = tags.get(spec.group_by, _MISSING) if spec.group_by else _MISSING
+            if key is not _MISSING and self.parts.get(p.name) is p:
+                self._maybe_filter_job(spec, p, key)
+        for p in parts:
+            self.changed.add(p.name)
+            if p.sealed or self.closed:  # end and group-completeness conditions moved
+                self._wake_part(p.name)
+            self._maybe_retire(p)
+
+    def _with_groups(self, objs: list[Row]) -> list[Row]:
+        """``objs`` plus every row sharing a group key (any registered group tag) with
+        one of them, so groups leave together."""
+        keys = {s.group_by for s in self.subs.values() if s.group_by}
+        keys |= {s.group_by for s in self.filters.values() if s.group_by}
+        if not keys:
+            return objs
+        out = {r.id: r for r in objs}
+        for r in objs:
+            for f in keys:
+                v = r.tags.get(f, _MISSING)
+                if v is not _MISSING:
+                    for rid in r.part.groups.get(f, {}).get(v, ()):
+                        out.setdefault(rid, self.rows[rid])
+        return list(out.values())
+
+    # ------------------------------------------------------------------ staleness
+
+    def set_version(self, version: int) -> int:
+        """Advance the current policy version. Returns rows dropped as stale."""
+        if not isinstance(version, int) or isinstance(version, bool):
+            raise InvalidArgument(f"version must be an int, got {version!r}")
+        if version < self.version:
+            raise InvalidArgument(
+                f"versions only go forward: current is {self.version}, got {version}; "
+                "pass the trainer's new policy version")
+        self.version = version
+        self.space_freed = True  # paced producers may go on
+        if self.max_staleness is None:
+            return 0
+        limit = version - self.max_staleness
+        stale = [r for r in self.rows.values() if r.version < limit]
+        before = self.c_dropped.get(DropReason.STALE, 0)
+        self._drop_rows(stale, DropReason.STALE, group=True)
+        return self.c_dropped.get(DropReason.STALE, 0) - before
+
+    def _drop_stale(self, sub, k: int) -> None:
+        limit = self.version - k
+        stale = [self.rows[r] for r in sub.avail if self.rows[r].version < limit]
+        if stale:
+            self._drop_rows(stale, DropReason.STALE, group=True)
+
+
+def _unbucket(buckets: dict[tuple, dict[int, None]], rids) -> None:
+    """Take ``rids`` out of a filter's buckets of rows waiting to be judged; a bucket
+    left empty goes (it would come back at the end when a row arrives)."""
+    empty = []
+    for key, b in buckets.items():
+        for r in rids:
+            b.pop(r, None)
+        if not b:
+            empty.append(key)
+    for key in empty:
+        del buckets[key]

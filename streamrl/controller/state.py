@@ -1,0 +1,236 @@
+"""The controller's source of truth: row and partition records, counters, id counters.
+
+Everything here is what :meth:`Controller.state_dict` saves. The indexes built over it
+(subscriptions, filter buckets, deadline heaps; see :mod:`.index`, :mod:`.groups`,
+:mod:`.leases`) are derived, and rebuilt by :meth:`Controller.load_state_dict`.
+
+Sets of tasks, filters and fields are int bitmasks whose bits come from the registries
+kept here (:meth:`State._bit`): ints and str->int dicts are not tracked by the cyclic GC,
+which otherwise costs as much as the bookkeeping itself with many rows held. Bits depend
+on the order names were first seen, so a saved state names them instead.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Hashable, Iterable, Sequence
+
+from ..errors import InvalidArgument
+from ..messages import FilterJob, FilterSpec, WriteToken
+from ..stats import Histogram
+
+_MISSING = object()
+
+#: outcomes of finished leases (and ids of expired writes) kept for idempotent acks and
+#: clear errors
+LEASE_MEMORY = 65536
+#: leases that ended without an ack (expired, released, emptied by a retract) whose
+#: outcome is remembered, so that a late ack of one of them raises; acked leases need no
+#: memory. Past this many, the oldest are forgotten and a late ack of a lease that old
+#: raises too (its outcome is unknown: it may have been handed out again).
+OUTCOME_MEMORY = 1 << 20
+
+
+class Row:
+    """Metadata of one row. Internal."""
+
+    __slots__ = (
+        "id", "part", "shard", "version", "fields", "nbytes", "tags", "leased", "acked",
+        "pending", "judging", "writing", "delivered", "born",
+    )
+
+    def __init__(self, rid: int, part: "Partition", shard: int, version: int,
+                 born: float = 0.0):
+        self.id = rid
+        self.born = born  # when it was admitted (the controller's clock)
+        self.part = part
+        self.shard = shard
+        self.version = version
+        self.fields: dict[str, int] = {}  # ready field -> bytes
+        self.nbytes = 0  # committed bytes
+        self.tags: dict[str, Hashable] = {}
+        self.leased: dict[str, int] = {}  # task -> lease id
+        self.acked = 0  # tasks that acknowledged it
+        self.pending = 0  # filters that have not judged it yet
+        self.judging = 0  # filters judging it right now
+        self.writing = 0  # fields with a write in flight
+        self.delivered = 0  # tasks it was ever handed to
+
+
+class Partition:
+    """A named set of rows with one lifetime. Internal."""
+
+    __slots__ = ("name", "rows", "sealed", "consumers", "cmask", "acked", "groups", "tasks")
+
+    def __init__(self, name: str, consumers: frozenset[str] | None, cmask: int = 0):
+        self.name = name
+        self.rows: dict[int, Row] = {}
+        self.sealed = False
+        self.consumers = consumers
+        self.cmask = cmask  # bitmask of the consumers
+        self.acked: dict[str, int] = {}  # task -> live rows of this partition it acked
+        self.groups: dict[str, dict[Hashable, dict[int, None]]] = {}  # tag -> key -> rows
+        self.tasks: set[str] = set()  # tasks that took rows from here
+
+    def remaining(self, task: str) -> int:
+        return len(self.rows) - self.acked.get(task, 0)
+
+
+class State:
+    """The records and counters every other part of the controller reads and writes.
+
+    Attributes read by the service and the transports (keep them): ``rows``, ``parts``,
+    ``leases``, ``subs``, ``closed``, ``version``, ``capacity``, ``capacity_bytes``,
+    ``bytes_held``, ``reserved_bytes``, ``dead_shards``, ``deletes``, ``filter_jobs``,
+    ``field_deletes``, ``clock``, ``max_lead``, ``num_shards``, ``_tokens`` and the
+    ``c_*`` counters.
+    """
+
+    def _init_state(self) -> None:
+        self.version = 0
+        self.closed = False
+        self.sealed_all = False  # seal() of the whole queue: no new rows anywhere
+        self.rows: dict[int, Row] = {}
+        self.parts: dict[str, Partition] = {}
+        # sealed partitions whose last row left: forgotten (streams over them end at once)
+        self.retired: set[str] = set()
+        self.bytes_held = 0
+        self.reserved_bytes = 0
+        # next ids: never reused, whether or not they are ever used
+        self._next_id = 0
+        self._next_lease = 1
+        self._next_token = 1
+        self._next_job = 1
+        self._unit_ids: dict[int, list[list[int]]] = {}  # shard -> [next, end) id blocks
+        self._next_shard = 0
+        self.dead_shards: set[int] = set()  # storage units known to be gone
+
+        self.leases: dict = {}  # lease id -> _Lease (see .leases)
+        self._lease_outcome: OrderedDict[int, str | list] = OrderedDict()
+        self._outcome_floor = 0  # leases up to this id may have a forgotten outcome
+        self._tokens: dict[int, WriteToken] = {}  # writes admitted, not committed
+        self._expired_tokens: OrderedDict[int, None] = OrderedDict()
+        self._retracted: OrderedDict[int, None] = OrderedDict()  # write tokens taken back
+        self._jobs: dict[int, FilterJob] = {}  # filter jobs waiting for their verdict
+
+        self.dtypes: dict[str, str] = {}  # field -> its one dtype ("torch.int64", "object")
+        # tags: fields whose scalar value per row is kept (group keys, balance keys,
+        # samplers' fields), queue-wide (filters, requests over every partition) or for
+        # one partition only (requests naming it): a group key of one partition says
+        # nothing of another's field of the same name
+        self.tag_fields: set[str] = set()
+        self.part_tags: dict[str, set[str]] = {}
+        self.filters: dict[str, FilterSpec] = {}
+        self._tbits: dict[str, int] = {}  # task -> bit
+        self._fbits: dict[str, int] = {}  # filter -> bit
+        self._field_bits: dict[str, int] = {}  # field -> bit (writes in flight)
+
+        # counters
+        self.c_put = 0
+        self.c_bytes_put = 0
+        self.c_bytes_freed = 0
+        self.c_writes_expired = 0
+        self.c_dropped: dict[str, int] = {}
+        self.c_filtered_by: dict[str, int] = {}
+        self.c_filter_errors: dict[str, int] = {}
+        self.c_delivered: dict[str, int] = {}
+        self.c_acked: dict[str, int] = {}
+        self.c_redelivered: dict[str, int] = {}
+        self.c_bytes_delivered: dict[str, int] = {}  # task -> bytes of asked-for fields
+        # task -> latency from a row's admission to its first delivery to the task
+        self.h_delivery: dict[str, Histogram] = {}
+        self.c_expired: dict[str, int] = {}
+
+    def _init_outboxes(self) -> None:
+        """Side effects for the caller to carry out (see :meth:`drain`)."""
+        self.deletes: dict[int, list[int]] = {}
+        # ({shard: rows}, fields) a write to existing rows may have stored before it was
+        # aborted for taking too long: the caller deletes those fields from storage
+        self.field_deletes: list = []
+        self.filter_jobs: list[FilterJob] = []
+        self.woken: set[tuple] = set()
+        self.changed: set[str | None] = set()
+        self.space_freed = False
+
+    # ------------------------------------------------------------------ registries
+
+    def _bit(self, table: dict[str, int], name: str) -> int:
+        b = table.get(name)
+        if b is None:
+            b = table[name] = 1 << len(table)
+        return b
+
+    def _mask(self, tasks: Iterable[str] | None) -> int:
+        m = 0
+        for t in tasks or ():
+            m |= self._bit(self._tbits, t)
+        return m
+
+    @staticmethod
+    def _names(table: dict[str, int], mask: int) -> list[str]:
+        return [n for n, b in table.items() if mask & b] if mask else []
+
+    # ------------------------------------------------------------------ partitions
+
+    def _part(self, name: str, create: bool = True) -> Partition | None:
+        p = self.parts.get(name)
+        if p is None and create:
+            if not isinstance(name, str) or not name:
+                raise InvalidArgument(f"partition must be a non-empty str, got {name!r}")
+            p = self.parts[name] = Partition(name, self.default_consumers,
+                                             self._mask(self.default_consumers))
+        return p
+
+    def _remaining_all(self, task: str) -> int:
+        return len(self.rows) - sum(p.acked.get(task, 0) for p in self.parts.values())
+
+    def _tagged(self, field: str, partition: str | None) -> bool:
+        """Whether rows of ``partition`` keep a tag of ``field``."""
+        return field in self.tag_fields or (
+            partition is not None and field in self.part_tags.get(partition, ()))
+
+    def _tag_scope(self, field: str, partition: str | None) -> None:
+        """Keep tags of ``field`` for rows of ``partition`` (``None``: every partition)."""
+        if partition is None:
+            self.tag_fields.add(field)
+        else:
+            self.part_tags.setdefault(partition, set()).add(field)
+
+    def tags_of(self, partition: str | None) -> frozenset[str]:
+        """The tag fields of rows of ``partition``."""
+        if partition is None:
+            return frozenset(self.tag_fields)
+        return frozenset(self.tag_fields | self.part_tags.get(partition, set()))
+
+    def _remember(self, lid: int, outcome: str | list) -> None:
+        """Remember how lease ``lid`` ended, unless it was acked (a lease that is not
+        live and not remembered was acked, or is older than :attr:`_outcome_floor`)."""
+        if outcome == "acked":
+            return
+        self._lease_outcome[lid] = outcome
+        if len(self._lease_outcome) > OUTCOME_MEMORY:
+            old, _ = self._lease_outcome.popitem(last=False)
+            self._outcome_floor = max(self._outcome_floor, old)
+
+
+def _dtype_name(d: str) -> str:
+    return "Python objects" if d == "object" else d.replace("torch.", "")
+
+
+def _by_shard_of(rows: Iterable[Row]) -> dict[int, list[int]]:
+    out: dict[int, list[int]] = {}
+    for r in rows:
+        out.setdefault(r.shard, []).append(r.id)
+    return out
+
+
+def _consumers(consumers: Sequence[str] | None) -> frozenset[str] | None:
+    if consumers is None:
+        return None
+    if isinstance(consumers, str):
+        consumers = [consumers]
+    out = frozenset(consumers)
+    if not out or not all(isinstance(c, str) and c for c in out):
+        raise InvalidArgument(
+            f"consumers must be a non-empty list of task names (or None), got {consumers!r}")
+    return out

@@ -1,0 +1,95 @@
+"""How the pieces of the Ray transport call each other: Ray's errors as streamrl's,
+calls that do not wait, the wait for the undo of a cancelled call, and background work
+that is neither lost nor silent.
+
+Every actor serves its methods both as Ray actor methods and over a socket channel
+(:mod:`streamrl.transport.rpc`, about 30x cheaper); callers use the socket when they
+have one and Ray otherwise.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Coroutine
+from typing import Any
+
+import ray
+
+from ...errors import TransportError
+from ..rpc import Endpoint, RpcClient
+
+__all__ = ["Endpoints", "UNDO_TIMEOUT", "unwrap", "send", "undone", "spawn", "new_loop"]
+
+log = logging.getLogger("streamrl")
+
+#: the controller's socket endpoint and the storage units' (see :mod:`streamrl.transport.rpc`)
+Endpoints = tuple[Endpoint, list[Endpoint]]
+
+#: seconds a cancelled call waits for its effect to be taken back before it gives up
+UNDO_TIMEOUT = 10.0
+
+
+def unwrap(e: BaseException, what: str) -> BaseException:
+    """Turn Ray's wrappers into streamrl errors (``what``: the actor, for the message)."""
+    if isinstance(e, ray.exceptions.RayTaskError):
+        cause = getattr(e, "cause", None)
+        if isinstance(cause, BaseException):
+            return cause
+    if isinstance(e, (ray.exceptions.RayActorError, ray.exceptions.ObjectLostError)):
+        return TransportError(
+            f"the queue's {what} is gone ({type(e).__name__}); the queue cannot be used any "
+            "more: create a new one (or reconnect if it was restarted)")
+    return e
+
+
+def send(rpc: RpcClient | None, actor: Any, method: str, *args: Any) -> None:
+    """Call ``method`` without waiting for it: on the socket channel when this event loop
+    has a connection to the actor (after the calls already sent on it), else through Ray."""
+    if rpc is None or not rpc.notify(method, *args):
+        getattr(actor, method).remote(*args)
+
+
+async def undone(aw: Coroutine, what: str) -> None:
+    """Wait (shielded from further cancellation, up to :data:`UNDO_TIMEOUT`) for the undo
+    of a cancelled call; a failure is logged (the lease or write timeout cleans up)."""
+    task = spawn(aw, f"taking back a cancelled {what} (its lease or write times out instead)")
+    try:
+        await asyncio.wait_for(asyncio.shield(task), UNDO_TIMEOUT)
+    except asyncio.CancelledError:
+        raise
+    except asyncio.TimeoutError:
+        log.warning("streamrl: taking back a cancelled %s takes over %ss; the cancellation "
+                    "goes on (its lease or write times out if the undo never lands)", what,
+                    UNDO_TIMEOUT)
+    except Exception:  # noqa: BLE001 - logged by spawn; the cancellation goes on regardless
+        pass
+
+
+#: tasks started by :func:`spawn` and not finished (the event loop keeps weak references)
+_running: set[asyncio.Task] = set()
+
+
+def spawn(coro: Coroutine, what: str) -> asyncio.Task:
+    """Run ``coro`` as a task of this event loop that is referenced until it ends and
+    whose failure is logged (whether or not anyone awaits it)."""
+    task = asyncio.ensure_future(coro)
+    _running.add(task)
+
+    def done(t: asyncio.Task) -> None:
+        _running.discard(t)
+        if not t.cancelled() and t.exception() is not None:
+            log.warning("streamrl: %s failed: %r", what, t.exception())
+
+    task.add_done_callback(done)
+    return task
+
+
+def new_loop() -> asyncio.AbstractEventLoop:
+    """A new event loop (uvloop's when installed)."""
+    try:
+        import uvloop
+
+        return uvloop.new_event_loop()
+    except ImportError:
+        return asyncio.new_event_loop()

@@ -1,0 +1,330 @@
+"""The data-plane client of the Ray transport: the storage-unit actors, seen as a
+:class:`~streamrl.transport.base.DataPlane`.
+
+One call per storage unit per request, all units concurrently, over each unit's socket
+channel when there is one (else as Ray actor calls). Tensor bytes go through a unit's
+shared-memory arena when this process is on the unit's node and may map it (a put copies
+once into a reserved block; a read views the blocks in place, pinned until its tensors
+are gone); otherwise they travel inline in the calls. Conversion to and from torch is
+:mod:`.wire`'s.
+
+A storage unit found dead is reported to the controller through the control plane
+(``on_lost``, :meth:`streamrl.control.ControlPlane.report_lost`), and the read or write
+raises :class:`~streamrl.errors.RowsLost` naming the rows and the unit.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+import os
+import random
+import time
+import uuid
+import weakref
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from typing import Any
+
+import numpy as np
+import ray
+
+from ...arena import ShmRef, map_segment
+from ...errors import RowsLost, TransportError, rows_preview
+from ...messages import PutStatus
+from ...wire import WireTensor
+from ..base import Column, DataCaps, DataPlane
+from ..rpc import ConnectFailed, Endpoint, RpcClient
+from .calls import send, undone, unwrap
+from .wire import SHM_MIN, from_wire, map_col, refs_in, tensors_in, to_wire
+
+__all__ = ["RayDataPlane", "FAST_MAX"]
+
+log = logging.getLogger("streamrl")
+
+FAST_MAX = 1 << 20  # puts up to this many bytes may be admitted by a unit (put_rows)
+_BUSY_PAUSE = 0.02  # seconds without put_rows after a unit found the queue full
+
+
+class RayDataPlane(DataPlane):
+    """Storage-unit actors, called concurrently, one call per unit per request; tensor
+    bytes through the units' shared-memory arenas when on the same node."""
+
+    caps = DataCaps(unit_admitted_puts=True, zero_copy_reads=True, shared_memory=True,
+                    cross_process=True)
+
+    def __init__(self, units: Sequence[Any], endpoints: Sequence[Endpoint | None] | None = None,
+                 on_lost: Callable[[int], Awaitable[Any]] | None = None):
+        self.units = list(units)
+        self.num_shards = len(self.units)
+        self.rpcs: list[RpcClient | None] = [None] * self.num_shards
+        # per unit: its pid when this process maps its arena, False when it does not
+        self._local: list[int | bool | None] = [None] * self.num_shards
+        self._maps: dict[tuple[int, int], Any] = {}  # (unit, segment) -> mmap
+        #: awaited with the index of a unit found dead (the control plane's ``report_lost``)
+        self.on_lost = on_lost
+        self._unpins: collections.deque = collections.deque()  # (unit, pin) of dead views
+        self._loop: asyncio.AbstractEventLoop | None = None
+        # round robin of put_rows, from a random unit: processes that put a few rows each
+        # do not all start on unit 0
+        self._next_unit = random.randrange(max(self.num_shards, 1))
+        self._busy_until = 0.0  # no put_rows before (the queue was full)
+        self._unreachable: set[int] = set()  # units put_rows could not connect to
+        if endpoints is not None:
+            self.use_endpoints(endpoints)
+
+    def use_endpoints(self, endpoints: Sequence[Endpoint | None]) -> None:
+        """Call the units over their socket channels (see :mod:`streamrl.transport.rpc`) from now on."""
+        self.rpcs = [RpcClient(e, on_broken=lambda s=shard: self._unmap(s)) if e is not None
+                     else None for shard, e in enumerate(endpoints)]
+
+    def _unmap(self, shard: int) -> None:
+        """Forget unit ``shard``'s arena (its connection broke: the unit may be gone).
+        Tensors already read keep their own mappings; the next call maps it again."""
+        self._local[shard] = None
+        for key in [k for k in self._maps if k[0] == shard]:
+            del self._maps[key]
+
+    async def _call(self, shard: int, method: str, *args, rows: Sequence[int] = ()):
+        """``method(*args)`` on unit ``shard``: over its socket channel (or, if that
+        fails, as a Ray call). A dead unit: ``on_lost`` is awaited, then
+        :class:`RowsLost` naming ``rows`` is raised."""
+        rpc = self.rpcs[shard]
+        if rpc is not None:
+            try:
+                return await rpc.call(method, *args)
+            except ConnectionError:
+                pass  # the unit died (Ray says so below) or its socket is unreachable
+        try:
+            return await getattr(self.units[shard], method).remote(*args)
+        except (ray.exceptions.RayActorError, ray.exceptions.ObjectLostError) as e:
+            self._unmap(shard)
+            await self._lost(shard)
+            raise RowsLost(
+                f"storage unit {shard} is gone ({type(e).__name__}); rows "
+                f"{rows_preview(rows)} it held are lost. The rest of the queue keeps working; "
+                "drop these rows (or clear their partition) and move on", rows, shard) from None
+        except ray.exceptions.RayTaskError as e:
+            raise unwrap(e, "storage unit") from None
+
+    async def _lost(self, shard: int) -> None:
+        """Tell ``on_lost`` that unit ``shard`` is gone (a failure to tell is logged: the
+        controller finds out itself the next time it calls the unit)."""
+        if self.on_lost is None:
+            return
+        try:
+            await self.on_lost(shard)
+        except Exception as e:  # noqa: BLE001 - the caller hears of the loss regardless
+            log.warning("streamrl: could not report the loss of storage unit %d (%r)", shard, e)
+
+    # -- shared memory
+
+    async def _pid(self, shard: int, rows: Sequence[int]) -> int | None:
+        """The unit's pid if this process can map its arena (same node, socket calls)."""
+        if self._local[shard] is None:
+            local: int | bool = False
+            if self.rpcs[shard] is not None:
+                node, pid = await self._call(shard, "shm_info", rows=rows)
+                if node == ray.get_runtime_context().get_node_id():
+                    local = pid
+            self._local[shard] = local
+        return self._local[shard] or None
+
+    def _segment(self, shard: int, pid: int, seg: int, where: dict) -> Any:
+        """The mapping of segment ``seg`` of unit ``shard`` (mapped on first use)."""
+        mm = self._maps.get((shard, seg))
+        if mm is None:
+            fd, size = where[seg]
+            mm = self._maps[(shard, seg)] = map_segment(f"/proc/{pid}/fd/{fd}", size)
+        return mm
+
+    def _unpin_later(self, shard: int, pin: int) -> None:
+        """A read's views are all gone (called from garbage collection, any thread)."""
+        self._unpins.append((shard, pin))
+        loop = self._loop
+        if loop is not None:
+            try:
+                loop.call_soon_threadsafe(self._flush_unpins)
+            except RuntimeError:  # that loop is closed: the next call flushes
+                pass
+
+    def released(self) -> None:
+        self._flush_unpins()
+
+    def _flush_unpins(self) -> None:
+        """Tell the units which reads' views are gone (without waiting)."""
+        by_shard: dict[int, list[int]] = {}
+        while self._unpins:
+            shard, pin = self._unpins.popleft()
+            by_shard.setdefault(shard, []).append(pin)
+        for shard, pins in by_shard.items():
+            rpc = self.rpcs[shard]
+            if rpc is None or not rpc.notify("unpin", pins):
+                for pin in pins:  # no connection on this loop yet: next time
+                    self._unpins.append((shard, pin))
+
+    # -- data plane
+
+    async def put(self, parts: Sequence[tuple[int, Sequence[int], Mapping[str, Column]]],
+                  write: int = 0) -> None:
+        by_shard: dict[int, list] = {}
+        for shard, rows, cols in parts:
+            by_shard.setdefault(shard, []).append((list(rows), to_wire(cols)))
+        await asyncio.gather(*[self._put(s, p, write) for s, p in by_shard.items()])
+
+    async def _put(self, shard: int, parts: list, write: int = 0) -> None:
+        """Store wire-form ``parts`` on unit ``shard``: big tensors through its arena when
+        this process maps it, everything else inline in the call."""
+        rows = [r for rs, _ in parts for r in rs]
+        big = [t for _, cols in parts for t in tensors_in(cols) if t.nbytes >= SHM_MIN]
+        pid = await self._pid(shard, rows) if big else None
+        got = None
+        if pid is not None:  # None back: no shared memory left on the unit's node
+            got = await self._call(shard, "reserve", [t.nbytes for t in big], os.getpid(),
+                                   rows=rows)
+        if got is None:
+            await self._call(shard, "put", parts, write, rows=rows)
+            return
+        refs, where = got
+        by_id: dict[int, WireTensor] = {}  # id of a big tensor -> its block reference
+        try:
+            try:
+                maps = {ref.seg: self._segment(shard, pid, ref.seg, where) for ref in refs}
+            except OSError as e:  # this process may not map the unit's memory
+                self._no_shm(shard, e)
+            else:
+                for t, ref in zip(big, refs):
+                    dst = np.frombuffer(maps[ref.seg], dtype=np.uint8, count=t.nbytes,
+                                        offset=ref.off)
+                    np.copyto(dst, t.buf)  # the one copy of a put
+                    by_id[id(t)] = t.by_reference(ref)
+                parts = [(rs, {f: map_col(c, lambda t: by_id.get(id(t), t))
+                               for f, c in cols.items()}) for rs, cols in parts]
+            await self._call(shard, "put", parts, write, rows=rows)
+        except BaseException:
+            self._unreserve(shard, refs)
+            raise
+        if not by_id:  # sent inline: the reserved blocks are not used
+            self._unreserve(shard, refs)
+
+    def _unreserve(self, shard: int, refs: list[ShmRef]) -> None:
+        send(self.rpcs[shard], self.units[shard], "unreserve", refs)
+
+    def _no_shm(self, shard: int, e: OSError) -> None:
+        """This process cannot map unit ``shard``'s arena: use inline bytes from now on."""
+        log.warning("streamrl: cannot map the shared memory of storage unit %d (%s); its "
+                    "bytes travel inline in the calls from now on (slower)", shard, e)
+        self._local[shard] = False
+
+    async def put_rows(self, partition: str, cols: Mapping[str, Column], n: int,
+                       nbytes: dict, tags: dict, version: int | None,
+                       dtypes: dict | None = None) -> tuple[list[int], list[int], Any] | None:
+        """A small put of ``n`` new rows, admitted and committed by one storage unit
+        (see :meth:`.unit.StorageActorImpl.put_rows`): one call instead of asking the
+        controller for room first. Returns ``(rows, shards, commit result)``, or ``None``
+        when it does not apply (big tensors, no socket channel, no room right now): the
+        caller puts the usual way. Raises what the put would raise."""
+        live = [s for s in range(self.num_shards)
+                if self.rpcs[s] is not None and s not in self._unreachable]
+        sizes = [sum(v) for v in nbytes.values()]  # each field's bytes
+        if (not live or n < 1 or time.monotonic() < self._busy_until or sum(sizes) > FAST_MAX
+                or max(sizes, default=0) >= SHM_MIN):  # big tensors go through the arena
+            return None
+        wire = to_wire(cols)
+        self._next_unit = (self._next_unit + 1) % len(live)
+        shard = live[self._next_unit]
+        rid = uuid.uuid4().hex
+        try:
+            ans = await self.rpcs[shard].call("put_rows", n, wire, partition, list(cols),
+                                              nbytes, tags, version, rid, dtypes)
+        except asyncio.CancelledError:
+            # the unit finishes the put (shielded) and then drops what it committed;
+            # the cancellation goes on once that is done, so a retry cannot race it
+            await undone(self.rpcs[shard].call("cancel_put", rid), "put")
+            raise
+        except ConnectFailed:  # nothing sent: the usual path finds out why
+            self._unreachable.add(shard)
+            return None
+        except ConnectionError as e:
+            raise TransportError(
+                f"lost the connection to storage unit {shard} during a put ({e}); the rows "
+                "may or may not have been put") from None
+        if ans.status is PutStatus.BUSY:  # no room now: wait the usual way (and for a while)
+            self._busy_until = time.monotonic() + _BUSY_PAUSE
+            return None
+        if ans.status is not PutStatus.OK:
+            raise ans.error
+        rows, res = ans.rows, ans.result
+        return rows, [shard] * n, res
+
+    async def get(self, parts: Sequence[tuple[int, Sequence[int], Sequence[str]]]
+                  ) -> list[dict[str, list[Column]]]:
+        self._loop = asyncio.get_running_loop()
+        self._flush_unpins()
+        return list(await asyncio.gather(*[self._read(s, list(rows), list(fields))
+                                           for s, rows, fields in parts]))
+
+    async def _read(self, shard: int, rows: list[int], fields: list[str]) -> dict[str, list[Column]]:
+        pid = await self._pid(shard, rows)
+        pieces, pin, where = await self._call(shard, "read", rows, fields,
+                                              os.getpid() if pid else None, rows=rows)
+        arrays: dict = {}
+        if pin is not None:
+            # one fresh array per segment for this read: the views handed out keep it
+            # alive, and when the last goes, the unit hears that the blocks are free
+            bases = {}
+            try:
+                for ref in refs_in(pieces):
+                    base = bases.get(ref.seg)
+                    if base is None:
+                        base = bases[ref.seg] = np.frombuffer(
+                            self._segment(shard, pid, ref.seg, where), dtype=np.uint8)
+                    arrays[ref] = base[ref.off:ref.off + ref.size]
+            except OSError as e:  # this process may not map the unit's memory
+                self._no_shm(shard, e)
+                self._unpin_later(shard, pin)
+                return await self._read(shard, rows, fields)
+            left = [len(bases)]
+
+            def gone(shard=shard, pin=pin, left=left):
+                left[0] -= 1
+                if not left[0]:
+                    self._unpin_later(shard, pin)
+
+            for base in bases.values():
+                weakref.finalize(base, gone)
+        return from_wire(pieces, arrays)
+
+    async def delete(self, parts: Mapping[int, Sequence[int]]) -> None:
+        await self._forget(parts, "delete")
+
+    async def delete_fields(self, parts: Mapping[int, Sequence[int]], fields: Sequence[str],
+                            write: int = 0) -> None:
+        await self._forget(parts, "delete_fields", list(fields), write)
+
+    async def inventory(self) -> list[dict[int, list[str]]]:
+        res = await asyncio.gather(*[self._call(s, "inventory") for s in range(self.num_shards)],
+                                   return_exceptions=True)
+        return [{} if isinstance(r, BaseException) else r for r in res]
+
+    async def _forget(self, parts: Mapping[int, Sequence[int]], method: str, *args) -> None:
+        """``method(rows, *args)`` on the unit of each ``{shard: rows}`` part,
+        concurrently; a dead unit is skipped (what it held is gone anyway)."""
+        res = await asyncio.gather(*[
+            self._call(s, method, list(rows), *args, rows=rows)
+            for s, rows in parts.items()], return_exceptions=True)
+        for r in res:
+            if isinstance(r, BaseException) and not isinstance(r, RowsLost):
+                raise r
+
+    async def unit_stats(self) -> list[tuple[int, int]]:
+        res = await asyncio.gather(*[self._call(s, "stats") for s in range(self.num_shards)],
+                                   return_exceptions=True)
+        return [(0, 0) if isinstance(r, BaseException) else r for r in res]
+
+    async def arena_stats(self) -> list[dict[str, int]]:
+        """Each unit's arena (see :meth:`.unit.StorageActorImpl.arena_stats`); ``{}`` for
+        a unit that does not answer."""
+        res = await asyncio.gather(*[self._call(s, "arena_stats") for s in range(self.num_shards)],
+                                   return_exceptions=True)
+        return [{} if isinstance(r, BaseException) else r for r in res]

@@ -1,0 +1,359 @@
+"""The storage unit as a Ray actor, with its shared-memory arena and its small-put
+admission.
+
+A :class:`StorageActorImpl` holds one :class:`~streamrl.storage.StorageUnit` (built by
+:func:`streamrl.storage.create_unit`) whose tensors are :class:`~streamrl.wire.WireTensor`
+views of an :class:`~streamrl.arena.Arena` block, or inline bytes. Producers on the node
+reserve blocks (:meth:`~StorageActorImpl.reserve`), copy into them and ``put`` the
+references; readers on the node get references pinned until their views are gone
+(:meth:`~StorageActorImpl.read`, :meth:`~StorageActorImpl.unpin`); everyone else sends
+and receives bytes inline. A small put of new rows is admitted by the unit itself
+(:meth:`~StorageActorImpl.put_rows`): it stores the rows under ids the controller leased
+to it and has the controller admit and commit them through the control plane.
+
+The unit serves its methods as a threaded Ray actor and over a socket channel
+(:mod:`streamrl.transport.rpc`) from an event loop on a thread of its own; every method
+takes the unit's lock, so both kinds of calls see one consistent unit.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import os
+import threading
+from collections import OrderedDict
+from typing import Any
+
+import ray
+
+from ...arena import Arena, ShmRef
+from ...errors import TransportError
+from ...messages import PutAnswer, PutStatus
+from ...wire import WireTensor
+from ..rpc import ConnectFailed, Endpoint, RpcServer
+from .calls import new_loop, spawn
+from .control import RayControl
+from .wire import map_col, map_pieces, refs_in, tensors_in
+
+__all__ = ["StorageActorImpl", "StorageActor", "ID_BLOCK"]
+
+log = logging.getLogger("streamrl")
+
+ID_BLOCK = 4096  # row ids a unit leases at a time for the puts it admits
+
+
+def _alive(pid: int) -> bool:
+    """Whether process ``pid`` (on this node) still runs."""
+    return os.path.exists(f"/proc/{pid}")
+
+
+class _Block:
+    """An arena block's users: the rows stored in it, readers' pins, and the producer
+    that reserved it and has not stored it yet."""
+
+    __slots__ = ("stored", "pins", "writer")
+
+    def __init__(self, writer: int | None):
+        self.stored = False
+        self.pins = 0
+        self.writer = writer  # pid of the producer writing it
+
+
+class StorageActorImpl:
+    """One storage unit as a (threaded) actor, with its shared-memory arena."""
+
+    def __init__(self, index: int, storage: Any = "memory"):
+        from ...storage import create_unit
+
+        self.index = index
+        self.arena = Arena(index)
+        self.blocks: dict[ShmRef, _Block] = {}
+        self.pins: dict[int, tuple[int, list[ShmRef]]] = {}  # pin -> (reader pid, blocks)
+        self._pin_ids = itertools.count(1)
+        self.unit = create_unit(storage, index, on_release=self._released)
+        self.lock = threading.Lock()
+        self._endpoint: Endpoint | None = None
+        self._controller: RayControl | None = None  # for put_rows (socket thread)
+        self._ids = [0, 0]  # [next, end) of the row ids leased for put_rows (socket thread)
+        self._ids_lock: asyncio.Lock | None = None
+        self._puts: OrderedDict[str, asyncio.Task] = OrderedDict()  # put_rows by request id
+
+    def endpoint(self, controller: Endpoint | None = None) -> Endpoint:
+        """Start serving this unit's methods over a socket (see :mod:`streamrl.transport.rpc`), from an
+        event loop on a thread of its own; where. ``controller``: the controller's
+        endpoint, for :meth:`put_rows` (which calls the control plane over it)."""
+        if controller is not None and self._controller is None:
+            self._controller = RayControl(None, controller)
+        if self._endpoint is None:
+            loop = new_loop()
+            threading.Thread(target=loop.run_forever, name="streamrl-unit-rpc",
+                             daemon=True).start()
+            server = RpcServer(self, ray.util.get_node_ip_address())
+            self._endpoint = asyncio.run_coroutine_threadsafe(server.start(), loop).result()
+        return self._endpoint
+
+    def shm_info(self) -> tuple[str, int | None]:
+        """(node id, pid): a client on the same node maps this unit's arena through
+        ``/proc/<pid>/fd``; pid ``None`` where there is no ``memfd`` (not Linux)."""
+        return (ray.get_runtime_context().get_node_id(),
+                os.getpid() if hasattr(os, "memfd_create") else None)
+
+    # -- blocks
+
+    def _alloc(self, nbytes: int, writer: int) -> ShmRef:
+        ref = self.arena.alloc(nbytes, grow=False)
+        if ref is None:
+            self._sweep()
+            ref = self.arena.alloc(nbytes)
+        self.blocks[ref] = _Block(writer)
+        return ref
+
+    def _sweep(self) -> None:
+        """Release the pins and unfinished writes of processes that died."""
+        dead: dict[int, bool] = {}
+
+        def gone(pid):
+            if pid not in dead:
+                dead[pid] = not _alive(pid)
+            return dead[pid]
+
+        for pin, (pid, _) in list(self.pins.items()):
+            if gone(pid):
+                self._unpin(pin)
+        for ref, b in list(self.blocks.items()):
+            if b.writer is not None and gone(b.writer):
+                self._give_back(ref)
+
+    def _give_back(self, ref: ShmRef) -> None:
+        """A block reserved for a write that will not store it: free unless stored."""
+        b = self.blocks.get(ref)
+        if b is not None and not b.stored:
+            b.writer = None
+            self._maybe_free(ref, b)
+
+    def _maybe_free(self, ref: ShmRef, b: _Block) -> None:
+        if not b.stored and not b.pins and b.writer is None:
+            del self.blocks[ref]
+            self.arena.free(ref)
+
+    def _released(self, t: Any) -> None:
+        """No row refers to ``t`` any more (called by the unit, under the lock)."""
+        if isinstance(t, WireTensor) and isinstance(t.ref, ShmRef):
+            b = self.blocks[t.ref]
+            b.stored = False
+            self._maybe_free(t.ref, b)
+
+    def _unpin(self, pin: int) -> None:
+        entry = self.pins.pop(pin, None)
+        if entry is None:
+            return
+        for ref in entry[1]:
+            b = self.blocks.get(ref)
+            if b is not None:
+                b.pins -= 1
+                self._maybe_free(ref, b)
+
+    def reserve(self, sizes: list[int], pid: int) -> tuple[list[ShmRef], dict] | None:
+        """Blocks of ``sizes`` bytes for producer ``pid`` to write into, and where their
+        segments are (see :meth:`Arena.where`). ``put`` stores them;
+        ``unreserve`` gives back those it will not. ``None`` when the arena cannot grow
+        (the node is out of shared memory): the producer then sends the bytes inline."""
+        with self.lock:
+            refs: list[ShmRef] = []
+            try:
+                for n in sizes:
+                    refs.append(self._alloc(n, pid))
+            except OSError as e:
+                log.warning("streamrl: storage unit %d cannot grow its shared-memory arena "
+                            "(%s); this put's bytes go inline", self.index, e)
+                for ref in refs:
+                    self._give_back(ref)
+                return None
+            return refs, self.arena.where(refs)
+
+    def unreserve(self, refs: list[ShmRef]) -> None:
+        with self.lock:
+            for ref in refs:
+                self._give_back(ref)
+
+    def unpin(self, pins: list[int]) -> None:
+        """Readers' views of these reads are gone: their blocks may be reused."""
+        with self.lock:
+            for pin in pins:
+                self._unpin(pin)
+
+    # -- rows
+
+    def put(self, parts: list, write: int = 0) -> None:
+        """Store ``(rows, columns)`` parts of write ``write``. Tensors come inline, or as
+        blocks of this unit's arena that the producer reserved and wrote."""
+        with self.lock:
+            keep = []
+            for p in parts:
+                if not self.unit.forgotten(p[0], write):
+                    keep.append(p)
+                    continue
+                for t in tensors_in(p[1]):  # aborted while its data was on its way
+                    if isinstance(t.ref, ShmRef):
+                        self._give_back(t.ref)
+            parts = keep
+            refs = [t.ref for _, cols in parts for t in tensors_in(cols)
+                    if isinstance(t.ref, ShmRef)]
+            bad = [r for r in refs if r not in self.blocks or self.blocks[r].stored]
+            if bad or len(set(refs)) != len(refs):
+                raise TransportError(
+                    f"storage unit {self.index} holds no reserved blocks {bad}: the write took "
+                    "too long and its process was taken for dead. Put the rows again")
+            for r in refs:
+                b = self.blocks[r]
+                b.stored, b.writer = True, None
+
+            def stored(t):
+                return t.pinned(self.arena.view(t.ref)) if isinstance(t.ref, ShmRef) else t
+
+            for rows, cols in parts:
+                self.unit.put(rows, {f: map_col(c, stored) for f, c in cols.items()}, write)
+
+    def put_rows(self, n: int, cols: dict, partition: str, fields: list[str], nbytes: dict,
+                 tags: dict, version: int | None, rid: str | None = None,
+                 dtypes: dict | None = None):
+        """A small put of ``n`` new rows (inline data), admitted by this unit: it stores
+        them under row ids the controller leased to it, then asks the controller to
+        admit and commit them in one step, without waiting for room. Consumers waiting
+        for them hear of them two hops sooner than if the producer asked for room first.
+        Socket channel only (it returns a coroutine). Answers a :class:`PutAnswer`:
+        ``OK`` (with rows and commit result); ``BUSY`` (nothing kept: the producer puts
+        the usual way); ``REFUSED`` (nothing kept) or ``FAILED`` (committed, then a
+        filter failed, or the controller is gone), with the error."""
+        fut = spawn(_put_rows(self, n, cols, partition, fields, nbytes, tags, version, dtypes),
+                    f"a small put admitted by storage unit {self.index}")
+        if rid is not None:  # the producer may give up: see cancel_put
+            self._puts[rid] = fut
+            while len(self._puts) > 4096:
+                self._puts.popitem(last=False)
+        return asyncio.shield(fut)
+
+    async def cancel_put(self, rid: str) -> None:
+        """The producer of put ``rid`` was cancelled while it waited for the answer:
+        once the put is done, rows it committed are dropped (``"cancelled"``), so a
+        cancelled put leaves nothing behind. Socket channel only."""
+        fut = self._puts.pop(rid, None)
+        if fut is None:
+            return
+        try:
+            ans = await fut
+        except Exception:  # noqa: BLE001 - nothing committed
+            return
+        if ans.status is PutStatus.OK and self._controller is not None:
+            await self._controller.retract_rows(ans.rows)
+
+    def read(self, rows: list[int], fields: list[str], pid: int | None = None
+             ) -> tuple[dict, int | None, dict | None]:
+        """Pieces of ``fields`` of ``rows``, plus a pin and where their blocks' segments are.
+
+        With ``pid`` (a reader on this node that maps the arena), arena tensors come as
+        block references, pinned for that reader until it calls :meth:`unpin` (or dies);
+        without, every tensor comes inline (the bytes are in the reply)."""
+        with self.lock:
+            pieces = self.unit.get(rows, fields)
+            if pid is None:
+                return map_pieces(pieces, WireTensor.inlined), None, None
+            pieces = map_pieces(pieces, WireTensor.stripped)
+            refs = refs_in(pieces)
+            if not refs:
+                return pieces, None, None
+            pin = next(self._pin_ids)
+            for ref in refs:
+                self.blocks[ref].pins += 1
+            self.pins[pin] = (pid, refs)
+            return pieces, pin, self.arena.where(refs)
+
+    def delete(self, rows: list[int]) -> tuple[int, int]:
+        with self.lock:
+            return self.unit.delete(rows)
+
+    def delete_fields(self, rows: list[int], fields: list[str], write: int = 0) -> int:
+        with self.lock:
+            return self.unit.delete_fields(rows, fields, write)
+
+    def inventory(self) -> dict[int, list[str]]:
+        with self.lock:
+            return self.unit.inventory()
+
+    def stats(self) -> tuple[int, int]:
+        with self.lock:
+            return self.unit.stats()
+
+    def arena_stats(self) -> dict[str, int]:
+        """Bytes of the arena: ``size`` (shared memory held), ``used`` (in blocks),
+        ``pinned`` (blocks readers still view), ``pins`` (open reads)."""
+        with self.lock:
+            return {"size": self.arena.size, "used": self.arena.used,
+                    "pinned": sum(r.size for r, b in self.blocks.items() if b.pins),
+                    "pins": len(self.pins)}
+
+    def node_id(self) -> str:
+        return ray.get_runtime_context().get_node_id()
+
+    def memory(self) -> dict[str, int]:
+        """This process's memory (bytes): ``VmRSS``, ``VmHWM`` (peak RSS), ``RssAnon``
+        (private) and ``RssShmem`` (mapped shared memory: the arena), from /proc (Linux)."""
+        return _proc_memory()
+
+    def ping(self) -> bool:
+        return True
+
+
+async def _put_rows(unit: StorageActorImpl, n: int, cols: dict, partition: str,
+                    fields: list[str], nbytes: dict, tags: dict, version: int | None,
+                    dtypes: dict | None = None) -> PutAnswer:
+    # shielded from the producer's cancellation (see put_rows): what it stores is either
+    # committed or deleted here, never left behind
+    ctl = unit._controller
+    if ctl is None:
+        return PutAnswer(PutStatus.BUSY)
+    if unit._ids_lock is None:
+        unit._ids_lock = asyncio.Lock()
+    try:
+        async with unit._ids_lock:  # blocks are leased one at a time, used in order
+            if unit._ids[1] - unit._ids[0] < n:
+                unit._ids = list(await ctl.unit_ids(unit.index, max(n, ID_BLOCK)))
+            start = unit._ids[0]
+            unit._ids[0] += n
+    except Exception:  # noqa: BLE001 - no ids (controller busy or gone): the usual path says why
+        return PutAnswer(PutStatus.BUSY)
+    ids = list(range(start, start + n))
+    try:
+        unit.put([(ids, cols)])
+    except Exception as e:  # noqa: BLE001 - nothing stored
+        return PutAnswer(PutStatus.REFUSED, error=e)
+    try:
+        ans = await ctl.put_rows(partition, fields, ids, unit.index, nbytes, tags, version,
+                                 dtypes)
+    except ConnectFailed:
+        ans = PutAnswer(PutStatus.BUSY)  # nothing sent
+    except Exception as e:  # noqa: BLE001 - committed (or the connection broke: it may
+        # have been); the controller dropped what it had to
+        return PutAnswer(PutStatus.FAILED, error=e)
+    if ans.status is not PutStatus.OK:
+        unit.delete(ids)
+    return ans
+
+
+def _proc_memory() -> dict[str, int]:
+    out: dict[str, int] = {}
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                k, _, v = line.partition(":")
+                if k in ("VmRSS", "VmHWM", "RssAnon", "RssShmem"):
+                    out[k] = int(v.split()[0]) * 1024
+    except OSError:  # not Linux
+        pass
+    return out
+
+
+#: the storage unit as a Ray actor class (threaded; its socket channel has its own loop)
+StorageActor = ray.remote(num_cpus=0, max_concurrency=4)(StorageActorImpl)

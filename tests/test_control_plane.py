@@ -1,0 +1,161 @@
+"""The control plane is one protocol (streamrl.control.ControlPlane) that every side
+implements with the same signatures: the service itself, and on Ray the client proxy and
+the controller actor, whose methods are generated from it. The check that says so can
+fail, and the actor's one generic dispatch takes back what a cancelled call did."""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Sequence
+
+import pytest
+import torch
+
+from streamrl.config import QueueConfig, Request
+from streamrl.control import CANCELLABLE, CONTROL_METHODS, ControlPlane, check_implements
+from streamrl.service import ControllerService
+from streamrl.storage import StorageUnit
+from streamrl.transport.embedded import LocalDataPlane
+
+
+def test_the_service_implements_the_control_plane():
+    assert check_implements(ControllerService) == []
+
+
+def _ray_side():
+    pytest.importorskip("ray")
+    from streamrl.transport import ray as ray_transport
+
+    return ray_transport
+
+
+def test_the_ray_proxy_implements_the_control_plane_by_generated_methods():
+    rt = _ray_side()
+    assert check_implements(rt.RayControl) == []
+    for name, sig in CONTROL_METHODS.items():  # generated from the protocol, not written
+        assert inspect.signature(getattr(rt.RayControl, name)) is sig
+    assert not hasattr(rt.RayControl, "__getattr__")
+    proxy = rt.RayControl(None)
+    with pytest.raises(AttributeError):
+        proxy.no_such_call  # noqa: B018 - no dynamic forwarding of unknown names
+
+
+def test_the_controller_actor_serves_the_control_plane_by_generated_methods():
+    rt = _ray_side()
+    impl = rt.ControllerActorImpl
+    assert check_implements(impl) == []
+    for name, sig in CONTROL_METHODS.items():
+        assert inspect.signature(getattr(impl, name)) is sig
+    # the actor's own methods are not control calls (and do not shadow any)
+    own = {n for n, v in vars(impl).items() if not n.startswith("_") and callable(v)}
+    assert own - set(CONTROL_METHODS) == {"endpoints", "handles", "cancellable", "cancel",
+                                          "ping", "event_loop", "serve_metrics"}
+
+
+class _Lacking:
+    async def allocate(self, partition, n, fields, *, nbytes=0, version=None, timeout=None,
+                       nowait=False, dtypes=None):
+        ...
+
+
+class _Changed(ControllerService):
+    async def take(self, req: Request, timeout: float | None = 5.0):  # another default
+        ...
+
+    async def ack(self, leases: Sequence[int]) -> None:  # another parameter name
+        ...
+
+    async def seal(self, partition: str | None, *, force: bool = False) -> None:  # one more
+        ...
+
+    def drop(self, rows):  # not a coroutine function
+        ...
+
+
+def test_the_check_reports_what_is_missing_or_different():
+    lacking = check_implements(_Lacking)
+    assert len(lacking) == len(CONTROL_METHODS) - 1
+    assert any("lacks take(" in p for p in lacking)
+    changed = check_implements(_Changed)
+    assert len(changed) == 4
+    for name in ("take", "ack", "seal", "drop"):
+        assert any(f"_Changed.{name}" in p for p in changed), (name, changed)
+    assert check_implements(ControlPlane) == []
+
+
+# -- the controller actor's dispatch and undo, in this process (no Ray actors)
+
+
+class _LocalUnits(LocalDataPlane):
+    """In-process storage units standing in for the actors' data plane."""
+
+    def __init__(self, units, endpoints=None, on_lost=None):
+        super().__init__([StorageUnit(i) for i in range(len(units))])
+        self.on_lost = on_lost
+
+    async def arena_stats(self):
+        return [{"size": 7, "pinned": 1} for _ in self.units]
+
+
+def _actor():
+    rt = _ray_side()
+    return rt.ControllerActorImpl(QueueConfig(capacity=8, num_shards=1), [None],
+                                  data_plane=_LocalUnits)
+
+
+async def test_the_actor_dispatches_every_call_to_its_service():
+    actor = _actor()
+    tok = await actor.allocate("p", 2, ["x"], nbytes=16)
+    await actor._data.put([(0, tok.rows, {"x": torch.zeros(2)})], tok.id)
+    await actor.commit(tok, {"x": [8, 8]})
+    d = await actor.take(Request("t", ("x",), 2, partition="p"), 1.0)
+    assert sorted(d.rows) == sorted(tok.rows)
+    await actor.ack([d.lease])
+    st = await actor.stats()
+    assert st.tasks["t"].acked == 2
+    assert st.unit_shared_bytes == [7] and st.unit_pinned_bytes == [1]  # the actor's extras
+
+
+@pytest.mark.parametrize("method", sorted(CANCELLABLE))
+async def test_a_cancelled_call_is_taken_back_once_done(method):
+    """cancel(rid) after the call returned: the lease goes back, the admitted write is
+    aborted, the commit retracted (what ControllerActorImpl.cancel promises)."""
+    actor = _actor()
+    req = Request("t", ("x",), 2, partition="p")
+    tok = await actor.allocate("p", 2, ["x"], nbytes=16)
+    await actor._data.put([(0, tok.rows, {"x": torch.zeros(2)})], tok.id)
+    if method == "allocate":
+        await actor.abort(tok)
+        res = await actor.cancellable("r1", "allocate", ("p", 2, ["x"]), {"nbytes": 16})
+        assert (await actor.stats()).bytes_in_flight == 16
+        await actor.cancel("r1")
+        assert (await actor.stats()).bytes_in_flight == 0
+        return
+    if method == "begin_write":
+        await actor.commit(tok, {"x": [8, 8]})
+        await actor.cancellable("r1", "begin_write", (tok.rows, ["y"]), {})
+        await actor.cancel("r1")
+        tok2 = await actor.begin_write(tok.rows, ["y"])  # no write of y is pending
+        assert tok2.rows == tok.rows
+        return
+    if method == "commit":
+        res = await actor.cancellable("r1", "commit", (), {"token": tok, "nbytes": {"x": [8, 8]}})
+        assert res.dead == {}
+        await actor.cancel("r1")
+        assert (await actor.stats()).rows == 0  # the new rows went with the write
+        return
+    await actor.commit(tok, {"x": [8, 8]})
+    d = await actor.cancellable("r1", "take", (req, 1.0), {})
+    assert len(d.rows) == 2
+    await actor.cancel("r1")
+    again = await actor.take(req, 1.0)  # the lease went back: delivered again
+    assert sorted(again.rows) == sorted(d.rows)
+
+
+async def test_only_cancellable_calls_are_tracked():
+    from streamrl.errors import InvalidArgument
+
+    actor = _actor()
+    with pytest.raises(InvalidArgument, match="not a cancellable"):
+        await actor.cancellable("r1", "drop", ([0],), {})
+    await actor.cancel("unknown")  # nothing to do

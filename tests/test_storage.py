@@ -1,0 +1,527 @@
+"""Storage backends (streamrl.storage): the interface on every built-in backend, the spill
+backend's policy (budget, order, file space, arena blocks), state_dict round trips, and
+the registry. A differential property test runs random operations on a memory unit and
+on spilling units and asserts they hold the same data."""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import streamrl
+from streamrl import storage
+from streamrl.errors import InvalidArgument, RowsDropped, TransportError, UnknownField
+from streamrl.storage import SpillUnit, StateChunk, StorageBackend, StorageUnit
+from streamrl.wire import WireTensor
+
+BACKENDS = {
+    "memory": "memory",
+    "spill-all": {"backend": "spill", "memory_bytes": 0},  # every tensor on disk
+    "spill-tiny": {"backend": "spill", "memory_bytes": 100},  # some in memory, some not
+}
+
+
+@pytest.fixture(params=list(BACKENDS))
+def make_unit(request, tmp_path):
+    made: list[StorageBackend] = []
+
+    def make(on_release=None):
+        spec = BACKENDS[request.param]
+        if isinstance(spec, dict):
+            spec = {**spec, "dir": str(tmp_path)}
+        u = storage.create_unit(spec, 0, on_release=on_release)
+        made.append(u)
+        return u
+
+    yield make
+    for u in made:
+        u.close()
+    assert os.listdir(tmp_path) == []  # the spill file was never visible
+
+
+def rows_of(pieces: list) -> list:
+    """Per-row values of the pieces of one field (ragged rows without their leading 1)."""
+    out = []
+    for p in pieces:
+        if isinstance(p, list):
+            out.extend(p)
+        else:
+            out.extend(p[i] for i in range(p.shape[0]))
+    return out
+
+
+def same(a, b) -> bool:
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)
+                and a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b))
+    return a == b
+
+
+def check_get(u, rows, field, expected) -> None:
+    got = rows_of(u.get(rows, [field])[field])
+    assert len(got) == len(expected)
+    for g, e in zip(got, expected):
+        if isinstance(e, torch.Tensor) and isinstance(g, torch.Tensor) and g.dim() == e.dim() + 1:
+            g = g[0]  # a ragged row keeps its leading 1
+        assert same(g, e), (field, g, e)
+
+
+# ---------------------------------------------------------------- the interface
+
+
+def test_put_get_delete_on_every_backend(make_unit):
+    u = make_unit()
+    x = torch.arange(24, dtype=torch.float32).view(4, 6)
+    ragged = [torch.arange(n, dtype=torch.int64) for n in (3, 1, 5, 2)]
+    chat = [{"turns": ["hi"] * i} for i in range(4)]
+    bf = torch.randn(4, 3).to(torch.bfloat16)
+    u.put([10, 11, 12, 13], {"x": x, "resp": ragged, "chat": chat, "bf": bf[:, :2]})
+    check_get(u, [10, 11, 12, 13], "x", list(x))
+    check_get(u, [13, 11], "x", [x[3], x[1]])
+    check_get(u, [12, 10], "resp", [ragged[2], ragged[0]])
+    check_get(u, [11, 12], "chat", chat[1:3])
+    check_get(u, [10, 13], "bf", [bf[0, :2], bf[3, :2]])  # a non-contiguous view was put
+    assert u.fields_of([10, 12]) == ["bf", "chat", "resp", "x"]
+    assert u.inventory() == {r: ["x", "resp", "chat", "bf"] for r in (10, 11, 12, 13)}
+    held = u.stats()
+    assert held[0] == 4 and held[1] == 4 * 24 + 8 * 11 + 4 * 2 * 2 + sum(
+        storage.approx_size(c) for c in chat)
+    assert sum(u.usage()[k] for k in ("memory", "disk")) == held[1]
+    with pytest.raises(RowsDropped) as e:
+        u.get([10, 99], ["x"])
+    assert e.value.rows == [99]
+    with pytest.raises(UnknownField, match="'nope'"):
+        u.get([10], ["nope"])
+    freed = 2 * 24 + 8 * (3 + 1) + 2 * 2 * 2 + sum(storage.approx_size(c) for c in chat[:2])
+    assert u.delete([10, 11, 99]) == (2, freed) and u.stats() == (2, held[1] - freed)
+    check_get(u, [12, 13], "resp", ragged[2:])
+    assert u.delete([12, 13])[0] == 2 and u.stats() == (0, 0) and not u.segments
+    assert u.usage()["memory"] == u.usage()["disk"] == 0
+
+
+def test_replacing_a_field_frees_the_old_entry(make_unit):
+    released = []
+    u = make_unit(on_release=released.append)
+    u.put([1, 2], {"x": torch.zeros(2, 8)})
+    u.put([1], {"x": torch.ones(1, 8)})
+    u.put([2], {"x": torch.full((1, 8), 2.0)})
+    assert u.stats() == (2, 64) and len(released) >= 1
+    check_get(u, [1, 2], "x", [torch.ones(8), torch.full((8,), 2.0)])
+    u.delete([1, 2])
+    assert u.stats() == (0, 0) and len(released) == 3  # every tensor put, once
+
+
+def test_delete_fields_forgets_only_what_that_write_stored(make_unit):
+    u = make_unit()
+    u.put([1, 2], {"x": torch.zeros(2, 4)})
+    u.put([1, 2], {"f": torch.full((2, 30), 2.0)}, write=2)  # the retry landed first
+    u.delete_fields([1, 2], ["f"], write=1)  # then the undo of the cancelled write 1
+    check_get(u, [1, 2], "f", [torch.full((30,), 2.0)] * 2)
+    u.put([1, 2], {"f": torch.full((2, 30), 1.0)}, write=1)  # write 1's data, late
+    check_get(u, [1, 2], "f", [torch.full((30,), 2.0)] * 2)
+    assert u.forgotten([1, 2], 1) and not u.forgotten([1, 2], 2)
+    assert u.delete_fields([1, 2], ["f"], write=2) == 2 * 30 * 4
+    assert u.inventory() == {1: ["x"], 2: ["x"]} and u.stats() == (2, 32)
+    u.put([1], {"g": ["a"]}, write=3)
+    u.delete_fields([1], ["g"], write=3)
+    assert u.inventory() == {1: ["x"], 2: ["x"]}
+    assert u.delete_fields([1, 2], ["x"]) == 32 and u.inventory() == {1: [], 2: []}
+    assert u.stats() == (2, 0) and u.usage()["disk"] == 0
+
+
+def test_rows_deleted_before_their_data_came_drop_it(make_unit):
+    u = make_unit()
+    u.delete([5, 6])  # not held: remembered as gone
+    assert u.forgotten([5, 6])
+    u.put([5, 6], {"x": torch.zeros(2, 64)})
+    assert u.stats() == (0, 0) and u.inventory() == {}
+
+
+# ---------------------------------------------------------------- spilling
+
+
+def spill_unit(tmp_path, budget, **kw) -> SpillUnit:
+    return SpillUnit(0, memory_bytes=budget, dir=str(tmp_path), **kw)
+
+
+def on_disk(u: SpillUnit) -> set[int]:
+    """Segment ids held on disk."""
+    from streamrl.storage.spill import _OnDisk
+
+    return {sid for sid, s in u.segments.items() if isinstance(s.tensor, _OnDisk)}
+
+
+def test_spill_keeps_memory_within_budget_oldest_put_first(tmp_path):
+    u = spill_unit(tmp_path, 1000)
+    puts = [torch.full((2, 100), float(i)) for i in range(6)]  # 800 bytes each
+    for i, t in enumerate(puts):
+        u.put([2 * i, 2 * i + 1], {"x": t})
+        assert u.usage()["memory_tensors"] <= 1000
+    assert on_disk(u) == {1, 2, 3, 4, 5}  # all but the newest put
+    assert u.usage() == {"memory": 800, "disk": 4000, "memory_tensors": 800, "file": 4000,
+                         "bytes_spilled": 4000, "bytes_read_back": 0}
+    for i, t in enumerate(puts):
+        check_get(u, [2 * i + 1, 2 * i], "x", [t[1], t[0]])
+    assert u.usage()["bytes_read_back"] == 4000
+    got = u.get(list(range(12)), ["x"])["x"]
+    assert len(got) == 6  # one read per put (a run of rows of one segment)
+    u.put([100], {"x": torch.zeros(1, 2000)})  # bigger than the budget: to disk at once
+    assert u.usage()["memory_tensors"] == 0 and u.usage()["disk"] == 4000 + 800 + 8000
+    u.close()
+
+
+def test_a_spill_writes_only_rows_still_held(tmp_path):
+    u = spill_unit(tmp_path, 1 << 20)
+    t = torch.arange(80, dtype=torch.float64).view(8, 10)
+    u.put(list(range(8)), {"x": t, "y": torch.ones(8, 2)})
+    u.delete([0, 3, 4, 7])
+    u.delete_fields([5], ["x"])
+    u.memory_bytes = 0
+    u.put([50], {"z": torch.ones(1, 1)})  # over budget now: everything spills
+    assert u.usage()["disk"] == u.usage()["file"] == 3 * 80 + 4 * 8 + 4  # x, y, z
+    check_get(u, [1, 2, 6], "x", [t[1], t[2], t[6]])
+    check_get(u, [6, 2], "x", [t[6], t[2]])
+    assert len(u.get([1, 2, 6], ["x"])["x"]) == 2  # rows 1, 2 are a run; 6 another
+    u.close()
+
+
+def test_deleting_rows_frees_their_space_in_the_file(tmp_path):
+    u = spill_unit(tmp_path, 0)
+    for i in range(4):
+        u.put([10 * i + j for j in range(4)], {"x": torch.full((4, 256), float(i))})
+    size = lambda: os.fstat(u._fd).st_size  # noqa: E731
+    assert u.usage()["file"] == size() == 4 * 4 * 1024
+    u.delete([0, 1, 2, 3, 11, 12])  # the whole first put, two rows of the second
+    assert u.usage()["disk"] == 10 * 1024 and size() == 16 * 1024  # holes, reused later
+    u.put([100, 101], {"x": torch.full((2, 256), 9.0)})
+    assert size() == 16 * 1024  # fits a freed hole
+    u.delete([30, 31, 32, 33])  # the tail: the file shrinks
+    assert size() == u.usage()["file"] < 16 * 1024
+    check_get(u, [10, 13, 100, 101], "x",
+              [torch.full((256,), 1.0)] * 2 + [torch.full((256,), 9.0)] * 2)
+    u.delete(list(u.row_fields))
+    assert size() == 0 and u.usage() == {**u.usage(), "memory": 0, "disk": 0, "file": 0}
+    assert u._space.free == [] and u._space.end == 0
+    assert os.listdir(tmp_path) == []
+    fd = u._fd
+    u.close()
+    with pytest.raises(OSError):  # closed: the kernel frees the (unlinked) file
+        os.fstat(fd)
+
+
+def test_delete_fields_and_replacement_of_spilled_rows_free_the_file(tmp_path):
+    u = spill_unit(tmp_path, 0)
+    u.put([1, 2], {"x": torch.zeros(2, 100)}, write=7)
+    u.delete_fields([1], ["x"], write=7)
+    assert u.usage()["disk"] == 400
+    u.put([2], {"x": torch.ones(1, 100)})  # replaces row 2's spilled entry
+    assert u.usage()["disk"] == 400 and u.inventory() == {1: [], 2: ["x"]}
+    check_get(u, [2], "x", [torch.ones(100)])
+    u.delete([1, 2])
+    assert u.usage()["file"] == 0 and u.stats() == (0, 0)
+    u.close()
+
+
+def test_spilled_tensors_keep_dtype_shape_and_device(tmp_path):
+    u = spill_unit(tmp_path, 0)
+    vals = {
+        "bf16": torch.randn(3, 5).to(torch.bfloat16),
+        "bool": torch.rand(3, 4) > 0.5,
+        "i8": torch.randint(-100, 100, (3, 2, 2), dtype=torch.int8),
+        "c64": torch.randn(3, 2, dtype=torch.complex64),
+        "nc": torch.arange(30.0).view(5, 6).t()[:3],  # non-contiguous
+        "empty": torch.zeros(3, 0),
+    }
+    u.put([1, 2, 3], vals)
+    for f, t in vals.items():
+        (got,) = u.get([1, 2, 3], [f])[f]
+        assert got.dtype == t.dtype and got.shape == t.shape and torch.equal(got, t), f
+    assert u.usage()["memory_tensors"] == 0
+    u.close()
+
+
+class _Duck:
+    """A tensor type the spill backend does not know how to turn into bytes."""
+
+    def __init__(self, t):
+        self.t, self.shape = t, t.shape
+
+    def element_size(self):
+        return self.t.element_size()
+
+    def numel(self):
+        return self.t.numel()
+
+    def __getitem__(self, i):
+        return _Duck(self.t[i])
+
+    def unsqueeze(self, d):
+        return _Duck(self.t.unsqueeze(d))
+
+
+def test_tensors_that_cannot_be_spilled_stay_in_memory(tmp_path):
+    u = spill_unit(tmp_path, 0)
+    u.put([1, 2, 3], {"q": _Duck(torch.eye(3)), "d": torch.ones(3, 3)})
+    assert u.usage()["disk"] == 36 and u.usage()["memory_tensors"] == 36
+    (got,) = u.get([1, 2, 3], ["q"])["q"]
+    assert torch.equal(got.t, torch.eye(3))
+    u.close()
+
+
+def test_a_failed_spill_keeps_the_rows_in_memory_and_retries(tmp_path, monkeypatch, caplog):
+    u = spill_unit(tmp_path, 0)
+
+    def full(data, pos):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(u, "_pwrite", full)
+    with caplog.at_level(logging.WARNING, "streamrl"):
+        u.put([1, 2], {"x": torch.ones(2, 8)})
+    assert "could not spill" in caplog.text
+    assert u.usage()["disk"] == 0 and u.usage()["file"] == 0 and u.usage()["memory_tensors"] == 64
+    check_get(u, [1, 2], "x", [torch.ones(8)] * 2)
+    monkeypatch.undo()
+    u.put([3], {"x": torch.zeros(1, 8)})  # the next put spills both, oldest first
+    assert u.usage()["disk"] == 96 and u.usage()["memory_tensors"] == 0
+    check_get(u, [1, 2, 3], "x", [torch.ones(8)] * 2 + [torch.zeros(8)])
+    u.close()
+
+
+def test_reads_after_close_raise_a_clear_error(tmp_path):
+    u = spill_unit(tmp_path, 0)
+    u.put([1], {"x": torch.ones(1, 4)})
+    u.close()
+    u.close()  # idempotent
+    with pytest.raises(TransportError, match="shut down"):
+        u.get([1], ["x"])
+
+
+def test_bad_options_are_refused(tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    for spec, msg in [({"backend": "spill", "memory_bytes": -1}, "memory_bytes"),
+                      ({"backend": "spill", "memory_bytes": True}, "memory_bytes"),
+                      ({"backend": "spill", "dir": str(blocker)}, "writable directory"),
+                      ({"backend": "spill", "memory_byte": 1}, "did you mean 'memory_bytes'"),
+                      ({"backend": "spill", "dir": 3}, "dir must be a path")]:
+        with pytest.raises(InvalidArgument, match=msg):
+            storage.create_unit(spec, 0)
+
+
+# ------------------------------------------------ Ray storage units' values (WireTensor)
+
+
+def _wire(t: torch.Tensor) -> WireTensor:
+    from streamrl import codec
+
+    dtype, shape, buf = codec.tensor_to_raw(t)
+    return WireTensor(dtype, t.element_size(), shape, buf)
+
+
+def _wire_bytes(w: WireTensor) -> bytes:
+    return w.inlined().buf.tobytes()
+
+
+@pytest.mark.skipif(not hasattr(os, "memfd_create"), reason="the arena needs memfd (Linux)")
+def test_spill_of_arena_blocks_releases_them(tmp_path):
+    """As the Ray storage-unit actor stores them: tensors written into blocks of its
+    shared-memory arena (by reference), and inline ones; spilling releases the blocks."""
+    from streamrl.arena import Arena
+
+    arena = Arena(0, segment_bytes=1 << 20)
+    released: list = []
+
+    def on_release(t):
+        released.append(t)
+        if t.ref is not None:
+            arena.free(t.ref)
+
+    def by_ref(t: torch.Tensor) -> WireTensor:
+        w = _wire(t)
+        ref = arena.alloc(w.nbytes)
+        arena.view(ref)[:w.nbytes] = w.buf
+        return w.by_reference(ref).pinned(arena.view(ref))  # what the actor stores
+
+    u = SpillUnit(0, on_release, memory_bytes=3000, dir=str(tmp_path))
+    ts = [torch.randn(4, 250) for _ in range(3)]  # 4000 bytes each
+    u.put([0, 1, 2, 3], {"x": by_ref(ts[0]), "o": [b"a", b"b", b"c", b"d"]})
+    assert len(released) == 1 and arena.used == 0  # over budget: spilled, block freed
+    u.put([4, 5, 6, 7], {"x": _wire(ts[1]), "r": [_wire(torch.ones(n)) for n in (1, 2, 3, 4)]})
+    u.memory_bytes = 1 << 20
+    u.put([8, 9, 10, 11], {"x": by_ref(ts[2])})
+    assert arena.used >= 4000 and len(released) == 2
+    pieces = u.get([1, 2, 5, 9], ["x"])["x"]
+    got = b"".join(_wire_bytes(p) for p in pieces)
+    want = b"".join(_wire_bytes(_wire(ts[i // 4][i % 4:i % 4 + 1])) for i in (1, 2, 5, 9))
+    assert got == want
+    assert all(isinstance(p, WireTensor) for p in pieces)
+    spilled = pieces[0]
+    assert spilled.ref is None and spilled.shape == (2, 250) and spilled.dtype == "float32"
+    assert pieces[-1].ref is not None  # rows in memory: still a view of the block
+    (r,) = u.get([6], ["r"])["r"]
+    assert r.shape == (1, 3) and _wire_bytes(r) == _wire_bytes(_wire(torch.ones(1, 3)))
+    st = u.state_dict()
+    assert all(c.data.ref is None for c in st["chunks"] if isinstance(c.data, WireTensor))
+    u.delete(list(range(12)))
+    assert arena.used == 0 and u.stats() == (0, 0) and u.usage()["file"] == 0
+    assert len(released) == 2 + 1 + 4  # each tensor put, once (the inline ones too)
+    u.close()
+
+
+# ---------------------------------------------------------------- state_dict
+
+
+def _fill(u):
+    u.put([1, 2, 3, 4], {"x": torch.arange(12.0).view(4, 3),
+                         "resp": [torch.arange(n) for n in (2, 0, 5, 1)],
+                         "chat": [{"i": i} for i in range(4)]}, write=3)
+    u.put([5, 6], {"x": torch.ones(2, 3), "chat": ["a", None]})
+    u.put([2], {"x": torch.full((1, 3), 7.0)})  # replaces row 2's entry
+    u.delete([3])
+    u.delete_fields([6], ["x", "chat"])  # row 6 stays, with no field
+
+
+@pytest.mark.parametrize("target", list(BACKENDS))
+def test_state_dict_round_trips_to_any_backend(make_unit, target, tmp_path_factory):
+    u = make_unit()
+    _fill(u)
+    st = u.state_dict()
+    assert st["format"] == storage.STATE_FORMAT and st["backend"] in ("memory", "spill")
+    assert st["rows"] == [1, 2, 4, 5, 6] and st["fields"] == {"x": 4, "resp": 3, "chat": 4}
+    assert st["bytes"] == u.stats()[1]
+    chunks = list(st["chunks"])
+    assert all(isinstance(c, StateChunk) for c in chunks)
+    assert sorted(r for c in chunks if c.field == "x" for r in c.rows) == [1, 2, 4, 5]
+    assert {c.write for c in chunks if c.field == "resp"} == {3}
+    spec = BACKENDS[target]
+    v = storage.create_unit({**spec, "dir": str(tmp_path_factory.mktemp("b"))}
+                            if isinstance(spec, dict)
+                            else spec, 0)
+    v.load_state_dict({**st, "chunks": iter(chunks)})
+    assert v.inventory() == u.inventory() and v.stats() == u.stats()
+    for f, rows in [("x", [1, 2, 4, 5]), ("resp", [1, 2, 4]), ("chat", [5, 1, 4, 2])]:
+        assert all(same(a, b) for a, b in zip(rows_of(v.get(rows, [f])[f]),
+                                              rows_of(u.get(rows, [f])[f])))
+    with pytest.raises(InvalidArgument, match="holds 5 rows already"):
+        v.load_state_dict(u.state_dict())
+    v.delete([1, 2, 4, 5, 6])
+    assert v.stats() == (0, 0)
+    v.close()
+
+
+def test_state_dict_chunks_are_bounded(tmp_path):
+    u = spill_unit(tmp_path, 0)
+    u.STATE_CHUNK_BYTES = 100
+    u.STATE_CHUNK_OBJECTS = 3
+    u.put(list(range(10)), {"x": torch.zeros(10, 10), "o": list(range(10))})  # 40 B a row
+    chunks = list(u.state_dict()["chunks"])
+    assert [len(c.rows) for c in chunks] == [2, 2, 2, 2, 2, 3, 3, 3, 1]
+    assert all(c.data.shape == (len(c.rows), 10) for c in chunks if c.field == "x")
+    u.close()
+
+
+def test_load_state_dict_refuses_what_is_not_a_state():
+    u = StorageUnit()
+    with pytest.raises(InvalidArgument, match="format"):
+        u.load_state_dict({"rows": []})
+    with pytest.raises(InvalidArgument, match="format"):
+        u.load_state_dict([])
+
+
+# ---------------------------------------------------------------- the registry
+
+
+def test_registry_names_backends_and_options():
+    assert {"memory", "spill"} <= set(storage.available())
+    with pytest.raises(InvalidArgument, match="registered backends: .*memory.*spill"):
+        storage.create_unit("nope", 0)
+    with pytest.raises(InvalidArgument, match="names no backend"):
+        storage.create_unit({"memory_bytes": 3}, 0)
+    with pytest.raises(InvalidArgument, match="'memory' has no option 'x'"):
+        storage.create_unit({"backend": "memory", "x": 1}, 0)
+    with pytest.raises(InvalidArgument, match="memory_bytes"):
+        streamrl.StreamQueue(storage={"backend": "spill", "memory_bytes": 1.5, "dir": "/"})
+    with pytest.raises(InvalidArgument, match="no option 'budget'"):
+        streamrl.StreamQueue(storage={"backend": "spill", "budget": 1})
+    with pytest.raises(InvalidArgument, match="did you mean 'memory_bytes'"):
+        streamrl.StreamQueue.from_config({"storage": {"backend": "spill", "memory_byts": 1}})
+    with pytest.raises(InvalidArgument, match="registered already"):
+        storage.register("memory", lambda index, **kw: StorageUnit(index))
+    with pytest.raises(InvalidArgument, match="not a streamrl.storage.StorageBackend"):
+        storage.register("bad", lambda index, *, on_release=None: {})
+        try:
+            storage.create_unit("bad", 0)
+        finally:
+            storage.unregister("bad")
+    u = storage.create_unit({"backend": "streamrl.storage.memory:create"}, 3)
+    assert isinstance(u, StorageUnit) and u.index == 3
+
+
+# ------------------------------------------- differential: spill == memory, whatever happens
+
+_op = st.one_of(
+    st.tuples(st.just("put"), st.integers(1, 4), st.integers(0, 40), st.sampled_from("abc")),
+    st.tuples(st.just("ragged"), st.integers(1, 3), st.integers(0, 9), st.sampled_from("rs")),
+    st.tuples(st.just("obj"), st.integers(1, 3), st.integers(0, 9), st.sampled_from("o")),
+    st.tuples(st.just("delete"), st.integers(0, 30), st.integers(1, 4), st.just("")),
+    st.tuples(st.just("undo"), st.integers(0, 30), st.integers(1, 20), st.sampled_from("abcro")),
+    st.tuples(st.just("state"), st.just(0), st.just(0), st.just("")),
+)
+
+
+@settings(max_examples=int(os.environ.get('N_EX', 60)), deadline=None)
+@given(st.lists(_op, min_size=1, max_size=40), st.sampled_from([0, 64, 300, 800, 2000]))
+def test_spill_holds_what_memory_holds(tmp_path_factory, ops, budget):
+    ref = StorageUnit(0)
+    released = []
+    u = SpillUnit(0, released.append, memory_bytes=budget,
+                  dir=str(tmp_path_factory.mktemp("spill")))
+    units = [ref, u]
+    next_row, write = 0, 0
+    for kind, n, size, field in ops:
+        held = sorted(ref.row_fields)
+        write += 1
+        if kind in ("put", "ragged", "obj"):
+            # new rows, or (when there are some) a field of existing rows
+            rows = (held[-n:] if held and size % 2 else list(range(next_row, next_row + n)))
+            next_row = max(next_row, max(rows) + 1)
+            if kind == "put":
+                col = torch.randn(len(rows), size)
+            elif kind == "ragged":
+                col = [torch.randn(size + i) for i in range(len(rows))]
+            else:
+                col = [{"v": size + i} for i in range(len(rows))]
+            for x in units:
+                x.put(rows, {field: col}, write)
+        elif kind == "delete":
+            rows = [r for r in held if r % 5 == n % 5][:size + 1] + [10_000 + n]
+            assert u.delete(rows) == ref.delete(rows)
+        elif kind == "undo":
+            rows = held[:n]
+            w = write - size  # sometimes a write that stored some of these fields
+            assert u.delete_fields(rows, [field], w) == ref.delete_fields(rows, [field], w)
+        else:
+            for x in units:
+                st2 = x.state_dict()
+                fresh = StorageUnit(0)
+                fresh.load_state_dict(st2)
+                assert fresh.inventory() == ref.inventory()
+        assert u.inventory() == ref.inventory() and u.stats() == ref.stats()
+        use = u.usage()
+        assert use["memory"] + use["disk"] == u.stats()[1]
+        assert use["memory_tensors"] <= budget and u._space.used == use["disk"]
+        for f in list(ref.columns):
+            rows = sorted(r for r in ref.columns[f])
+            a = rows_of(ref.get(rows, [f])[f])
+            b = rows_of(u.get(rows, [f])[f])
+            assert all(same(x, y) for x, y in zip(a, b)) and len(a) == len(b)
+    rows = sorted(ref.row_fields)
+    assert u.delete(rows) == ref.delete(rows)
+    assert u.stats() == (0, 0) and u.usage()["file"] == 0 and not u.segments
+    assert u._mem == 0 and not u._lru and not u._origin
+    u.close()
