@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import json
 import pickle
 import threading
 import time
@@ -359,16 +360,122 @@ def test_concurrent_first_writes_to_inserted_samples(client):
 # ---------------------------------------------------------------------- lifecycle
 
 
-def test_checkpoints_say_when_they_arrive(client, tmp_path):
-    with pytest.raises(NotSupported, match="streamrl checkpoints"):
+def _rows(x: torch.Tensor) -> list:
+    """Per-sample values of a column get_data returned (2-d columns come nested)."""
+    return [t.tolist() for t in x.unbind()]
+
+
+HAS_CHECKPOINTS = hasattr(streamrl.StreamQueue, "checkpoint")
+needs_checkpoints = pytest.mark.skipif(
+    not HAS_CHECKPOINTS, reason="this streamrl has no StreamQueue.checkpoint/restore yet (the "
+    "checkpoint branch); TransferQueue checkpoints are built on them")
+
+
+def test_checkpoint_calls_without_queue_checkpoints_raise_not_supported(client, tmp_path,
+                                                                       monkeypatch):
+    for name in ("checkpoint", "restore"):
+        if hasattr(streamrl.StreamQueue, name):
+            monkeypatch.delattr(streamrl.StreamQueue, name)
+    tq.kv_put("k", "p", fields={"x": torch.ones(2)})
+    with pytest.raises(NotSupported, match="StreamQueue.checkpoint"):
         tq.save_checkpoint(tmp_path / "ck")
-    with pytest.raises(FileNotFoundError):
+    assert not (tmp_path / "ck").exists() and not (tmp_path / "ck.tmp").exists()
+    with pytest.raises(FileNotFoundError, match="not found"):
         tq.load_checkpoint(tmp_path / "missing")
     (tmp_path / "ck").mkdir()
-    (tmp_path / "ck" / "metadata.json").write_text("{}")
+    with pytest.raises(FileNotFoundError, match="metadata.json"):
+        tq.load_checkpoint(tmp_path / "ck")
+    (tmp_path / "ck" / "metadata.json").write_text('{"storage_saved": true}')
     with pytest.raises(NotSupported):
         tq.load_checkpoint(tmp_path / "ck")
-    assert isinstance(NotSupported("x"), NotImplementedError)
+    with pytest.raises(NotSupported, match="controller's checkpoint alone"):
+        client.save_controller_checkpoint(str(tmp_path / "c.pkl"))
+    assert isinstance(NotSupported("x"), (NotImplementedError, streamrl.errors.StreamRLError))
+    assert _rows(tq.kv_batch_get("k", "p")["x"]) == [[1.0, 1.0]], "a failed save changed data"
+
+
+def test_controller_state_round_trip_and_bad_state():
+    a = TQController(GRPOGroupNSampler())
+    fields = {"x": {"dtype": torch.float32, "_key": "torch.float32", "is_non_tensor": False,
+                    "_shapes": [(2,), (3,), (2,)]}}
+    a.commit("p", None, [10, 11, 12], [0, 1, 0], fields, [{"i": 0}, {"i": 1}, {}])
+    a.kv_retrieve_meta(["k"], "q", create=True)
+    assert a.fetch(["x"], 2, "p", "t") is not None
+    a.clear_samples("p", [2])
+    b = TQController(GRPOGroupNSampler())
+    b.load_state(a.state())
+    for pid in ("p", "q"):
+        sa, sb = a.snapshot(pid), b.snapshot(pid)
+        assert sa.global_indexes == sb.global_indexes and sa.keys_mapping == sb.keys_mapping
+        assert sa.custom_meta == sb.custom_meta and sa.field_schema == sb.field_schema
+        assert torch.equal(sa.production_status, sb.production_status)
+        assert {t: v.tolist() for t, v in sa.consumption_status.items()} == \
+            {t: v.tolist() for t, v in sb.consumption_status.items()}
+    assert b.insert("p", ["x"], 1).global_indexes == a.insert("p", ["x"], 1).global_indexes, \
+        "a freed global index was not reused the same way after a load"
+    b.rebind({("p", 0): (99, 1)})
+    assert b.locate({"p": [0, 1]}, ["x"])["p"][:2] == ([99, 11], [1, 1])
+    with pytest.raises(streamrl.errors.CheckpointError, match="format"):
+        b.load_state({"format": "something else"})
+    assert b.locate({"p": [0]}, ["x"])["p"][0] == [99], "a refused state changed the controller"
+
+
+@needs_checkpoints
+def test_checkpoint_round_trip_into_a_changed_system(client, tmp_path):
+    """Data of every kind, keys, tags and consumption come back; what was put after the
+    save is gone; the queue holds exactly the saved samples."""
+    tq.kv_batch_put(["a", "b"], "kv", fields=TensorDict(
+        {"x": torch.tensor([[1, 2], [3, 4]]), "t": NonTensorStack("s1", "s2")}, batch_size=[2]),
+        tags=[{"i": 0}, {"i": 1}])
+    client.put(_td(4), partition_id="train")
+    first = client.get_meta(["prompt", "resp"], 2, "train", task_name="actor")
+    tq.save_checkpoint(tmp_path / "ck", metadata={"step": 7})
+    saved = json.loads((tmp_path / "ck" / "metadata.json").read_text())
+    assert saved["storage_saved"] is True and saved["user_metadata"] == {"step": 7}
+
+    client.clear_partition("kv")
+    client.get_meta(["prompt"], 2, "train", task_name="actor")  # consume the rest
+    client.put(_td(3, start=100), partition_id="after")
+    tq.load_checkpoint(tmp_path / "ck")
+
+    assert sorted(client.get_partition_list()) == ["kv", "train"]
+    kv = tq.kv_batch_get(["a", "b"], "kv")
+    assert _rows(kv["x"]) == [[1, 2], [3, 4]] and kv["t"].tolist() == ["s1", "s2"]
+    assert tq.kv_list("kv") == {"kv": {"a": {"i": 0}, "b": {"i": 1}}}
+    rest = client.get_meta(["prompt", "resp"], 2, "train", task_name="actor")
+    assert sorted(rest.global_indexes) == sorted(
+        set(client.get_meta(["prompt"], 4, "train", mode="force_fetch").global_indexes)
+        - set(first.global_indexes)), "consumption before the save was not restored"
+    td = client.get_data(rest)
+    want = _td(4)
+    pos = [sorted(client.get_meta(["prompt"], 4, "train", mode="force_fetch").global_indexes)
+           .index(i) for i in rest.global_indexes]
+    assert torch.equal(td["prompt"].values().reshape(2, 4), want["prompt"][pos])
+    assert [t.tolist() for t in td["resp"].unbind()] == [want["resp"][p].tolist() for p in pos]
+    assert _held()[0] == 6, "the queue should hold the 6 saved samples and nothing else"
+
+
+@needs_checkpoints
+def test_failed_save_keeps_the_previous_checkpoint_and_damage_is_caught(client, tmp_path,
+                                                                       monkeypatch):
+    tq.kv_put("k", "p", fields={"x": torch.tensor([1, 2])})
+    tq.save_checkpoint(tmp_path / "ck", metadata={"n": 1})
+
+    def boom(self, path):
+        raise RuntimeError("disk full")
+
+    monkeypatch.setattr(tq.TransferQueueClient, "save_storage_checkpoint", boom)
+    with pytest.raises(RuntimeError, match="disk full"):
+        tq.save_checkpoint(tmp_path / "ck", metadata={"n": 2})
+    monkeypatch.undo()
+    assert json.loads((tmp_path / "ck" / "metadata.json").read_text())["user_metadata"] == {"n": 1}
+    assert not (tmp_path / "ck.tmp").exists()
+
+    info = tmp_path / "ck" / "simple_storage" / "storage_unit_info.json"
+    info.write_text(json.dumps(json.loads(info.read_text())[:1]))
+    with pytest.raises(streamrl.errors.CheckpointError, match="count mismatch"):
+        tq.load_checkpoint(tmp_path / "ck")
+    assert _rows(tq.kv_batch_get("k", "p")["x"]) == [[1, 2]], "a refused load changed data"
 
 
 def test_init_twice_and_attach_keep_one_system(client):

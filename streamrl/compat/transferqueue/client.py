@@ -27,7 +27,9 @@ from __future__ import annotations
 import asyncio
 import copy
 import functools
+import json
 import logging
+import os
 import threading
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -38,6 +40,7 @@ from tensordict import NonTensorStack, TensorDict
 
 from streamrl.errors import EventLoopError, NotSupported, RowsDropped, StreamTimeout, UnknownField
 
+from .controller import NO_QUEUE_CHECKPOINTS
 from .metadata import BatchMeta, public_schema, schema_of_columns, storage_name
 
 __all__ = ["AsyncTransferQueueClient", "TransferQueueClient", "STORE_PARTITION"]
@@ -50,9 +53,17 @@ STORE_PARTITION = "transfer_queue"
 #: seconds a put waits for room before it logs that the queue is full (it goes on waiting)
 _FULL_NOTICE = 30.0
 
-_CHECKPOINTS = ("TransferQueue checkpoints (save_checkpoint/load_checkpoint) arrive with "
-                "streamrl checkpoints (StreamQueue.checkpoint/restore), which are not built "
-                "yet; until then, keep what you need to resume outside the queue")
+#: a checkpoint's layout (TransferQueue's file names, so tools that look for them find them)
+CONTROLLER_FILE = "controller_state.pkl"
+STORAGE_DIR = "simple_storage"
+UNITS_FILE = "storage_unit_info.json"
+QUEUE_DIR = "queue"  # in STORAGE_DIR: the streamrl queue checkpoint
+#: samples written per put when a checkpoint is loaded
+_LOAD_CHUNK = 1024
+_CONTROLLER_ONLY = (
+    "the controller's checkpoint alone is not supported: the samples' metadata and their "
+    "data are one state here; use transfer_queue.save_checkpoint/load_checkpoint (or the "
+    "client's save_storage_checkpoint/load_storage_checkpoint), which write and read both")
 
 
 class _Loop:
@@ -491,19 +502,124 @@ class AsyncTransferQueueClient:
 
     @_on_loop
     async def async_save_controller_checkpoint(self, path: str) -> None:
-        raise NotSupported(_CHECKPOINTS)
+        """Not on its own: the samples' metadata and their data are one state here,
+        written together by :meth:`async_save_storage_checkpoint` (``save_checkpoint``).
+
+        Raises:
+            NotSupported: always.
+        """
+        raise NotSupported(_CONTROLLER_ONLY)
 
     @_on_loop
     async def async_load_controller_checkpoint(self, path: str) -> None:
-        raise NotSupported(_CHECKPOINTS)
+        """Not on its own: see :meth:`async_save_controller_checkpoint`.
+
+        Raises:
+            NotSupported: always.
+        """
+        raise NotSupported(_CONTROLLER_ONLY)
 
     @_on_loop
     async def async_save_storage_checkpoint(self, checkpoint_dir: str) -> None:
-        raise NotSupported(_CHECKPOINTS)
+        """Write the whole system to the directory ``checkpoint_dir`` (made if missing):
+        the controller's metadata (``controller_state.pkl``) and, at the same instant,
+        the queue's checkpoint of the samples' data (``simple_storage/queue``, see
+        :meth:`streamrl.StreamQueue.checkpoint`), with one entry per storage unit in
+        ``simple_storage/storage_unit_info.json``. Producers and consumers go on
+        meanwhile; a put running during the call may or may not be in it. Not atomic by
+        itself: ``save_checkpoint`` writes it beside the target and renames.
+
+        Raises:
+            NotSupported: this streamrl has no queue checkpoints.
+            CheckpointError: the queue's checkpoint could not be written.
+        """
+        root = os.path.abspath(os.fspath(checkpoint_dir))
+        store = os.path.join(root, STORAGE_DIR)
+        os.makedirs(store, exist_ok=True)
+        units = await self._ctl("checkpoint", os.path.join(store, QUEUE_DIR),
+                                os.path.join(root, CONTROLLER_FILE))
+        with open(os.path.join(store, UNITS_FILE), "w") as f:
+            json.dump([{"position": i, "storage_unit": f"streamrl-unit-{i}"}
+                       for i in range(units)], f, indent=1)
 
     @_on_loop
     async def async_load_storage_checkpoint(self, checkpoint_dir: str) -> None:
-        raise NotSupported(_CHECKPOINTS)
+        """Replace the whole system's state by what :meth:`async_save_storage_checkpoint`
+        wrote to ``checkpoint_dir``: every partition now held is cleared, the saved
+        samples' data is written into this system's queue (whatever its number of
+        storage units or transport; only samples the saved metadata names) and the
+        saved metadata (partitions, keys, tags, consumption, the sampler's state) takes
+        over. Other clients should not use the system meanwhile.
+
+        Raises:
+            NotSupported: this streamrl has no queue checkpoints.
+            FileNotFoundError: a file of the checkpoint is missing.
+            CheckpointError: the checkpoint is not one of this layer, or is damaged (for
+                example its storage-unit list does not match the data).
+        """
+        import pickle
+
+        import streamrl
+        from streamrl.batch import RowRemoteBatch
+        from streamrl.errors import CheckpointError
+
+        if not hasattr(streamrl.StreamQueue, "restore"):
+            raise NotSupported(NO_QUEUE_CHECKPOINTS)
+        root = os.path.abspath(os.fspath(checkpoint_dir))
+        store = os.path.join(root, STORAGE_DIR)
+        for need in (os.path.join(root, CONTROLLER_FILE), os.path.join(store, UNITS_FILE),
+                     os.path.join(store, QUEUE_DIR)):
+            if not os.path.exists(need):
+                raise FileNotFoundError(f"{os.path.relpath(need, root)} not found in {root}: "
+                                        "not a checkpoint of transfer_queue.save_checkpoint")
+        with open(os.path.join(root, CONTROLLER_FILE), "rb") as f:
+            try:
+                saved = pickle.load(f)
+            except Exception as e:
+                raise CheckpointError(f"{CONTROLLER_FILE} in {root} cannot be read ({e}); "
+                                      "the checkpoint is damaged") from None
+        if not isinstance(saved, dict) or "controller" not in saved:
+            raise CheckpointError(f"{CONTROLLER_FILE} in {root} is not a controller state of "
+                                  "streamrl.compat.transferqueue")
+        with open(os.path.join(store, UNITS_FILE)) as f:
+            listed = json.load(f)
+        if not isinstance(listed, list) or len(listed) != saved["storage_units"]:
+            raise CheckpointError(
+                f"storage unit count mismatch in {root}: {STORAGE_DIR}/{UNITS_FILE} lists "
+                f"{len(listed) if isinstance(listed, list) else listed!r} units and the data "
+                f"was saved from {saved['storage_units']}; the checkpoint was altered or "
+                "damaged")
+        state = saved["controller"]
+        # what to copy: each saved sample holding data, grouped by its stored fields
+        groups: dict[tuple[str, ...], list[tuple[str, int, int, int]]] = {}
+        for part in state["parts"]:
+            keys = {f: k for f, (_, k, _, _) in part["fields"].items()}
+            for i, (row, shard, fields, _, _) in part["samples"].items():
+                if row is not None and fields:
+                    names = tuple(sorted(storage_name(f, keys[f]) for f in fields))
+                    groups.setdefault(names, []).append((part["name"], i, row, shard))
+        await self._ctl("clear_all")
+        old = await streamrl.StreamQueue.restore(os.path.join(store, QUEUE_DIR),
+                                                 transport="embedded", metrics=False)
+        moved: dict[tuple[str, int], tuple[int, int]] = {}
+        made: list[int] = []
+        try:
+            for names, samples in groups.items():
+                for at in range(0, len(samples), _LOAD_CHUNK):
+                    chunk = samples[at:at + _LOAD_CHUNK]
+                    rb = RowRemoteBatch(old, [r for _, _, r, _ in chunk],
+                                        [s for _, _, _, s in chunk], list(names))
+                    td = await rb.materialize(list(names), copy=True)
+                    new = await self._store(td)
+                    made.extend(new.rows)
+                    for (pid, i, _, _), r, s in zip(chunk, new.rows, new.shards):
+                        moved[(pid, i)] = (r, s)
+            await self._ctl("install", state, moved)
+        except BaseException:
+            await self._drop_rows(made)
+            raise
+        finally:
+            await old.shutdown()
 
     def close(self) -> None:
         """Nothing to release per client (``transfer_queue.close()`` ends the system)."""

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import copy
 import dataclasses
 import time
 from collections.abc import Mapping, Sequence
@@ -42,6 +43,14 @@ __all__ = ["TQController", "ControllerService", "PartitionSnapshot", "ACTOR_NAME
 #: where TransferQueue keeps its controller actor (and so where tools look for it)
 ACTOR_NAME = "TransferQueueController"
 ACTOR_NAMESPACE = "transfer_queue"
+
+#: why TransferQueue checkpoints cannot be taken (this streamrl has no queue checkpoints)
+NO_QUEUE_CHECKPOINTS = (
+    "TransferQueue checkpoints (save_checkpoint/load_checkpoint) are streamrl queue "
+    "checkpoints (StreamQueue.checkpoint/restore), which this streamrl does not have yet; "
+    "until it does, keep what you need to resume outside the queue")
+#: the version of :meth:`TQController.state`'s layout (checkpoints name it)
+STATE_FORMAT = "streamrl.compat.transferqueue/controller-1"
 
 _PLACEHOLDER = {"dtype": None, "shape": None, "is_nested": False, "is_non_tensor": False}
 
@@ -439,6 +448,74 @@ class TQController:
             {i: k for k, i in p.keys.items()},
             {f: fld.schema(idx) for f, fld in p.fields.items()})
 
+    # ------------------------------------------------------------------ state
+
+    def state(self) -> dict[str, Any]:
+        """Every sample's metadata as plain data (what a checkpoint saves): partitions
+        with their samples (row, storage unit, fields, insertion order, key), fields
+        (dtype, shapes), consumption, custom metadata, keys; the free global indexes;
+        the sampler's state. Nothing of it is shared with the controller."""
+        parts = []
+        for p in self.parts.values():
+            parts.append({
+                "name": p.name, "created": p.created, "next_seq": p.next_seq,
+                "columns": dict(p.columns),
+                "samples": {i: (s.row, s.shard, sorted(s.fields), s.seq, s.key)
+                            for i, s in p.samples.items()},
+                "fields": {f: (fld.dtype, fld.key, fld.non_tensor, dict(fld.shapes))
+                           for f, fld in p.fields.items()},
+                "consumed": {t: sorted(done) for t, done in p.consumed.items()},
+                "custom": copy.deepcopy(p.custom), "keys": dict(p.keys)})
+        saver = getattr(self.sampler, "save_checkpoint", None)
+        return {"format": STATE_FORMAT, "parts": parts, "free": list(self._free),
+                "next": self._next,
+                "sampler": copy.deepcopy(saver()) if callable(saver) else None}
+
+    def load_state(self, state: Mapping[str, Any]) -> None:
+        """Replace all metadata by ``state`` (from :meth:`state`); the sampler's state
+        is loaded too when the sampler can.
+
+        Raises:
+            CheckpointError: ``state`` is not a controller state of a format this
+                version reads. Nothing changes.
+        """
+        from streamrl.errors import CheckpointError
+
+        if not isinstance(state, Mapping) or state.get("format") != STATE_FORMAT:
+            found = state.get("format") if isinstance(state, Mapping) else type(state).__name__
+            raise CheckpointError(
+                f"not a TransferQueue controller state of streamrl.compat.transferqueue "
+                f"(format {found!r}, this version reads {STATE_FORMAT!r}); load a checkpoint "
+                "that transfer_queue.save_checkpoint wrote with streamrl")
+        parts: dict[str, _Partition] = {}
+        for d in state["parts"]:
+            p = _Partition(d["name"])
+            p.created, p.next_seq, p.columns = d["created"], d["next_seq"], dict(d["columns"])
+            for i, (row, shard, fields, seq, key) in d["samples"].items():
+                s = p.samples[i] = _Sample(seq)
+                s.row, s.shard, s.fields, s.key = row, shard, set(fields), key
+            for f, (dtype, key, non_tensor, shapes) in d["fields"].items():
+                fld = p.fields[f] = _Field(dtype, key, non_tensor)
+                for i, shape in shapes.items():
+                    fld.set(i, shape)
+            p.consumed = {t: set(done) for t, done in d["consumed"].items()}
+            p.custom = copy.deepcopy(d["custom"])
+            p.keys = dict(d["keys"])
+            parts[p.name] = p
+        self.parts = parts
+        self._free = collections.deque(state["free"])
+        self._next = state["next"]
+        loader = getattr(self.sampler, "load_checkpoint", None)
+        if state.get("sampler") is not None and callable(loader):
+            loader(copy.deepcopy(state["sampler"]))
+
+    def rebind(self, moved: Mapping[tuple[str, int], tuple[int, int]]) -> None:
+        """Give samples new rows: ``{(partition, index): (row, storage unit)}`` (their
+        data was written again elsewhere, as when a checkpoint is loaded)."""
+        for (pid, i), (row, shard) in moved.items():
+            s = self.parts[pid].samples[i]
+            s.row, s.shard = row, shard
+
     # ------------------------------------------------------------------ keys
 
     def kv_retrieve_meta(self, keys: Sequence[str], partition_id: str, create: bool = False
@@ -497,6 +574,9 @@ class ControllerService:
         # partition -> [event set on its next change, number of get_meta waiting on it]
         self._events: dict[str, list] = {}
         self._closed = False
+        # rows whose drop waits for a checkpoint being written (None: no checkpoint)
+        self._held: list[int] | None = None
+        self._saving = asyncio.Lock()
 
     def _changed(self, partition_id: str) -> None:
         entry = self._events.pop(partition_id, None)
@@ -516,8 +596,12 @@ class ControllerService:
                 del self._events[partition_id]
 
     async def _drop(self, rows: Sequence[tuple[int, int]]) -> None:
-        if rows:
-            await self.queue.drop([r for r, _ in rows])
+        if not rows:
+            return
+        if self._held is not None:  # a checkpoint is being cut: its rows must stay
+            self._held.extend(r for r, _ in rows)
+            return
+        await self.queue.drop([r for r, _ in rows])
 
     # -- the calls clients make
 
@@ -598,6 +682,56 @@ class ControllerService:
 
     async def kv_list(self, partition_id: str | None = None):
         return self.ctl.kv_list(partition_id)
+
+    # -- checkpoints
+
+    async def checkpoint(self, queue_dir: str, state_file: str) -> int:
+        """Write the controller's metadata to ``state_file`` and the queue's checkpoint
+        to ``queue_dir``; returns the number of storage units. Every sample of the saved
+        metadata has its data in the queue's checkpoint: the metadata is taken first,
+        and rows cleared meanwhile are dropped only once the queue's checkpoint is
+        written (the queue's checkpoint may also hold rows the metadata does not name,
+        of puts that ran meanwhile; loading leaves them out).
+
+        Raises:
+            NotSupported: this streamrl has no queue checkpoints.
+        """
+        import pickle
+
+        from streamrl.errors import NotSupported
+
+        if not hasattr(self.queue, "checkpoint"):
+            raise NotSupported(NO_QUEUE_CHECKPOINTS)
+        async with self._saving:
+            units = self.queue.num_shards
+            self._held = []
+            try:
+                blob = pickle.dumps({"controller": self.ctl.state(), "storage_units": units},
+                                    protocol=pickle.HIGHEST_PROTOCOL)
+                with open(state_file, "wb") as f:
+                    f.write(blob)
+                await self.queue.checkpoint(queue_dir)
+            finally:
+                held, self._held = self._held, None
+                if held:
+                    await asyncio.shield(self.queue.drop(held))
+            return units
+
+    async def clear_all(self) -> None:
+        """Forget every partition and drop their data (before a checkpoint is loaded)."""
+        for pid in list(self.ctl.parts):
+            await self.clear_partition(pid)
+
+    async def install(self, state: Mapping[str, Any],
+                      moved: Mapping[tuple[str, int], tuple[int, int]]) -> None:
+        """Replace the metadata by a saved state whose samples' data was written again
+        to the rows ``moved`` names; waiting ``get_meta`` calls look again."""
+        rows = [r for pid in list(self.ctl.parts) for r in self.ctl.clear_partition(pid)]
+        self.ctl.load_state(state)
+        self.ctl.rebind(moved)
+        await self._drop(rows)
+        for pid in list(self._events):
+            self._changed(pid)
 
     # -- introspection, with TransferQueue's names
 

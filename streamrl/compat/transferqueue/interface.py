@@ -32,8 +32,8 @@ from tensordict import NonTensorStack, TensorDict
 from streamrl.errors import NotSupported
 
 from . import config as _config
-from .client import _CHECKPOINTS, System, TransferQueueClient, _Loop, _LocalController, _RayController
-from .controller import ACTOR_NAME, ACTOR_NAMESPACE, ControllerService
+from .client import System, TransferQueueClient, _Loop, _LocalController, _RayController
+from .controller import ACTOR_NAME, ACTOR_NAMESPACE, NO_QUEUE_CHECKPOINTS, ControllerService
 from .metadata import BatchMeta, KVBatchMeta
 
 __all__ = ["init", "close", "get_client", "get_metrics_endpoint", "kv_put", "kv_batch_put",
@@ -401,30 +401,106 @@ def _check_initialized() -> None:
         raise RuntimeError("TransferQueue is not initialized: call transfer_queue.init() first")
 
 
+_METADATA_FILE = "metadata.json"
+
+
+def _aside(path: Path, what: str) -> Path:
+    return path.parent / f"{path.name}.{what}"
+
+
 def save_checkpoint(checkpoint_dir: str | Path, *, include_storage: bool = True,
                     metadata: dict[str, Any] | None = None) -> None:
-    """Not yet: raises :class:`~streamrl.errors.NotSupported` (checkpoints arrive with
-    streamrl's own).
+    """Save the whole system (every partition's samples, their data, keys, tags and
+    consumption, the sampler's state) to the directory ``checkpoint_dir``, atomically:
+    it is written beside it (``<dir>.tmp``) and renamed; a checkpoint already there is
+    replaced, and a failed save leaves what was there before. Producers and consumers
+    go on meanwhile (see :meth:`streamrl.StreamQueue.checkpoint`).
+
+    Args:
+        checkpoint_dir: the directory (on a filesystem every node mounts when the
+            system spans several).
+        include_storage: accepted; the data is always saved (it lives only in the
+            queue's memory: a checkpoint without it could not be loaded), as
+            ``metadata.json``'s ``storage_saved`` says.
+        metadata: a JSON-serialisable dict of yours, kept in ``metadata.json`` under
+            ``user_metadata``.
 
     Raises:
         RuntimeError: TransferQueue is not initialized.
+        NotSupported: this streamrl has no queue checkpoints
+            (``StreamQueue.checkpoint``).
+        CheckpointError: the queue's checkpoint could not be written.
+        TypeError: ``metadata`` is not JSON-serialisable.
     """
     _check_initialized()
-    raise NotSupported(_CHECKPOINTS)
+    import json
+    import shutil
+
+    import streamrl
+
+    if not hasattr(streamrl.StreamQueue, "checkpoint"):
+        raise NotSupported(NO_QUEUE_CHECKPOINTS)
+    if metadata is not None and not isinstance(metadata, Mapping):
+        raise TypeError(f"metadata must be a dict, got {type(metadata).__name__}")
+    text = json.dumps({"storage_saved": True, "user_metadata": dict(metadata or {}),
+                       "written_by": "streamrl.compat.transferqueue"}, indent=2)
+    target = Path(checkpoint_dir)
+    tmp, old = _aside(target, "tmp"), _aside(target, "old")
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    tmp.mkdir(parents=True)
+    try:
+        _client().save_storage_checkpoint(str(tmp))
+        (tmp / _METADATA_FILE).write_text(text)
+        if target.exists():
+            if old.exists():
+                shutil.rmtree(old)
+            target.rename(old)
+        tmp.rename(target)
+        if old.exists():
+            shutil.rmtree(old)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if old.exists() and not target.exists():
+            old.rename(target)
+        raise
 
 
 def load_checkpoint(checkpoint_dir: str | Path) -> None:
-    """Not yet: raises :class:`~streamrl.errors.NotSupported` once the arguments are
-    checked (checkpoints arrive with streamrl's own).
+    """Replace the system's state by the checkpoint in ``checkpoint_dir`` (see
+    :meth:`.TransferQueueClient.load_storage_checkpoint`): partitions held now are
+    cleared; the saved samples, their data, keys, tags, consumption and the sampler's
+    state come back, into this system's queue whatever its transport or number of
+    storage units. A save that was interrupted between its two renames is finished
+    first (``<dir>.old`` becomes ``<dir>``). Call it while no other client uses the
+    system.
 
     Raises:
         RuntimeError: TransferQueue is not initialized.
-        FileNotFoundError: no such directory, or it has no ``metadata.json``.
+        FileNotFoundError: no such directory, or a file of it (``metadata.json``...) is
+            missing.
+        NotSupported: this streamrl has no queue checkpoints (``StreamQueue.restore``).
+        CheckpointError: not a checkpoint of this layer, or a damaged one.
     """
     _check_initialized()
+    import json
+
+    from streamrl.errors import CheckpointError
+
     path = Path(checkpoint_dir)
+    old = _aside(path, "old")
+    if not path.exists() and old.exists():
+        old.rename(path)
     if not path.is_dir():
         raise FileNotFoundError(f"checkpoint directory not found: {path}")
-    if not (path / "metadata.json").exists():
-        raise FileNotFoundError(f"metadata.json not found in {path}")
-    raise NotSupported(_CHECKPOINTS)
+    if not (path / _METADATA_FILE).exists():
+        raise FileNotFoundError(f"{_METADATA_FILE} not found in {path}")
+    try:
+        meta = json.loads((path / _METADATA_FILE).read_text())
+    except ValueError as e:
+        raise CheckpointError(f"{_METADATA_FILE} in {path} is not JSON ({e})") from None
+    if not isinstance(meta, dict) or not meta.get("storage_saved"):
+        raise CheckpointError(
+            f"the checkpoint in {path} holds no data (storage_saved is not true): it was not "
+            "written by streamrl.compat.transferqueue's save_checkpoint")
+    _client().load_storage_checkpoint(str(path))
