@@ -38,7 +38,8 @@ import numpy as np
 import torch
 from tensordict import NonTensorStack, TensorDict
 
-from streamrl.errors import EventLoopError, NotSupported, RowsDropped, StreamTimeout, UnknownField
+from streamrl.errors import (EventLoopError, InvalidArgument, NotSupported, RowsDropped,
+                             StreamTimeout, UnknownField)
 
 from .controller import NO_QUEUE_CHECKPOINTS
 from .metadata import BatchMeta, public_schema, schema_of_columns, storage_name
@@ -186,7 +187,7 @@ class AsyncTransferQueueClient:
 
             controller_info = interface._system()
         if not isinstance(controller_info, System):
-            raise ValueError("controller_info must be the system transfer_queue.init() made "
+            raise InvalidArgument("controller_info must be the system transfer_queue.init() made "
                              "(pass None); TransferQueue's ZMQ addresses mean nothing here")
         self.client_id = client_id
         self._sys = controller_info
@@ -274,10 +275,10 @@ class AsyncTransferQueueClient:
         from streamrl.columns import take_rows, to_columns
 
         if metadata is None and partition_id is None:
-            raise ValueError("put needs partition_id (new samples) or metadata (samples to "
+            raise InvalidArgument("put needs partition_id (new samples) or metadata (samples to "
                              "write to)")
         if metadata is not None and metadata.size == 0:
-            raise ValueError("metadata has no samples; get_meta found nothing to write to")
+            raise InvalidArgument("metadata has no samples; get_meta found nothing to write to")
         cols, n = to_columns(_per_row(data))
         if data_parser is not None:
             cols = _parse(cols, data_parser, n)
@@ -299,7 +300,7 @@ class AsyncTransferQueueClient:
                              [1] * n, None, None, _rows=rb.rows, _shards=rb.shards, _store=names)
 
         if n != metadata.size:
-            raise ValueError(f"put of {n} rows into a batch of {metadata.size} samples; give "
+            raise InvalidArgument(f"put of {n} rows into a batch of {metadata.size} samples; give "
                              "one row per sample")
         rows, shards = list(metadata._rows), list(metadata._shards)
         old = [p for p in range(n) if rows[p] is not None]
@@ -316,7 +317,7 @@ class AsyncTransferQueueClient:
                 try:
                     await self._store(part(old), [rows[p] for p in old])
                 except RowsDropped as e:
-                    raise ValueError(f"samples of this metadata were cleared (rows {e.rows[:8]}); "
+                    raise InvalidArgument(f"samples of this metadata were cleared (rows {e.rows[:8]}); "
                                      "get fresh metadata") from None
             if new:
                 rb = await self._store(part(new))
@@ -393,18 +394,18 @@ class AsyncTransferQueueClient:
                     store.setdefault(f, name)
         empty = [i for i, r in zip(metadata.global_indexes, rows) if r is None]
         if empty:
-            raise ValueError(f"samples {empty[:8]} have no data (never put, or cleared)")
+            raise InvalidArgument(f"samples {empty[:8]} have no data (never put, or cleared)")
         lacking = [f for f in fields if f not in store]
         if lacking:
-            raise ValueError(f"fields {lacking} were never written to these samples")
+            raise InvalidArgument(f"fields {lacking} were never written to these samples")
         names = [store[f] for f in fields]
         rb = RowRemoteBatch(self._sys.queue, rows, shards, names)
         try:
             td = await rb.materialize(names, copy=self._sys.copy)
         except UnknownField as e:
-            raise ValueError(f"some samples of this batch lack a field it names: {e}") from None
+            raise InvalidArgument(f"some samples of this batch lack a field it names: {e}") from None
         except RowsDropped as e:
-            raise ValueError(f"samples of this batch were cleared (rows {e.rows[:8]}); get "
+            raise InvalidArgument(f"samples of this batch were cleared (rows {e.rows[:8]}); get "
                              "fresh metadata") from None
         out = TensorDict({}, batch_size=[metadata.size])
         for f, name in zip(fields, names):
@@ -668,7 +669,7 @@ def _key_list(keys: Any) -> list[str]:
         return [keys]
     if isinstance(keys, (list, tuple)):
         if not keys:
-            raise ValueError("keys is an empty list; give at least one key")
+            raise InvalidArgument("keys is an empty list; give at least one key")
         if not all(isinstance(k, str) for k in keys):
             raise TypeError("keys must be strings")
         return list(keys)
@@ -703,10 +704,10 @@ def _parse(cols: dict[str, Any], parser: Callable[[Any], Any], n: int) -> dict[s
     plain = dict(cols)
     parser(plain)
     if set(plain) != set(cols):
-        raise ValueError("data_parser must not add or remove fields")
+        raise InvalidArgument("data_parser must not add or remove fields")
     out, m = to_columns(plain)
     if m != n:
-        raise ValueError(f"data_parser changed the number of rows from {n} to {m}")
+        raise InvalidArgument(f"data_parser changed the number of rows from {n} to {m}")
     return out
 
 

@@ -48,6 +48,9 @@ import warnings
 from collections.abc import Mapping
 from typing import Any
 
+from streamrl.errors import InvalidArgument
+
+
 __all__ = ["DEFAULTS", "CompatWarning", "merge", "settings", "queue_options"]
 
 
@@ -121,7 +124,7 @@ def merge(conf: Any = None) -> dict[str, Any]:
     meaning here, or is unknown."""
     user = _plain(conf) if conf is not None else {}
     if not isinstance(user, Mapping):
-        raise ValueError(f"init takes a dict or an OmegaConf config, got {type(conf).__name__}")
+        raise InvalidArgument(f"init takes a dict or an OmegaConf config, got {type(conf).__name__}")
     out = copy.deepcopy(DEFAULTS)
 
     def deep(dst: dict, src: Mapping) -> None:
@@ -166,9 +169,9 @@ def settings(conf: Mapping[str, Any]) -> dict[str, Any]:
     c = conf["controller"]
     timeout = c.get("get_meta_timeout", 5.0)
     if timeout is not None and (not isinstance(timeout, (int, float)) or timeout < 0):
-        raise ValueError(f"controller.get_meta_timeout must be seconds >= 0 or null, got {timeout!r}")
+        raise InvalidArgument(f"controller.get_meta_timeout must be seconds >= 0 or null, got {timeout!r}")
     if not isinstance(c.get("polling_mode"), bool):
-        raise ValueError(f"controller.polling_mode must be true or false, got {c.get('polling_mode')!r}")
+        raise InvalidArgument(f"controller.polling_mode must be true or false, got {c.get('polling_mode')!r}")
     return {"sampler": c.get("sampler", "SequentialSampler"), "polling_mode": c["polling_mode"],
             "get_meta_timeout": timeout}
 
@@ -197,11 +200,11 @@ def queue_options(conf: Mapping[str, Any]) -> dict[str, Any]:
     ours = conf["streamrl"]
     units = simple.get("num_data_storage_units", 2)
     if not isinstance(units, int) or units <= 0:
-        raise ValueError(f"backend.SimpleStorage.num_data_storage_units must be a positive int, "
+        raise InvalidArgument(f"backend.SimpleStorage.num_data_storage_units must be a positive int, "
                          f"got {units!r}")
     total = simple.get("total_storage_size")
     if total is not None and (not isinstance(total, int) or total <= 0):
-        raise ValueError(f"backend.SimpleStorage.total_storage_size must be a positive int or "
+        raise InvalidArgument(f"backend.SimpleStorage.total_storage_size must be a positive int or "
                          f"null, got {total!r}")
     cap_bytes = ours.get("capacity_bytes", "auto")
     if cap_bytes == "auto":

@@ -34,6 +34,9 @@ from typing import Any
 
 import torch
 
+from streamrl.errors import InvalidArgument, StreamTimeout
+
+
 from .metadata import BatchMeta, storage_name
 from .sampler import BaseSampler
 
@@ -301,12 +304,12 @@ class TQController:
         """
         p = self._part(partition_id, create=indexes is None)
         if p is None:
-            raise ValueError(f"partition {partition_id!r} does not exist (it was cleared); "
+            raise InvalidArgument(f"partition {partition_id!r} does not exist (it was cleared); "
                              "put without metadata to create samples")
         for f, meta in schema.items():
             fld = p.fields.get(f)
             if fld is not None and fld.key != meta["_key"]:
-                raise ValueError(
+                raise InvalidArgument(
                     f"field {f!r} of partition {partition_id!r} holds {fld.key} values and "
                     f"this put gives {meta['_key']}; a field keeps one dtype in a partition "
                     "(clear its samples first, or use another field name)")
@@ -315,7 +318,7 @@ class TQController:
         else:
             gone = [i for i in indexes if i not in p.samples]
             if gone:
-                raise ValueError(f"samples {gone[:8]} are not in partition {partition_id!r} "
+                raise InvalidArgument(f"samples {gone[:8]} are not in partition {partition_id!r} "
                                  "(cleared); get fresh metadata")
         conflicts = []
         for pos, (i, row, shard) in enumerate(zip(indexes, rows, shards)):
@@ -613,13 +616,13 @@ class ControllerService:
         if mode == "force_fetch":
             return self.ctl.force_fetch(fields, partition_id)
         if not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size <= 0:
-            raise ValueError(f"batch_size must be a positive int, got {batch_size!r}")
+            raise InvalidArgument(f"batch_size must be a positive int, got {batch_size!r}")
         if mode == "insert":
             return self.ctl.insert(partition_id, fields, batch_size)
         if mode != "fetch":
-            raise ValueError(f"mode must be 'fetch', 'force_fetch' or 'insert', got {mode!r}")
+            raise InvalidArgument(f"mode must be 'fetch', 'force_fetch' or 'insert', got {mode!r}")
         if not task_name:
-            raise ValueError("fetch mode needs a task_name (the consumer whose consumption "
+            raise InvalidArgument("fetch mode needs a task_name (the consumer whose consumption "
                              "is marked)")
         loop = asyncio.get_running_loop()
         deadline = None if self.timeout is None else loop.time() + self.timeout
@@ -634,7 +637,7 @@ class ControllerService:
             left = None if deadline is None else deadline - loop.time()
             if left is not None and left <= 0:
                 n = len(self.ctl.ready(partition_id, fields, task_name))
-                raise TimeoutError(
+                raise StreamTimeout(
                     f"get_meta waited {self.timeout} s for {batch_size} samples of "
                     f"partition {partition_id!r} with fields {fields} not consumed by task "
                     f"{task_name!r}; {n} are ready. Put more data, ask for fewer, or raise "

@@ -29,7 +29,7 @@ from typing import Any
 import torch
 from tensordict import NonTensorStack, TensorDict
 
-from streamrl.errors import NotSupported
+from streamrl.errors import InvalidArgument, NotSupported
 
 from . import config as _config
 from .client import System, TransferQueueClient, _Loop, _LocalController, _RayController
@@ -230,12 +230,12 @@ def _kv_fields(fields: Any) -> TensorDict:
         for name, v in fields.items():
             if isinstance(v, torch.Tensor):
                 if v.is_nested:
-                    raise ValueError("kv_put takes one sample; put nested tensors with kv_batch_put")
+                    raise InvalidArgument("kv_put takes one sample; put nested tensors with kv_batch_put")
                 out[name] = v.unsqueeze(0)
             else:
                 out[name] = NonTensorStack(v)
         return TensorDict(out, batch_size=[1])
-    raise ValueError(f"fields must be a dict or a TensorDict, got {type(fields).__name__}")
+    raise InvalidArgument(f"fields must be a dict or a TensorDict, got {type(fields).__name__}")
 
 
 def _kv_meta(keys: list[str], partition_id: str, meta: BatchMeta) -> KVBatchMeta:
@@ -247,18 +247,18 @@ async def _kv_batch_put(keys: Sequence[str], partition_id: str, fields: Any = No
                         tags: Sequence[Mapping[str, Any]] | None = None,
                         data_parser: Callable | None = None, single: bool = False) -> KVBatchMeta:
     if fields is None and tags is None:
-        raise ValueError("give fields, tags, or both")
+        raise InvalidArgument("give fields, tags, or both")
     keys = list(keys)
     if len(set(keys)) != len(keys):
-        raise ValueError("the keys repeat; give each key once")
+        raise InvalidArgument("the keys repeat; give each key once")
     if fields is not None:
         fields = _kv_fields(fields) if single else fields
         if not isinstance(fields, TensorDict):
-            raise ValueError(f"fields must be a TensorDict, got {type(fields).__name__}")
+            raise InvalidArgument(f"fields must be a TensorDict, got {type(fields).__name__}")
         if fields.batch_size[0] != len(keys):
-            raise ValueError(f"{len(keys)} keys but fields has {fields.batch_size[0]} rows")
+            raise InvalidArgument(f"{len(keys)} keys but fields has {fields.batch_size[0]} rows")
     if tags is not None and len(tags) != len(keys):
-        raise ValueError(f"{len(keys)} keys but {len(tags)} tags; give one tag dict per key")
+        raise InvalidArgument(f"{len(keys)} keys but {len(tags)} tags; give one tag dict per key")
     client = _client()
     meta = await client.async_kv_retrieve_meta(keys, partition_id, create=True)
     if meta.size != len(keys):
@@ -277,24 +277,24 @@ async def _kv_batch_get(keys: Sequence[str] | str, partition_id: str,
     client = _client()
     meta = await client.async_kv_retrieve_meta(keys, partition_id, create=False)
     if meta.size == 0:
-        raise ValueError(f"keys {keys if isinstance(keys, str) else list(keys)[:8]} were not "
+        raise InvalidArgument(f"keys {keys if isinstance(keys, str) else list(keys)[:8]} were not "
                          f"found in partition {partition_id!r}")
     if select_fields is not None:
         meta = meta.select_fields([select_fields] if isinstance(select_fields, str)
                                   else list(select_fields))
     if not meta.is_ready:
-        raise ValueError("some requested keys lack some of the fields: not every sample is ready")
+        raise InvalidArgument("some requested keys lack some of the fields: not every sample is ready")
     return await client.async_get_data(meta)
 
 
 async def _kv_batch_get_by_meta(meta: KVBatchMeta,
                                 select_fields: Sequence[str] | str | None = None) -> TensorDict:
     if meta.partition_id is None:
-        raise ValueError("the KVBatchMeta has no partition_id")
+        raise InvalidArgument("the KVBatchMeta has no partition_id")
     if select_fields is not None:
         wanted = [select_fields] if isinstance(select_fields, str) else list(select_fields)
         if meta.fields is None or any(f not in meta.fields for f in wanted):
-            raise ValueError(f"select_fields {wanted} not found in the KVBatchMeta's fields "
+            raise InvalidArgument(f"select_fields {wanted} not found in the KVBatchMeta's fields "
                              f"{meta.fields}")
     else:
         wanted = meta.fields

@@ -25,6 +25,9 @@ from typing import Any
 import numpy as np
 import torch
 
+from streamrl.errors import InvalidArgument
+
+
 __all__ = ["BatchMeta", "KVBatchMeta", "schema_of_columns", "storage_name"]
 
 log = logging.getLogger("streamrl.compat.transferqueue")
@@ -169,20 +172,20 @@ class BatchMeta:
         self.partition_ids = list(partition_ids)
         n = len(self.global_indexes)
         if len(self.partition_ids) != n:
-            raise ValueError(f"{n} global_indexes but {len(self.partition_ids)} partition_ids; "
+            raise InvalidArgument(f"{n} global_indexes but {len(self.partition_ids)} partition_ids; "
                              "give one partition id per sample")
         self.field_schema = {k: dict(v) for k, v in (field_schema or {}).items()}
         for name, meta in self.field_schema.items():
             shapes = meta.get("per_sample_shapes")
             if shapes is not None and len(shapes) != n:
-                raise ValueError(f"field {name!r} has {len(shapes)} per_sample_shapes for "
+                raise InvalidArgument(f"field {name!r} has {len(shapes)} per_sample_shapes for "
                                  f"{n} samples")
         if production_status is None:
             self.production_status = np.zeros(n, dtype=np.int8)
         else:
             self.production_status = np.array(production_status, dtype=np.int8).reshape(-1)
             if len(self.production_status) != n:
-                raise ValueError(f"production_status has {len(self.production_status)} "
+                raise InvalidArgument(f"production_status has {len(self.production_status)} "
                                  f"entries for {n} samples")
         self.extra_info = dict(extra_info or {})
         self.custom_meta = _per_sample("custom_meta", custom_meta, n)
@@ -190,7 +193,7 @@ class BatchMeta:
         self._rows = list(_rows) if _rows is not None else [None] * n
         self._shards = list(_shards) if _shards is not None else [None] * n
         if len(self._rows) != n or len(self._shards) != n:
-            raise ValueError("_rows and _shards need one entry per sample")
+            raise InvalidArgument("_rows and _shards need one entry per sample")
         self._store = dict(_store or {})
 
     def __getstate__(self) -> dict[str, Any]:
@@ -280,7 +283,7 @@ class BatchMeta:
         if custom_meta is None:
             return
         if len(custom_meta) != self.size:
-            raise ValueError(f"{len(custom_meta)} custom_meta dicts for {self.size} samples; "
+            raise InvalidArgument(f"{len(custom_meta)} custom_meta dicts for {self.size} samples; "
                              "give one per sample")
         for mine, new in zip(self.custom_meta, custom_meta):
             mine.update(new)
@@ -299,7 +302,7 @@ class BatchMeta:
         if n == 0:
             return self
         if n != self.size:
-            raise ValueError(f"add_fields got {n} rows for a batch of {self.size} samples")
+            raise InvalidArgument(f"add_fields got {n} rows for a batch of {self.size} samples")
         cols, _ = to_columns(tensor_dict)
         for name, meta in schema_of_columns(cols).items():
             self.field_schema[name] = public_schema(meta)
@@ -327,7 +330,7 @@ class BatchMeta:
         """A new batch of the samples at these positions."""
         bad = [i for i in sample_indices if not 0 <= i < self.size]
         if bad:
-            raise ValueError(f"sample positions {bad[:8]} are outside [0, {self.size})")
+            raise InvalidArgument(f"sample positions {bad[:8]} are outside [0, {self.size})")
         return self._take(list(sample_indices))
 
     def select_fields(self, field_names: Sequence[str]) -> "BatchMeta":
@@ -363,7 +366,7 @@ class BatchMeta:
         """Split into ``chunks`` parts, sizes differing by at most one (earlier parts
         larger); parts may be empty when there are fewer samples than chunks."""
         if chunks <= 0:
-            raise ValueError(f"chunks must be positive, got {chunks}")
+            raise InvalidArgument(f"chunks must be positive, got {chunks}")
         base, extra = divmod(self.size, chunks)
         out, start = [], 0
         for i in range(chunks):
@@ -387,7 +390,7 @@ class BatchMeta:
         if self.size == 0:
             return other.copy()
         if self.global_indexes != other.global_indexes or self.partition_ids != other.partition_ids:
-            raise ValueError("union needs the same samples (global_indexes and partition_ids) "
+            raise InvalidArgument("union needs the same samples (global_indexes and partition_ids) "
                              "on both sides, in the same order")
         out = self.copy()
         for name, meta in other.field_schema.items():
@@ -414,11 +417,11 @@ class BatchMeta:
         if validate:
             for i, b in enumerate(parts[1:], 1):
                 if b.field_names != first.field_names:
-                    raise ValueError(f"concat: batch {i} has fields {b.field_names}, batch 0 "
+                    raise InvalidArgument(f"concat: batch {i} has fields {b.field_names}, batch 0 "
                                      f"has {first.field_names}")
                 for f in first.field_names:
                     if b.field_schema[f].get("dtype") != first.field_schema[f].get("dtype"):
-                        raise ValueError(f"concat: field {f!r} has dtype "
+                        raise InvalidArgument(f"concat: field {f!r} has dtype "
                                          f"{b.field_schema[f].get('dtype')} in batch {i} and "
                                          f"{first.field_schema[f].get('dtype')} in batch 0")
         schema: dict[str, dict[str, Any]] = {}
@@ -434,14 +437,14 @@ class BatchMeta:
         for b in parts:
             for k, v in b.extra_info.items():
                 if k in extra and not _same(extra[k], v):
-                    raise ValueError(f"concat: extra_info {k!r} differs between batches "
+                    raise InvalidArgument(f"concat: extra_info {k!r} differs between batches "
                                      f"({extra[k]!r} and {v!r}) and cannot be merged")
                 extra.setdefault(k, v)
         store: dict[str, str] = {}
         for b in parts:
             for f, s in b._store.items():
                 if store.setdefault(f, s) != s:
-                    raise ValueError(f"concat: field {f!r} holds different dtypes in these "
+                    raise InvalidArgument(f"concat: field {f!r} holds different dtypes in these "
                                      "batches; read them separately")
         chain = itertools.chain.from_iterable
         return cls(list(chain(b.global_indexes for b in parts)),
@@ -456,7 +459,7 @@ class BatchMeta:
         """Put the samples in the order of ``indices`` (a permutation), in place."""
         idx = list(indices)
         if sorted(idx) != list(range(self.size)):
-            raise ValueError(f"reorder needs a permutation of range({self.size}), got {idx[:8]}")
+            raise InvalidArgument(f"reorder needs a permutation of range({self.size}), got {idx[:8]}")
         other = self._take(idx)
         for slot in ("global_indexes", "partition_ids", "production_status", "custom_meta",
                      "_custom_backend_meta", "_rows", "_shards"):
@@ -482,7 +485,7 @@ def _per_sample(name: str, values: Sequence[Mapping[str, Any]] | None, n: int) -
     if not values:
         return [{} for _ in range(n)]
     if len(values) != n:
-        raise ValueError(f"{name} has {len(values)} entries for {n} samples")
+        raise InvalidArgument(f"{name} has {len(values)} entries for {n} samples")
     return [dict(v) for v in values]
 
 
@@ -521,12 +524,12 @@ class KVBatchMeta:
 
     def __post_init__(self) -> None:
         if len(self.keys) != len(self.tags):
-            raise ValueError(f"{len(self.keys)} keys but {len(self.tags)} tags; give one tag "
+            raise InvalidArgument(f"{len(self.keys)} keys but {len(self.tags)} tags; give one tag "
                              "dict per key")
         if len(set(self.keys)) != len(self.keys):
-            raise ValueError("the keys repeat; give each key once")
+            raise InvalidArgument("the keys repeat; give each key once")
         if self.fields is not None and len(set(self.fields)) != len(self.fields):
-            raise ValueError("the fields repeat; give each field once")
+            raise InvalidArgument("the fields repeat; give each field once")
         self.tags = copy.deepcopy(self.tags)
         self.extra_info = copy.deepcopy(self.extra_info)
 
@@ -544,7 +547,7 @@ class KVBatchMeta:
         """A new batch of these keys (each once, all of them in this batch)."""
         keys = list(keys_to_select)
         if len(set(keys)) != len(keys):
-            raise ValueError("keys_to_select repeats a key")
+            raise InvalidArgument("keys_to_select repeats a key")
         pos = {k: i for i, k in enumerate(self.keys)}
         missing = [k for k in keys if k not in pos]
         if missing:
@@ -556,9 +559,9 @@ class KVBatchMeta:
         """Put the keys in the order of ``indexes``, in place."""
         idx = list(indexes)
         if len(idx) != self.size:
-            raise ValueError(f"reorder got {len(idx)} indexes for {self.size} keys")
+            raise InvalidArgument(f"reorder got {len(idx)} indexes for {self.size} keys")
         if len(set(idx)) != len(idx):
-            raise ValueError("reorder indexes repeat")
+            raise InvalidArgument("reorder indexes repeat")
         self.keys = [self.keys[i] for i in idx]
         self.tags = [self.tags[i] for i in idx]
 
@@ -583,12 +586,12 @@ class KVBatchMeta:
         extra: dict[str, Any] = {}
         for b in parts:
             if b.fields is not None and first.fields is not None and set(b.fields) != set(first.fields):
-                raise ValueError("concat: the batches have different fields")
+                raise InvalidArgument("concat: the batches have different fields")
             if b.partition_id != first.partition_id:
-                raise ValueError("concat: the batches are of different partitions")
+                raise InvalidArgument("concat: the batches are of different partitions")
             for k, v in (b.extra_info or {}).items():
                 if k in extra and not _same(extra[k], v):
-                    raise ValueError(f"concat: extra_info {k!r} differs between batches")
+                    raise InvalidArgument(f"concat: extra_info {k!r} differs between batches")
                 extra.setdefault(k, v)
         return cls([k for b in parts for k in b.keys], [t for b in parts for t in b.tags],
                    first.partition_id, first.fields, extra or None)

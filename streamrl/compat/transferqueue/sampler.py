@@ -37,6 +37,9 @@ import abc
 import heapq
 from typing import Any
 
+from streamrl.errors import InvalidArgument
+
+
 __all__ = ["BaseSampler", "SequentialSampler", "GRPOGroupNSampler", "RankAwareSampler",
            "SeqlenBalancedSampler", "resolve_sampler"]
 
@@ -104,7 +107,7 @@ class RankAwareSampler(BaseSampler):
                batch_index: int = 0, task_name: str = "", partition_id: str = "",
                *args: Any, **kwargs: Any) -> tuple[list[int], list[int]]:
         if dp_rank < 0:
-            raise ValueError(f"dp_rank must be >= 0, got {dp_rank}")
+            raise InvalidArgument(f"dp_rank must be >= 0, got {dp_rank}")
         by_rank = self._cache(partition_id, task_name).setdefault(dp_rank, {})
         if batch_index in by_rank:
             picked = by_rank[batch_index]
@@ -126,7 +129,7 @@ class GRPOGroupNSampler(BaseSampler):
     def __init__(self, n_samples_per_prompt: int = 1):
         super().__init__()
         if not isinstance(n_samples_per_prompt, int) or n_samples_per_prompt <= 0:
-            raise ValueError(f"n_samples_per_prompt must be a positive int, got "
+            raise InvalidArgument(f"n_samples_per_prompt must be a positive int, got "
                              f"{n_samples_per_prompt!r}")
         self.n_samples_per_prompt = n_samples_per_prompt
 
@@ -160,7 +163,7 @@ class GRPOGroupNSampler(BaseSampler):
             return list(picked), list(picked)
         n = self.n_samples_per_prompt
         if batch_size % n:
-            raise ValueError(f"batch_size={batch_size} is not a multiple of "
+            raise InvalidArgument(f"batch_size={batch_size} is not a multiple of "
                              f"n_samples_per_prompt={n}; a batch holds whole groups")
         groups = self._groups(ready_indexes, kwargs.get("partition"))
         if len(groups) < batch_size // n:
@@ -186,7 +189,7 @@ class SeqlenBalancedSampler(GRPOGroupNSampler):
     def __init__(self, n_samples_per_prompt: int = 1, dp_size: int = 1):
         super().__init__(n_samples_per_prompt)
         if not isinstance(dp_size, int) or dp_size <= 0:
-            raise ValueError(f"dp_size must be a positive int, got {dp_size!r}")
+            raise InvalidArgument(f"dp_size must be a positive int, got {dp_size!r}")
         self.dp_size = dp_size
         self._balanced: dict[tuple, list[list[int]]] = {}
 
@@ -199,7 +202,7 @@ class SeqlenBalancedSampler(GRPOGroupNSampler):
             n = self.n_samples_per_prompt
             total = batch_size * self.dp_size
             if total % n:
-                raise ValueError(f"batch_size * dp_size = {total} is not a multiple of "
+                raise InvalidArgument(f"batch_size * dp_size = {total} is not a multiple of "
                                  f"n_samples_per_prompt={n}")
             partition = kwargs.get("partition")
             groups = self._groups(ready_indexes, partition)
@@ -269,11 +272,11 @@ def resolve_sampler(spec: Any) -> BaseSampler:
         return spec()
     if isinstance(spec, str):
         if spec not in _BY_NAME:
-            raise ValueError(f"unknown sampler {spec!r}; the samplers are "
+            raise InvalidArgument(f"unknown sampler {spec!r}; the samplers are "
                              f"{', '.join(sorted(_BY_NAME))}, or pass a BaseSampler instance")
         return _BY_NAME[spec]()
     # a sampler of the real TransferQueue package: same protocol, use it as it is
     if callable(getattr(spec, "sample", None)):
         return spec
-    raise ValueError(f"controller.sampler must be a sampler name, a BaseSampler subclass or "
+    raise InvalidArgument(f"controller.sampler must be a sampler name, a BaseSampler subclass or "
                      f"an instance, got {spec!r}")
