@@ -137,7 +137,7 @@ class QueueConfig:
     lease_timeout: float = 600.0
     max_staleness: int | None = None
     max_lead: int | None = None
-    consumers: tuple[str, ...] | None = None
+    consumers: Sequence[str] | None = None  # (kept as a sorted tuple)
     name: str | None = None
     storage: Any = "memory"
     sampler: Any = "fifo"
