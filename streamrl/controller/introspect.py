@@ -4,9 +4,10 @@ the read-only views ``stats()`` is built from."""
 from __future__ import annotations
 
 from ..messages import FilterJob
+from .base import ControllerBase
 
 
-class Introspect:
+class Introspect(ControllerBase):
     """Outboxes and stats helpers (part of :class:`Controller`)."""
 
     def drain(self) -> tuple[dict[int, list[int]], list[FilterJob], set[tuple], set, bool]:
