@@ -215,7 +215,7 @@ class QueueConfig:
 def _plain(m: Any) -> Any:
     """A mapping as plain dicts and lists (OmegaConf's DictConfig/ListConfig included)."""
     try:  # OmegaConf, without importing it when it is not used
-        from omegaconf import DictConfig, ListConfig, OmegaConf  # type: ignore
+        from omegaconf import DictConfig, ListConfig, OmegaConf
     except ImportError:
         pass
     else:
