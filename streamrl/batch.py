@@ -35,6 +35,8 @@ from .columns import Column, settle, take_rows, to_columns, to_tensordict
 from .errors import InvalidArgument, RowsDropped, SchemaError, UnknownField, rows_preview
 
 if TYPE_CHECKING:
+    from typing_extensions import TypeIs  # (typing.TypeIs is Python >= 3.13)
+
     from .queue import StreamQueue
     from .session import Session
 
@@ -291,6 +293,10 @@ class RowRemoteBatch(RemoteBatch):
             return ColumnRemoteBatch(self.select(idx), idx)
         if isinstance(idx, (list, tuple)) and idx and all(isinstance(i, str) for i in idx):
             return self.select(*idx)
+        return self._index(idx)
+
+    def _index(self, idx: Any) -> "RowRemoteBatch":
+        """The rows ``idx`` (not a field name) as :meth:`__getitem__` takes them."""
         if self._scalar:
             raise IndexError("cannot index a 0-d view (from an int index) further")
         n = len(self._rows)
@@ -323,19 +329,19 @@ class RowRemoteBatch(RemoteBatch):
         Raises:
             UnknownField: a field is not among :attr:`fields`.
         """
-        fields = _flat_fields(fields)
-        unknown = [f for f in fields if f not in self._known]
+        names = _flat_fields(fields)
+        unknown = [f for f in names if f not in self._known]
         if unknown:
             raise UnknownField(
                 f"this batch's rows are not known to have {unknown}; they have "
                 f"{sorted(self._known)}. Fields written later by others can still be read with "
                 "materialize([...])")
-        return self._view(slice(None), fields=fields, scalar=self._scalar)
+        return self._view(slice(None), fields=names, scalar=self._scalar)
 
     def exclude(self, *fields: str) -> "RowRemoteBatch":
         """A view without ``fields``."""
-        fields = set(_flat_fields(fields))
-        return self._view(slice(None), fields=[f for f in self._fields if f not in fields],
+        names = set(_flat_fields(fields))
+        return self._view(slice(None), fields=[f for f in self._fields if f not in names],
                           scalar=self._scalar)
 
     @staticmethod
@@ -467,6 +473,7 @@ class RowRemoteBatch(RemoteBatch):
             out.update(await self._empty_columns(missing))
             missing = []
         if missing:
+            inverse: np.ndarray | None
             uniq, inverse = np.unique(rows, return_inverse=True)
             if len(uniq) == len(rows):
                 fetch_rows, fetch_shards, inverse = rows, self._shards, None
@@ -657,7 +664,7 @@ class ColumnRemoteBatch(RemoteBatch):
     def __getitem__(self, idx: Any) -> "ColumnRemoteBatch":
         if isinstance(idx, str):
             raise IndexError("a column is already one field; index rows with ints/slices/masks")
-        return ColumnRemoteBatch(self._batch[idx], self._field)
+        return ColumnRemoteBatch(self._batch._index(idx), self._field)
 
     def __repr__(self) -> str:
         return f"ColumnRemoteBatch(field={self._field!r}, rows={len(self)})"
@@ -705,7 +712,7 @@ class BatchProxy:
 
     def keys(self) -> list[str]:
         """Local fields, then remote fields not shadowed."""
-        local = list(self.local.keys())
+        local = [k for k in self.local.keys() if isinstance(k, str)]  # (no nested keys)
         return local + [f for f in self.remote.fields if f not in local]
 
     def __contains__(self, name: str) -> bool:
@@ -771,7 +778,7 @@ def _probe(rows: np.ndarray, shards: np.ndarray) -> tuple[np.ndarray, np.ndarray
     return (rows[:1].copy(), shards[:1].copy()) if len(rows) else None
 
 
-def _is_int(x: Any) -> bool:
+def _is_int(x: Any) -> TypeIs[int | np.integer]:
     return isinstance(x, (int, np.integer)) and not isinstance(x, bool)
 
 
