@@ -19,7 +19,7 @@ import bisect
 import mmap
 import os
 from collections.abc import Iterable
-from typing import NamedTuple
+from typing import Literal, NamedTuple, overload
 
 import numpy as np
 
@@ -91,6 +91,11 @@ class Arena:
     def size(self) -> int:
         """Bytes of shared memory the arena holds (used or free)."""
         return sum(s.size for s in self.segments)
+
+    @overload
+    def alloc(self, nbytes: int, grow: Literal[True] = True) -> ShmRef: ...
+    @overload
+    def alloc(self, nbytes: int, grow: bool) -> ShmRef | None: ...
 
     def alloc(self, nbytes: int, grow: bool = True) -> ShmRef | None:
         """A block of at least ``nbytes`` (first fit; a new segment when none fits, or
