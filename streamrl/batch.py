@@ -31,6 +31,7 @@ import torch
 from tensordict import TensorDict, TensorDictBase
 
 from ._aio import shielded
+from .timing import counted as _timed
 from .columns import Column, settle, take_rows, to_columns, to_tensordict
 from .errors import InvalidArgument, RowsDropped, SchemaError, UnknownField, rows_preview
 
@@ -453,7 +454,7 @@ class RowRemoteBatch(RemoteBatch):
         fields = list(self._fields) if fields is None else _flat_fields(
             [fields] if isinstance(fields, str) else fields)
         self._check_alive("materialize")
-        cols = await self._columns(fields)
+        cols = await _timed(self._columns(fields))
         if copy:
             cols = {f: c.clone() if isinstance(c, torch.Tensor) else list(c) for f, c in cols.items()}
         td = to_tensordict(cols, len(self._rows))
@@ -481,7 +482,7 @@ class RowRemoteBatch(RemoteBatch):
                 first = np.unique(rows, return_index=True)[1]
                 fetch_rows, fetch_shards = uniq, self._shards[first]
             try:
-                got = await self._s.fetch(fetch_rows, fetch_shards, missing)
+                got = await self._s.fetch(fetch_rows, fetch_shards, missing, task=self._task)
             except UnknownField:
                 await self._check_withdrawn(fetch_rows)
                 raise
@@ -566,7 +567,7 @@ class RowRemoteBatch(RemoteBatch):
         if not self._lease.open:
             return
         self._lease.close()
-        await shielded(self._s.ack(self._lease.ids))
+        await _timed(shielded(self._s.ack(self._lease.ids)))
 
     async def release(self) -> None:
         """Give the delivered batch back unacknowledged: its rows are delivered again to
@@ -574,7 +575,7 @@ class RowRemoteBatch(RemoteBatch):
         if not self._lease.open:
             return
         self._lease.close()
-        await shielded(self._s.release(self._lease.ids))
+        await _timed(shielded(self._s.release(self._lease.ids)))
 
     def release_nowait(self) -> None:
         """Give the delivered batch back without awaiting (from callbacks, finalizers or
@@ -593,7 +594,7 @@ class RowRemoteBatch(RemoteBatch):
         Dropping a whole delivered batch also ends its lease. Any later ``materialize``
         or ``write`` through this batch raises :class:`~streamrl.errors.RowsDropped`.
         Runs to the end even if the awaiting task is cancelled meanwhile."""
-        await shielded(self._drop())
+        await _timed(shielded(self._drop()))
 
     async def _drop(self) -> None:
         rows = [r for r in self._rows.tolist() if r not in self._lease.dropped]
@@ -672,7 +673,7 @@ class ColumnRemoteBatch(RemoteBatch):
     async def materialize(self, *, copy: bool = False) -> Column:
         """Fetch the column (cached like any view)."""
         self._batch._check_alive("materialize")
-        col = (await self._batch._columns([self._field]))[self._field]
+        col = (await _timed(self._batch._columns([self._field])))[self._field]
         if copy:
             col = col.clone() if isinstance(col, torch.Tensor) else list(col)
         return col[0] if self._batch._scalar else col

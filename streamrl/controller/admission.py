@@ -145,8 +145,9 @@ class Admission(ControllerBase):
         for name in self.filters:
             pending |= self._fbits[name]
         wmask = self._wmask(fields)
+        born = self.clock()
         for rid, s in zip(ids, shards):
-            row = Row(rid, p, s, version)
+            row = Row(rid, p, s, version, born)
             row.pending = pending
             row.writing = wmask
             self.rows[rid] = row

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING
 
 from ..errors import InvalidArgument
 from ..messages import FilterJob, FilterSpec, Undo, WriteToken
+from ..stats import Histogram
 
 if TYPE_CHECKING:
     from ..config import QueueConfig
@@ -41,11 +42,13 @@ class Row:
 
     __slots__ = (
         "id", "part", "shard", "version", "fields", "nbytes", "tags", "leased", "acked",
-        "pending", "judging", "writing", "delivered",
+        "pending", "judging", "writing", "delivered", "born",
     )
 
-    def __init__(self, rid: int, part: "Partition", shard: int, version: int):
+    def __init__(self, rid: int, part: "Partition", shard: int, version: int,
+                 born: float = 0.0):
         self.id = rid
+        self.born = born  # when it was admitted (the controller's clock)
         self.part = part
         self.shard = shard
         self.version = version
@@ -152,6 +155,9 @@ class State:
         self.c_delivered: dict[str, int] = {}
         self.c_acked: dict[str, int] = {}
         self.c_redelivered: dict[str, int] = {}
+        self.c_bytes_delivered: dict[str, int] = {}  # task -> bytes of asked-for fields
+        # task -> latency from a row's admission to its first delivery to the task
+        self.h_delivery: dict[str, Histogram] = {}
         self.c_expired: dict[str, int] = {}
 
     def _init_outboxes(self) -> None:
