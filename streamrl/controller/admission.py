@@ -337,8 +337,8 @@ class Admission(ControllerBase):
         return Undo(token.id, frozenset(token.shards),
                     [(tuple(token.fields), _by_shard_of(live))])
 
-    def commit(self, token: int | WriteToken, nbytes: dict[str, Sequence[int]],
-               tags: dict[str, Sequence[Hashable]] | None = None) -> CommitResult:
+    def commit(self, token: int | WriteToken, nbytes: Mapping[str, Sequence[int]],
+               tags: Mapping[str, Sequence[Hashable]] | None = None) -> CommitResult:
         """The write's bytes are in storage: mark its fields ready on its rows.
 
         Args:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from ..messages import FilterJob
 from .base import ControllerBase
+from .state import Row
 
 
 class Introspect(ControllerBase):
@@ -58,7 +59,7 @@ class Introspect(ControllerBase):
             if not subs:
                 continue
             ready: set[int] = set()
-            scope: dict[int, object] = {}
+            scope: dict[int, Row] = {}
             for sub in subs:
                 ready.update(sub.avail)
                 rows = (self.rows if sub.partition is None
