@@ -635,7 +635,18 @@ class ColumnRemoteBatch(RemoteBatch):
     would. Index it by rows like the batch it came from; an int index gives the row.
 
     Examples:
-        >>> # rewards = await mb["reward"].materialize()     # a [n] tensor
+        >>> import asyncio, torch, streamrl
+        >>> async def main():
+        ...     async with streamrl.StreamQueue(capacity=16) as q:
+        ...         await q.put({"reward": torch.tensor([0.5, 1.0, 0.0])})
+        ...         mb = await q.get("t", fields=["reward"], batch_size=3)
+        ...         col = mb["reward"]                  # a ColumnRemoteBatch: nothing fetched
+        ...         rewards = await col.materialize()   # the [3] tensor
+        ...         first = await col[0].materialize()  # an int index gives the row
+        ...         await mb.ack()
+        ...         return rewards.tolist(), first.item()
+        >>> asyncio.run(main())
+        ([0.5, 1.0, 0.0], 0.5)
     """
 
     __slots__ = ("_batch", "_field")
@@ -690,10 +701,18 @@ class BatchProxy:
         local: initial local fields (same number of rows), optional.
 
     Examples:
-        >>> # proxy = BatchProxy(mb)
-        >>> # proxy["advantage"] = adv                  # local only
-        >>> # td = await proxy.materialize(["response_ids", "advantage"])
-        >>> # await proxy.commit()                      # writes "advantage" to the rows
+        >>> import asyncio, torch, streamrl
+        >>> async def main():
+        ...     async with streamrl.StreamQueue(capacity=16) as q:
+        ...         rows = await q.put({"reward": torch.tensor([1.0, 3.0])})
+        ...         proxy = streamrl.BatchProxy(rows)
+        ...         reward = await proxy.get("reward")            # fetched from the queue once
+        ...         proxy["advantage"] = reward - reward.mean()   # local only
+        ...         await proxy.commit()                          # writes "advantage" to the rows
+        ...         td = await rows.materialize(["advantage"])
+        ...         return td["advantage"].tolist()
+        >>> asyncio.run(main())
+        [-1.0, 1.0]
     """
 
     def __init__(self, remote: RowRemoteBatch, local: TensorDictBase | Mapping[str, Any] | None = None):

@@ -10,10 +10,10 @@ Examples:
     >>> cfg = QueueConfig.from_mapping({"capacity": 64, "num_shards": 2})
     >>> cfg.capacity, cfg.transport
     (64, 'embedded')
-    >>> QueueConfig.from_mapping({"capacty": 64})
+    >>> QueueConfig.from_mapping({"capacty": 64})  # doctest: +ELLIPSIS
     Traceback (most recent call last):
     ...
-    streamrl.errors.InvalidArgument: unknown queue option 'capacty' (did you mean 'capacity'?); valid options: capacity, capacity_bytes, consumers, lease_timeout, max_lead, max_staleness, name, num_shards, options, sampler, storage, transport
+    streamrl.errors.InvalidArgument: unknown queue option 'capacty' (did you mean 'capacity'?); valid options: capacity, capacity_bytes, ...
 """
 
 from __future__ import annotations

@@ -705,7 +705,22 @@ class StreamQueue:
 
 class Stream:
     """The iterator returned by :meth:`StreamQueue.stream` (see its docstring for the
-    acknowledgement rules)."""
+    acknowledgement rules).
+
+    Examples:
+        >>> import asyncio, torch, streamrl
+        >>> async def main():
+        ...     async with streamrl.StreamQueue(capacity=16) as q:
+        ...         await q.put({"x": torch.arange(6)}, partition="p")
+        ...         await q.seal("p")               # no more rows: the stream ends once drained
+        ...         sizes = []
+        ...         async with q.stream("t", ["x"], batch_size=4, partition="p") as batches:
+        ...             async for mb in batches:    # acknowledged when the next is asked for
+        ...                 sizes.append(len(mb))
+        ...         return sizes
+        >>> asyncio.run(main())
+        [4, 2]
+    """
 
     def __init__(self, queue: StreamQueue, req: Request, timeout: float | None):
         self._q = queue
