@@ -22,7 +22,7 @@ import mmap
 import os
 import threading
 from collections.abc import Iterable
-from typing import NamedTuple
+from typing import Literal, NamedTuple, overload
 
 import numpy as np
 
@@ -154,6 +154,11 @@ class Arena:
         """Stop the prefault thread (the segments stay until the process lets go)."""
         self._closed = True
         self._wake.set()
+
+    @overload
+    def alloc(self, nbytes: int, grow: Literal[True] = True) -> ShmRef: ...
+    @overload
+    def alloc(self, nbytes: int, grow: bool) -> ShmRef | None: ...
 
     def alloc(self, nbytes: int, grow: bool = True) -> ShmRef | None:
         """A block of at least ``nbytes`` (first fit; a new segment when none fits, or

@@ -8,7 +8,7 @@ import warnings
 import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import anyio
 import numpy as np
@@ -30,6 +30,9 @@ from .transport.base import DataPlane, Transport
 from .errors import (EndOfStream, InvalidArgument, LeaseExpired, SchemaError, StreamTimeout,
                      TransportError)
 from .stats import Stats
+
+if TYPE_CHECKING:
+    from .metrics import MetricsServer
 
 __all__ = ["StreamQueue", "Stream", "DEFAULT_PARTITION"]
 
@@ -96,6 +99,9 @@ class StreamQueue:
         8
     """
 
+    #: the ``/metrics`` endpoint this process serves for the queue (``metrics=``), if any
+    _metrics: MetricsServer | None
+
     def __init__(self, capacity: int = 4096, num_shards: int = 4, *,
                  capacity_bytes: int | None = None, transport: "str | Transport" = "embedded",
                  lease_timeout: float = 600.0, max_staleness: int | None = None,
@@ -146,14 +152,14 @@ class StreamQueue:
     def _start(self, transport: Transport, name: str | None) -> None:
         self._metrics = None
         self._timings: dict[str, RoleTiming] = {}
-        self.name = name
+        self.name: str | None = name
         self._closed_locally = False
         # tag fields (group keys...) as the controller last said, per partition, and of
         # any partition: see _tags
         self._tags_by_part: OrderedDict[str, frozenset[str]] = OrderedDict()
         self._tags_any: frozenset[str] = frozenset()
-        self._transport = transport
-        self._session = Session(self, transport)
+        self._transport: Transport = transport
+        self._session: Session = Session(self, transport)
         if getattr(transport, "metrics_url", None) is not None and transport.handle is not None:
             # the controller serves the queue-wide series elsewhere: this process's reads
             # go to the cluster's metrics (the Ray dashboard) instead
@@ -353,6 +359,7 @@ class StreamQueue:
         dtypes = {f: column_dtype(f, c) for f, c in cols.items()}
         ctl = self._control
         target: RowRemoteBatch | None = None
+        part: str | None
         if rows is None:
             part = DEFAULT_PARTITION if partition is None else partition
             tags = self._tags(part, cols)
@@ -704,7 +711,22 @@ class StreamQueue:
 
 class Stream:
     """The iterator returned by :meth:`StreamQueue.stream` (see its docstring for the
-    acknowledgement rules)."""
+    acknowledgement rules).
+
+    Examples:
+        >>> import asyncio, torch, streamrl
+        >>> async def main():
+        ...     async with streamrl.StreamQueue(capacity=16) as q:
+        ...         await q.put({"x": torch.arange(6)}, partition="p")
+        ...         await q.seal("p")               # no more rows: the stream ends once drained
+        ...         sizes = []
+        ...         async with q.stream("t", ["x"], batch_size=4, partition="p") as batches:
+        ...             async for mb in batches:    # acknowledged when the next is asked for
+        ...                 sizes.append(len(mb))
+        ...         return sizes
+        >>> asyncio.run(main())
+        [4, 2]
+    """
 
     def __init__(self, queue: StreamQueue, req: Request, timeout: float | None):
         self._q = queue
@@ -850,7 +872,7 @@ def _attach_embedded(qid: int) -> StreamQueue:
     return q
 
 
-def _from_handle(kind: type, handle: Any, name: str | None) -> StreamQueue:
+def _from_handle(kind: type[Transport], handle: Any, name: str | None) -> StreamQueue:
     q = StreamQueue.__new__(StreamQueue)
     q._config = None
     q._start(kind.attach(handle), name)

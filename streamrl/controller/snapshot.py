@@ -11,6 +11,7 @@ from typing import Any
 
 from ..errors import CheckpointError
 from ..messages import FilterJob, FilterSpec, WriteToken
+from .base import ControllerBase
 from .leases import _Lease
 from .state import Partition, Row, _consumers
 
@@ -20,7 +21,7 @@ FORMAT = "streamrl.controller"
 FORMAT_VERSION = 1
 
 
-class Snapshot:
+class Snapshot(ControllerBase):
     """``state_dict`` and ``load_state_dict`` (part of :class:`Controller`)."""
 
     def state_dict(self) -> dict[str, Any]:

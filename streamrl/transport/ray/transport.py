@@ -56,7 +56,8 @@ class RayTransport(Transport):
     #: the data-plane client: the storage units through their arenas or inline bytes
     data_plane: type[RayDataPlane] = RayDataPlane
     #: the control-plane client (the controller actor as a ControlPlane)
-    control_plane: type[RayControl] = RayControl
+    # (its methods are generated: the type checker sees the protocol's, abstract)
+    control_plane: type[RayControl] = RayControl  # type: ignore[type-abstract]
     #: the actor classes :meth:`create` starts
     controller_actor: Any = ControllerActor
     storage_actor: Any = StorageActor
@@ -180,6 +181,9 @@ class RayTransport(Transport):
                 f"no streamrl queue named {name!r} in this Ray cluster"
                 + (f" (namespace {namespace!r})" if namespace else "")
                 + "; create it with StreamQueue(transport='ray', name=...) first") from None
+        units: list
+        endpoints: Endpoints | None
+        data_plane: type[RayDataPlane]
         units, endpoints, data_plane = ray.get(controller.handles.remote())
         return cls(controller, units, owner=False, endpoints=endpoints, data_plane=data_plane)
 

@@ -85,7 +85,8 @@ class StorageActorImpl:
         event loop on a thread of its own; where. ``controller``: the controller's
         endpoint, for :meth:`put_rows` (which calls the control plane over it)."""
         if controller is not None and self._controller is None:
-            self._controller = RayControl(None, controller)
+            # (its methods are generated: the type checker sees the protocol's, abstract)
+            self._controller = RayControl(None, controller)  # type: ignore[abstract]
         if self._endpoint is None:
             loop = new_loop()
             threading.Thread(target=loop.run_forever, name="streamrl-unit-rpc",
@@ -356,4 +357,6 @@ def _proc_memory() -> dict[str, int]:
 
 
 #: the storage unit as a Ray actor class (threaded; its socket channel has its own loop)
-StorageActor = ray.remote(num_cpus=0, max_concurrency=4)(StorageActorImpl)
+# (Ray's annotations of ray.remote list task options only: max_concurrency is an actor's)
+StorageActor = ray.remote(  # type: ignore[call-overload]
+    num_cpus=0, max_concurrency=4)(StorageActorImpl)
