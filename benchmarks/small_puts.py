@@ -1,6 +1,6 @@
 """The agentic pattern: one-row puts from many producers, a consumer waiting for batches.
 
-Run: python benchmarks/small_puts.py [--rows 20000] [--ray] [--tq]
+Run: python benchmarks/small_puts.py [--rows 20000] [--ray] [--tq] [--scrape-every 1]
 
 Side by side in one run (ratios, since shared machines are noisy):
 
@@ -8,6 +8,8 @@ Side by side in one run (ratios, since shared machines are noisy):
   reward) while a consumer ``async for``s batches of 64 and materializes them, against a
   bare ``asyncio.Queue`` carrying the same dicts with a ``torch.cat`` per 64 rows (the
   queue a user would otherwise write). Target: streamrl at most 5x its cost per row.
+* **metrics**: the embedded case with ``metrics=True`` and a scraper thread reading
+  ``/metrics`` every second, against metrics off, interleaved. Target: under 5% more.
 * **controller, batched**: put + take + ack of 256-row batches through the bare
   controller (metadata only). Target: at least 1M rows/s.
 * **ray** (``--ray``): 4 and 16 producer actors x one-row puts, the driver consuming
@@ -38,12 +40,30 @@ def sample(i: int) -> dict:
             "reward": torch.tensor([float(i)])}
 
 
-async def embedded_streamrl(n: int) -> float:
+def _scraper(url: str, stop: "threading.Event", every: float) -> int:
+    """Scrape ``url`` every ``every`` seconds until ``stop``; returns the scrape count."""
+    import urllib.request
+
+    n = 0
+    while not stop.wait(every):
+        urllib.request.urlopen(url, timeout=30).read()
+        n += 1
+    return n
+
+
+async def embedded_streamrl(n: int, metrics: bool = False, scrape_every: float = 1.0) -> float:
     """Seconds per row: one producer putting one-row samples, a consumer streaming
-    batches of 64 and materializing them."""
+    batches of 64 and materializing them. With ``metrics``: the queue serves
+    Prometheus metrics and a thread scrapes them every ``scrape_every`` seconds."""
+    import threading
+
     samples = [sample(i) for i in range(n)]
-    async with streamrl.StreamQueue(capacity=4096, num_shards=4, consumers=["train"]) as q:
+    async with streamrl.StreamQueue(capacity=4096, num_shards=4, consumers=["train"],
+                                    metrics=True if metrics else None) as q:
         got = 0
+        stop = threading.Event()
+        scraper = (asyncio.ensure_future(asyncio.to_thread(
+            _scraper, q.metrics_url, stop, scrape_every)) if metrics else None)
 
         async def consume():
             nonlocal got
@@ -60,6 +80,9 @@ async def embedded_streamrl(n: int) -> float:
         await task
         dt = time.perf_counter() - t0
         assert got == n, (got, n)
+        if scraper is not None:
+            stop.set()
+            await scraper
     return dt / n
 
 
@@ -139,13 +162,36 @@ async def main() -> None:
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--ray", action="store_true", help="also the Ray cases")
     ap.add_argument("--tq", action="store_true", help="also TransferQueue (with --ray)")
+    ap.add_argument("--scrape-every", type=float, default=1.0,
+                    help="seconds between scrapes in the metrics-on case")
     ap.add_argument("--json", default=None)
+    ap.add_argument("--profile", action="store_true",
+                    help="only profile the embedded one-row put path (cProfile, by own time)")
     a = ap.parse_args()
+    if a.profile:
+        import cProfile
+        import pstats
+
+        await embedded_streamrl(500)  # warm
+        pr = cProfile.Profile()
+        pr.enable()
+        await embedded_streamrl(a.rows)
+        pr.disable()
+        pstats.Stats(pr).sort_stats("tottime").print_stats(30)
+        return
     res: dict = {}
     s = med([await embedded_streamrl(a.rows) for _ in range(a.reps)])
     b = med([await embedded_asyncio_queue(a.rows) for _ in range(a.reps)])
     res["embedded"] = {"streamrl_us_per_row": s * 1e6, "asyncio_queue_us_per_row": b * 1e6,
                        "cost_ratio": s / b, "target_ratio": 5.0}
+    # metrics on (endpoint + a scrape a second) against off, interleaved
+    on, off = [], []
+    for _ in range(a.reps):
+        off.append(await embedded_streamrl(a.rows))
+        on.append(await embedded_streamrl(a.rows, metrics=True, scrape_every=a.scrape_every))
+    res["metrics"] = {"off_us_per_row": med(off) * 1e6, "on_us_per_row": med(on) * 1e6,
+                      "overhead": med(on) / med(off) - 1, "scrape_every_s": a.scrape_every,
+                      "target_overhead": 0.05}
     res["controller_batched_rows_per_s"] = med([controller_batched(256_000) for _ in range(a.reps)])
     res["controller_one_row_us"] = med([controller_one_row(a.rows) for _ in range(a.reps)]) * 1e6
     if a.ray:
@@ -157,6 +203,10 @@ async def main() -> None:
           f"streamrl {e['streamrl_us_per_row']:.1f} us/row, asyncio.Queue "
           f"{e['asyncio_queue_us_per_row']:.1f} us/row: {e['cost_ratio']:.1f}x its cost "
           f"(target <= {e['target_ratio']:.0f}x)")
+    m = res["metrics"]
+    print(f"metrics on (scraped every {m['scrape_every_s']:g} s) vs off: "
+          f"{m['on_us_per_row']:.1f} vs {m['off_us_per_row']:.1f} us/row: "
+          f"{m['overhead']:+.1%} (target < +5%)")
     print(f"bare controller, 256-row put+take+ack: "
           f"{res['controller_batched_rows_per_s']:,.0f} rows/s (target >= 1,000,000)")
     print(f"bare controller, one-row put with a waiting subscription: "

@@ -10,10 +10,10 @@ Examples:
     >>> cfg = QueueConfig.from_mapping({"capacity": 64, "num_shards": 2})
     >>> cfg.capacity, cfg.transport
     (64, 'embedded')
-    >>> QueueConfig.from_mapping({"capacty": 64})
+    >>> QueueConfig.from_mapping({"capacty": 64})  # doctest: +ELLIPSIS
     Traceback (most recent call last):
     ...
-    streamrl.errors.InvalidArgument: unknown queue option 'capacty' (did you mean 'capacity'?); valid options: capacity, capacity_bytes, checkpoint_dir, checkpoint_every, checkpoint_keep, consumers, lease_timeout, max_lead, max_staleness, name, num_shards, options, sampler, storage, transport
+    streamrl.errors.InvalidArgument: unknown queue option 'capacty' (did you mean 'capacity'?); valid options: capacity, capacity_bytes, ...
 """
 
 from __future__ import annotations
@@ -144,7 +144,7 @@ class QueueConfig:
     lease_timeout: float = 600.0
     max_staleness: int | None = None
     max_lead: int | None = None
-    consumers: tuple[str, ...] | None = None
+    consumers: Sequence[str] | None = None  # (kept as a sorted tuple)
     name: str | None = None
     storage: Any = "memory"
     sampler: Any = "fifo"
@@ -243,7 +243,7 @@ class QueueConfig:
 def _plain(m: Any) -> Any:
     """A mapping as plain dicts and lists (OmegaConf's DictConfig/ListConfig included)."""
     try:  # OmegaConf, without importing it when it is not used
-        from omegaconf import DictConfig, ListConfig, OmegaConf  # type: ignore
+        from omegaconf import DictConfig, ListConfig, OmegaConf
     except ImportError:
         pass
     else:

@@ -14,7 +14,7 @@ field names, sizes, scalar tags, leases) and the small values filters read.
 from __future__ import annotations
 
 import inspect
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Callable, Hashable, Mapping, Sequence
 from typing import Any, Protocol, runtime_checkable
 
 from .checkpoint.cut import CheckpointCut
@@ -45,8 +45,8 @@ class ControlPlane(Protocol):
         """Admit a write of fields to existing rows."""
         ...
 
-    async def commit(self, token: WriteToken, nbytes: dict[str, Sequence[int]],
-                     tags: dict[str, Sequence[Hashable]] | None = None) -> CommitResult:
+    async def commit(self, token: WriteToken, nbytes: Mapping[str, Sequence[int]],
+                     tags: Mapping[str, Sequence[Hashable]] | None = None) -> CommitResult:
         """The write's data is stored: mark its fields ready."""
         ...
 
@@ -64,8 +64,8 @@ class ControlPlane(Protocol):
         ...
 
     async def put_rows(self, partition: str, fields: Sequence[str], ids: Sequence[int],
-                       shard: int, nbytes: dict[str, Sequence[int]],
-                       tags: dict[str, Sequence[Hashable]] | None = None,
+                       shard: int, nbytes: Mapping[str, Sequence[int]],
+                       tags: Mapping[str, Sequence[Hashable]] | None = None,
                        version: int | None = None, dtypes: dict[str, str] | None = None
                        ) -> PutAnswer:
         """Admit and commit new rows a unit already stored (no waiting)."""

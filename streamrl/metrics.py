@@ -42,13 +42,16 @@ import asyncio
 import logging
 import threading
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .stats import Histogram, Stats
 
+if TYPE_CHECKING:
+    from wsgiref.simple_server import WSGIServer
+
 log = logging.getLogger("streamrl")
 
-__all__ = ["MetricsServer", "families", "parse_spec"]
+__all__ = ["MetricsServer", "RayMirror", "RayReads", "families", "parse_spec"]
 
 
 def parse_spec(spec: Any) -> tuple[str, int] | None:
@@ -102,6 +105,10 @@ def families(st: Stats, queue: str, reads: dict[str, list] | None = None) -> Ite
     for reason, n in sorted(st.dropped_by.items()):
         c.add_metric([queue, reason], n)
     yield c
+    c = counter("bytes_dropped", "Bytes of rows that left the queue, per reason.", ["reason"])
+    for reason, n in sorted(st.bytes_dropped_by.items()):
+        c.add_metric([queue, reason], n)
+    yield c
     c = counter("rows_filtered", "Rows rejected, per filter.", ["filter"])
     for name, n in sorted(st.filtered_by.items()):
         c.add_metric([queue, name], n)
@@ -150,7 +157,8 @@ def families(st: Stats, queue: str, reads: dict[str, list] | None = None) -> Ite
 
 
 def _buckets(h: Histogram) -> list[tuple[str, float]]:
-    out, seen = [], 0
+    out: list[tuple[str, float]] = []
+    seen = 0
     last = max((i for i, c in enumerate(h.counts) if c), default=0)
     for i in range(min(last + 2, Histogram.NBUCKETS)):
         seen += h.counts[i]
@@ -199,9 +207,10 @@ class MetricsServer:
         self._lock = threading.Lock()
         self.registry = CollectorRegistry()
         self.registry.register(_Collector(self._families))
-        self._server, self._thread = start_http_server(addr[1], addr=addr[0],
-                                                       registry=self.registry)
-        self.host, self.port = addr[0], self._server.server_port
+        server, self._thread = start_http_server(addr[1], addr=addr[0],
+                                                 registry=self.registry)
+        self._server: WSGIServer | None = server
+        self.host, self.port = addr[0], server.server_port
 
     @property
     def url(self) -> str:
@@ -251,7 +260,8 @@ class RayMirror:
                 if sample.name.endswith("_created"):
                     continue
                 keys = tuple(sorted(sample.labels))
-                m = self._metrics.get(sample.name)
+                # a Counter or a Gauge, as fam.type says
+                m: Any = self._metrics.get(sample.name)
                 if m is None:
                     kind = rm.Counter if fam.type == "counter" else rm.Gauge
                     m = self._metrics[sample.name] = kind(
@@ -265,3 +275,35 @@ class RayMirror:
                         m.inc(delta, tags=tags)
                 else:
                     m.set(sample.value, tags=tags)
+
+
+class RayReads:
+    """This process's ``materialize`` reads as Ray metrics (``ray.util.metrics``): the
+    ``streamrl_materialize_seconds`` histogram and ``streamrl_materialize_bytes`` counter,
+    labelled by queue and task, recorded where the reads happen (any Ray worker) so the
+    Ray dashboard sums them over the cluster. Made lazily, on the first read."""
+
+    BOUNDARIES = [Histogram.bound(i) for i in range(4, 36, 2)]  # 16 us .. ~2 min
+
+    def __init__(self, queue: str) -> None:
+        self._queue = queue
+        self._m: tuple[Any, Any] | None = None
+
+    def __call__(self, task: str, rows: int, nbytes: int, seconds: float) -> None:
+        try:
+            if self._m is None:
+                from ray.util import metrics as rm
+
+                self._m = (
+                    rm.Histogram("streamrl_materialize_seconds",
+                                 description="Seconds a materialize call took.",
+                                 boundaries=self.BOUNDARIES, tag_keys=("queue", "task")),
+                    rm.Counter("streamrl_materialize_bytes",
+                               description="Tensor bytes read by materialize.",
+                               tag_keys=("queue", "task")))
+            tags = {"queue": self._queue, "task": task}
+            self._m[0].observe(seconds, tags=tags)
+            if nbytes:
+                self._m[1].inc(nbytes, tags=tags)
+        except Exception as e:  # noqa: BLE001 - metrics never break a read
+            log.debug("streamrl: Ray read metrics failed: %r", e)

@@ -33,7 +33,8 @@ from .errors import (EndOfStream, InvalidArgument, LeaseExpired, SchemaError, St
 from .stats import Stats
 
 if TYPE_CHECKING:
-    from .checkpoint.client import CheckpointInfo
+    from .checkpoint.client import CheckpointInfo, Periodic
+    from .metrics import MetricsServer
 
 __all__ = ["StreamQueue", "Stream", "DEFAULT_PARTITION"]
 
@@ -106,6 +107,11 @@ class StreamQueue:
         8
     """
 
+    #: the ``/metrics`` endpoint this process serves for the queue (``metrics=``), if any
+    _metrics: MetricsServer | None
+    #: periodic checkpoints (``checkpoint_every``), if any
+    _periodic: Periodic | None
+
     def __init__(self, capacity: int = 4096, num_shards: int = 4, *,
                  capacity_bytes: int | None = None, transport: "str | Transport" = "embedded",
                  lease_timeout: float = 600.0, max_staleness: int | None = None,
@@ -128,8 +134,9 @@ class StreamQueue:
         self._start(registry.resolve(config.transport)(config), name)
         self._serve_metrics(config)
         if config.checkpoint_every is not None:
-            from .checkpoint.client import Periodic
+            from .checkpoint.client import Periodic  # noqa: F811 (at run time)
 
+            assert config.checkpoint_dir is not None  # (QueueConfig checks it)
             self._periodic = Periodic(self, config.checkpoint_every, config.checkpoint_dir,
                                       config.checkpoint_keep)
             self._periodic.start()  # (or at the first call, once a loop runs)
@@ -165,15 +172,21 @@ class StreamQueue:
     def _start(self, transport: Transport, name: str | None) -> None:
         self._metrics = None
         self._timings: dict[str, RoleTiming] = {}
-        self.name = name
+        self.name: str | None = name
         self._closed_locally = False
         # tag fields (group keys...) as the controller last said, per partition, and of
         # any partition: see _tags
         self._tags_by_part: OrderedDict[str, frozenset[str]] = OrderedDict()
         self._tags_any: frozenset[str] = frozenset()
-        self._transport = transport
-        self._periodic = None  # periodic checkpoints (checkpoint_every)
-        self._session = Session(self, transport)
+        self._transport: Transport = transport
+        self._periodic = None
+        self._session: Session = Session(self, transport)
+        if getattr(transport, "metrics_url", None) is not None and transport.handle is not None:
+            # the controller serves the queue-wide series elsewhere: this process's reads
+            # go to the cluster's metrics (the Ray dashboard) instead
+            from .metrics import RayReads
+
+            self._session.on_read = RayReads(name or transport.queue_id[:8])
         self._id = next(_ids)
         _registry[self._id] = self
 
@@ -369,6 +382,7 @@ class StreamQueue:
         dtypes = {f: column_dtype(f, c) for f, c in cols.items()}
         ctl = self._control
         target: RowRemoteBatch | None = None
+        part: str | None
         if rows is None:
             part = DEFAULT_PARTITION if partition is None else partition
             tags = self._tags(part, cols)
@@ -801,7 +815,22 @@ class StreamQueue:
 
 class Stream:
     """The iterator returned by :meth:`StreamQueue.stream` (see its docstring for the
-    acknowledgement rules)."""
+    acknowledgement rules).
+
+    Examples:
+        >>> import asyncio, torch, streamrl
+        >>> async def main():
+        ...     async with streamrl.StreamQueue(capacity=16) as q:
+        ...         await q.put({"x": torch.arange(6)}, partition="p")
+        ...         await q.seal("p")               # no more rows: the stream ends once drained
+        ...         sizes = []
+        ...         async with q.stream("t", ["x"], batch_size=4, partition="p") as batches:
+        ...             async for mb in batches:    # acknowledged when the next is asked for
+        ...                 sizes.append(len(mb))
+        ...         return sizes
+        >>> asyncio.run(main())
+        [4, 2]
+    """
 
     def __init__(self, queue: StreamQueue, req: Request, timeout: float | None):
         self._q = queue
@@ -915,6 +944,8 @@ def _split_by_shard(rows: Sequence[int], shards: Sequence[int], cols: Mapping[st
     """(shard, rows, columns) per storage unit: slices (views) for contiguous runs of one
     shard, gathered copies otherwise."""
     n = len(rows)
+    if n and all(s == shards[0] for s in shards):  # one unit (every one-row put): as is
+        return [(shards[0], list(rows), dict(cols))]
     runs: list[tuple[int, int, int]] = []  # (shard, start, stop)
     start = 0
     for i in range(1, n + 1):
@@ -945,7 +976,7 @@ def _attach_embedded(qid: int) -> StreamQueue:
     return q
 
 
-def _from_handle(kind: type, handle: Any, name: str | None) -> StreamQueue:
+def _from_handle(kind: type[Transport], handle: Any, name: str | None) -> StreamQueue:
     q = StreamQueue.__new__(StreamQueue)
     q._config = None
     q._start(kind.attach(handle), name)

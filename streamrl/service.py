@@ -27,8 +27,8 @@ import logging
 import math
 import time
 from collections import OrderedDict, deque
-from collections.abc import Callable, Hashable, Sequence
-from typing import Any
+from collections.abc import Callable, Collection, Hashable, Iterable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any
 
 import anyio
 
@@ -41,6 +41,9 @@ from .errors import (CheckpointError, FilterError, InvalidArgument, QueueClosed,
                      RowsDropped, StreamRLError, StreamTimeout)
 from .stats import Histogram, Stats, TaskStats
 from .transport.base import DataPlane
+
+if TYPE_CHECKING:
+    import asyncio
 
 log = logging.getLogger("streamrl")
 
@@ -69,10 +72,10 @@ class ControllerService:
         # (tag field, partition or None) -> its backfill is done
         self._tags_ready: dict[tuple[str, str | None], anyio.Event] = {}
         self._deferred: deque[list[int]] = deque()  # releases queued by finalizers
-        self._loop = None  # the event loop this service runs in (set on first use)
+        self._loop: asyncio.AbstractEventLoop | None = None  # the event loop this service runs in (set on first use)
         # a checkpoint being written: the storage deletes it holds back (one at a time)
         self._hold: Hold | None = None
-        self._hold_ended: anyio.Event | None = None
+        self._hold_ended: anyio.Event = anyio.Event()
         self._holds = 0
 
     # ------------------------------------------------------------------ plumbing
@@ -155,7 +158,7 @@ class ControllerService:
         except Exception:  # a dead unit: its rows are gone anyway
             log.exception("streamrl: deleting rows from storage failed")
 
-    def _wake(self, woken: set[tuple], changed: set, freed: bool) -> None:
+    def _wake(self, woken: Iterable[tuple], changed: Collection[Any], freed: bool) -> None:
         for key in woken:
             for ev in self._sub_waiters.get(key, ()):
                 ev.set()
@@ -225,6 +228,7 @@ class ControllerService:
         ctl.check_dtypes(dtypes)  # a put that can never be admitted does not wait
         deadline = None if timeout is None else ctl.clock() + timeout
         if ctl.admission(n, nbytes, version) == "ahead":
+            assert version is not None and ctl.max_lead is not None  # (what "ahead" means)
             # version pacing: wait until this producer is no longer too far ahead
             await self._until_version(
                 version - ctl.max_lead, deadline,
@@ -275,8 +279,8 @@ class ControllerService:
                 self._pace_waiters.discard(ev)
 
     async def put_rows(self, partition: str, fields: Sequence[str], ids: Sequence[int],
-                       shard: int, nbytes: dict[str, Sequence[int]],
-                       tags: dict[str, Sequence[Hashable]] | None = None,
+                       shard: int, nbytes: Mapping[str, Sequence[int]],
+                       tags: Mapping[str, Sequence[Hashable]] | None = None,
                        version: int | None = None, dtypes: dict[str, str] | None = None
                        ) -> PutAnswer:
         """Admit and commit, in one step, new rows that storage unit ``shard`` already
@@ -320,8 +324,8 @@ class ControllerService:
             raise QueueClosed("the queue is closed; no fields can be written any more")
         return self.ctl.begin_write(rows, fields, overwrite=overwrite, dtypes=dtypes)
 
-    async def commit(self, token: WriteToken, nbytes: dict[str, Sequence[int]],
-                     tags: dict[str, Sequence[Hashable]] | None = None) -> CommitResult:
+    async def commit(self, token: WriteToken, nbytes: Mapping[str, Sequence[int]],
+                     tags: Mapping[str, Sequence[Hashable]] | None = None) -> CommitResult:
         """Mark a write's fields ready; run the filters it completes (a filter failure is
         raised here as :class:`~streamrl.errors.FilterError` after its rows were dropped).
         Rows dropped while the write was in flight are deleted from storage here.
@@ -378,7 +382,7 @@ class ControllerService:
         for fields, parts in undo.parts:
             await self.data.delete_fields(parts, fields, write=undo.write)
             told.update(parts)
-        rest = {s: [] for s in undo.shards if s not in told and s not in self.ctl.dead_shards}
+        rest: dict[int, list[int]] = {s: [] for s in undo.shards if s not in told and s not in self.ctl.dead_shards}
         if rest:  # no entries to forget there, but late data of the write is dropped
             await self.data.delete_fields(rest, (), write=undo.write)
 
@@ -429,8 +433,9 @@ class ControllerService:
                 every = self._tags_ready.get((f, None)) if partition is not None else None
                 if (mine is not None and mine.is_set()) or (every is not None and every.is_set()):
                     break
-                if mine is not None or every is not None:  # another caller backfills
-                    await (mine or every).wait()
+                other = mine if mine is not None else every
+                if other is not None:  # another caller backfills
+                    await other.wait()
                     continue  # (it may have failed: look again)
                 ev = self._tags_ready[(f, partition)] = anyio.Event()
                 try:
@@ -771,6 +776,7 @@ class ControllerService:
             put=ctl.c_put, bytes_put=ctl.c_bytes_put, bytes_freed=ctl.c_bytes_freed,
             dropped=sum(ctl.c_dropped.values()),
             dropped_by={str(k): v for k, v in ctl.c_dropped.items()},
+            bytes_dropped_by={str(k): v for k, v in ctl.c_bytes_dropped.items()},
             filtered=sum(ctl.c_filtered_by.values()), filtered_by=dict(ctl.c_filtered_by),
             filter_errors=sum(ctl.c_filter_errors.values()),
             filter_pending=ctl.pending_filter_rows(),
@@ -802,12 +808,12 @@ class ControllerService:
         for rid, row in ctl.rows.items():
             if row.shard in ctl.dead_shards:
                 continue
-            held = inv[row.shard].get(rid)
-            if held is None:
+            stored = inv[row.shard].get(rid)
+            if stored is None:
                 if rid not in inflight:
                     out.append(f"row {rid}: the controller holds it, unit {row.shard} does not")
                 continue
-            held = set(held)
+            held = set(stored)
             lacking = sorted(set(row.fields) - held)
             if lacking:
                 out.append(f"row {rid}: fields {lacking} are committed but unit {row.shard} "

@@ -41,6 +41,8 @@ class Session:
         #: what this process read through the queue, per task: ``[rows, bytes,
         #: Histogram of seconds per materialize]`` (``"-"``: batches not from a task)
         self.reads: dict[str, list] = {}
+        #: called after each read with ``(task, rows, bytes, seconds)`` (Ray metrics)
+        self.on_read: Any = None
 
     @property
     def control(self) -> "ControlPlane":
@@ -66,9 +68,13 @@ class Session:
         entry = self.reads.get(task or "-")
         if entry is None:
             entry = self.reads[task or "-"] = [0, 0, Histogram()]
+        nbytes = sum(_tensor_bytes(c) for c in out.values())
+        dt = time.perf_counter() - t0
         entry[0] += len(rows)
-        entry[1] += sum(_tensor_bytes(c) for c in out.values())
-        entry[2].observe(time.perf_counter() - t0)
+        entry[1] += nbytes
+        entry[2].observe(dt)
+        if self.on_read is not None:
+            self.on_read(task or "-", len(rows), nbytes, dt)
         return out
 
     async def _fetch(self, rows: np.ndarray, shards: np.ndarray, fields: list[str]

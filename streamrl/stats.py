@@ -122,6 +122,7 @@ class Stats:
         dropped: rows that left the queue.
         dropped_by: rows that left, per reason: ``dropped``, ``cleared``, ``filtered``,
             ``filter_error``, ``stale``, ``consumed``, ``dp_remainder``, ``lost``.
+        bytes_dropped_by: bytes of those rows, per the same reasons.
         filtered: rows rejected by filters.
         filtered_by: rows rejected, per filter name.
         filter_errors: rows dropped because their filter raised.
@@ -149,6 +150,19 @@ class Stats:
             (blocks not reused until those tensors are gone).
         closed: whether the queue is closed.
         last_filter_errors: messages of the last filter failures.
+
+    Examples:
+        >>> import asyncio, torch, streamrl
+        >>> async def main():
+        ...     async with streamrl.StreamQueue(capacity=16) as q:
+        ...         rows = await q.put({"x": torch.zeros(4, 2)})   # 4 rows of 8 bytes
+        ...         st = await q.stats()
+        ...         held = (st.rows, st.bytes)
+        ...         await rows.drop()
+        ...         st = await q.stats()
+        ...         return held, (st.rows, st.bytes, st.dropped)
+        >>> asyncio.run(main())
+        ((4, 32), (0, 0, 4))
     """
 
     rows: int = 0
@@ -162,6 +176,7 @@ class Stats:
     bytes_freed: int = 0
     dropped: int = 0
     dropped_by: dict[str, int] = field(default_factory=dict)
+    bytes_dropped_by: dict[str, int] = field(default_factory=dict)
     filtered: int = 0
     filtered_by: dict[str, int] = field(default_factory=dict)
     filter_errors: int = 0

@@ -40,6 +40,9 @@ async def test_metrics_agree_with_stats(make_queue):
     assert m["streamrl_rows_put_total{}"] == st.put == 16
     assert m["streamrl_rows_filtered_total{filter=no4}"] == st.filtered_by["no4"] == 4
     assert m["streamrl_rows_dropped_total{reason=consumed}"] == st.dropped_by["consumed"]
+    row_bytes = 8 + 8 * 4
+    assert m["streamrl_bytes_dropped_total{reason=filtered}"] == 4 * row_bytes
+    assert st.bytes_dropped_by == {"filtered": 4 * row_bytes, "consumed": 6 * row_bytes}
     assert m["streamrl_rows_delivered_total{task=train}"] == st.tasks["train"].delivered == 9
     assert m["streamrl_rows_acked_total{task=train}"] == 6
     assert m["streamrl_bytes_delivered_total{task=train}"] == st.tasks["train"].bytes > 0
@@ -51,6 +54,12 @@ async def test_metrics_agree_with_stats(make_queue):
     if q.transport == "embedded":  # this process's reads (on Ray: the Ray metrics)
         assert m["streamrl_materialize_seconds_count{task=train}"] == 1
         assert m["streamrl_materialize_bytes_total{task=train}"] == 6 * (8 + 8 * 4)
+    else:  # the controller serves the queue; each client records its reads as Ray metrics
+        import pickle
+
+        assert q._session.on_read is not None and q._session.on_read._m is not None
+        twin = pickle.loads(pickle.dumps(q))  # what a worker gets
+        assert twin.metrics_url == q.metrics_url and twin._session.on_read is not None
 
 
 def test_a_bad_metrics_spec_is_refused():

@@ -44,6 +44,7 @@ import dataclasses
 import json
 import math
 import os
+import sys
 import time
 from collections import defaultdict
 from pathlib import Path
@@ -213,6 +214,10 @@ class Published:
         self.version, self.state = version, copy.deepcopy(policy.state_dict())
 
 
+#: seconds between progress lines when the output is not a terminal
+LOG_EVERY = 10.0
+
+
 class Run:
     """State shared by the roles of one run."""
 
@@ -230,6 +235,7 @@ class Run:
         self.updates = 0
         self.dropped_in_flight = 0
         self.t0 = time.perf_counter()
+        self.logged = self.t0  # the last progress line (output not a terminal)
 
     def partition(self, step: int) -> str:
         return f"step-{step}"
@@ -362,9 +368,16 @@ async def trainer(run: Run, policy: Policy, weights: Published, evalset, bar) ->
             entry["eval_acc"] = await anyio.to_thread.run_sync(accuracy, policy, *evalset)
         run.history.append(entry)
         s = await run.q.stats()
-        bar.set_postfix(reward=f"{entry['reward']:.2f}", held=f"{s.bytes / 2**20:.0f}MiB",
-                        rows_s=f"{s.put / (time.perf_counter() - run.t0):.0f}")
+        post = dict(reward=f"{entry['reward']:.2f}", held=f"{s.bytes / 2**20:.0f}MiB",
+                    rows_s=f"{s.put / (time.perf_counter() - run.t0):.0f}")
+        bar.set_postfix(**post)
         bar.update(1)
+        if bar.disable and not args.quiet and (
+                time.perf_counter() - run.logged >= LOG_EVERY or step == args.steps - 1):
+            # not a terminal (CI, nohup, a log file): a plain line now and then
+            run.logged = time.perf_counter()
+            print(f"step {step + 1}/{args.steps} ({entry['time']:.0f} s): "
+                  + " ".join(f"{k}={v}" for k, v in post.items()), flush=True)
 
 
 async def monitor(run: Run, stop: anyio.Event) -> None:
@@ -417,7 +430,7 @@ async def _run(args: argparse.Namespace) -> dict[str, Any]:
         r = Run(args, q)
         stop = anyio.Event()
         with tqdm(total=args.steps, desc=f"vlm {args.fetch}", unit="step",
-                  disable=args.quiet) as bar:
+                  disable=args.quiet or not sys.stderr.isatty()) as bar:
             async with anyio.create_task_group() as tg:
                 tg.start_soon(monitor, r, stop)
                 async with anyio.create_task_group() as roles:

@@ -36,6 +36,7 @@ import uuid
 import weakref
 import zlib
 from dataclasses import dataclass
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
 import anyio
@@ -378,7 +379,8 @@ def _config(manifest: dict[str, Any], overrides: dict[str, Any]) -> dict[str, An
     return {k: v for k, v in saved.items() if k in fields}
 
 
-async def restore(cls: type, path: str | os.PathLike, *, filters: dict | None = None,
+async def restore(cls: Any, path: str | os.PathLike, *,
+                  filters: Mapping[str, Callable] | None = None,
                   **overrides: Any) -> "StreamQueue":
     """A running queue from the checkpoint at ``path`` (see
     :meth:`streamrl.StreamQueue.restore`)."""

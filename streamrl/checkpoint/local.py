@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import os
 import threading
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import anyio
@@ -34,7 +34,8 @@ def _raw(piece: Any) -> tuple:
 
 
 async def write_units(units: Sequence[StorageBackend], directory: str,
-                      plans: dict[int, dict], rows: dict[int, list[int]]) -> list[dict]:
+                      plans: Mapping[int, Mapping], rows: Mapping[int, Sequence[int]]
+                      ) -> list[dict]:
     """Write every unit's rows of a cut under ``directory/unit-XXXXX``, concurrently;
     the units' manifest entries, by shard."""
     out: list[Any] = [None] * len(units)
@@ -97,7 +98,7 @@ class TorchSink(Sink):
         return [codec.decode(codec.unpack(v)) for v in values]
 
 
-def load_unit(unit: StorageBackend, directory: str, sources: list[dict]) -> None:
+def load_unit(unit: StorageBackend, directory: str, sources: Sequence[dict]) -> None:
     """Fill ``unit`` with the parts of the old units ``sources`` (their manifest
     entries), once every file of theirs was read and checked."""
     rows: list[int] = []
@@ -112,7 +113,7 @@ def load_unit(unit: StorageBackend, directory: str, sources: list[dict]) -> None
 
 
 async def load_units(units: Sequence[StorageBackend], directory: str,
-                     sources: dict[int, list[dict]]) -> None:
+                     sources: Mapping[int, Sequence[dict]]) -> None:
     """Fill each (new, empty) unit from the checkpoint's units ``sources[shard]``, all
     at once (nobody else uses the units yet)."""
     await _all([(anyio.to_thread.run_sync, load_unit, unit, directory, sources[shard])

@@ -23,7 +23,7 @@ The directory of one unit::
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import msgpack
@@ -127,7 +127,7 @@ class _Writer:
             self.obj = None
 
 
-def write_unit(directory: str, shard: int, plan: dict[str, tuple[list[int], list[int]]],
+def write_unit(directory: str, shard: int, plan: Mapping[str, tuple[list[int], list[int]]],
                rows: Sequence[int], fetch: Callable[[list[int], str], tuple[list, Any]],
                raw: Callable[[Any], tuple], *, file_bytes: int = FILE_BYTES,
                node: str | None = None,

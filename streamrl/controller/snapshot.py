@@ -11,6 +11,7 @@ from typing import Any
 
 from ..errors import CheckpointError
 from ..messages import FilterJob, FilterSpec, WriteToken
+from .base import ControllerBase
 from .leases import _Lease
 from .state import Partition, Row, _consumers
 
@@ -20,7 +21,7 @@ FORMAT = "streamrl.controller"
 FORMAT_VERSION = 1
 
 
-class Snapshot:
+class Snapshot(ControllerBase):
     """``state_dict`` and ``load_state_dict`` (part of :class:`Controller`)."""
 
     def state_dict(self) -> dict[str, Any]:
@@ -111,6 +112,7 @@ class Snapshot:
                 "put": self.c_put, "bytes_put": self.c_bytes_put,
                 "bytes_freed": self.c_bytes_freed, "writes_expired": self.c_writes_expired,
                 "dropped": {str(k): v for k, v in self.c_dropped.items()},
+                "bytes_dropped": {str(k): v for k, v in self.c_bytes_dropped.items()},
                 "filtered_by": dict(self.c_filtered_by),
                 "filter_errors": dict(self.c_filter_errors),
                 "delivered": dict(self.c_delivered), "acked": dict(self.c_acked),
@@ -202,6 +204,7 @@ class Snapshot:
         self.c_put, self.c_bytes_put = c["put"], c["bytes_put"]
         self.c_bytes_freed, self.c_writes_expired = c["bytes_freed"], c["writes_expired"]
         self.c_dropped = dict(c["dropped"])
+        self.c_bytes_dropped = dict(c.get("bytes_dropped", {}))
         self.c_filtered_by = dict(c["filtered_by"])
         self.c_filter_errors = dict(c["filter_errors"])
         self.c_delivered, self.c_acked = dict(c["delivered"]), dict(c["acked"])

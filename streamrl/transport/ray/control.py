@@ -20,11 +20,11 @@ import pickle
 import sys
 import uuid
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import ray
 
-from ...control import CANCELLABLE, CONTROL_METHODS, forwarders
+from ...control import CANCELLABLE, CONTROL_METHODS, ControlPlane, forwarders
 from ...errors import TransportError
 from ..rpc import ConnectFailed, Endpoint, RpcClient
 from .calls import undone, unwrap
@@ -35,8 +35,15 @@ __all__ = ["RayControl"]
 #: dict of them, whose module the controller actor may not import): call -> parameter
 _BY_VALUE = {"add_filter": "fn", "checkpoint_load": "filters"}
 
+if TYPE_CHECKING:
+    # for the type checker, RayControl is a ControlPlane: it has every method of the
+    # protocol, with the protocol's signature (generated below, see forwarders)
+    _Generated = ControlPlane
+else:
+    _Generated = object
 
-class RayControl:
+
+class RayControl(_Generated):
     """The controller actor as a control plane (see the module docstring).
 
     Args:

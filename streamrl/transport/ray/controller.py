@@ -115,7 +115,9 @@ class ControllerActorImpl:
         if rid is None:
             res = await call
         else:
-            self._inflight[rid] = asyncio.current_task()
+            task = asyncio.current_task()
+            assert task is not None  # (a coroutine of the actor's loop)
+            self._inflight[rid] = task
             try:
                 res = await call
             finally:

@@ -35,6 +35,7 @@ from ...wire import WireTensor
 from ..rpc import ConnectFailed, Endpoint, RpcServer
 from .calls import new_loop, spawn
 from .control import RayControl
+from ...checkpoint.units import Sink
 from .wire import SHM_MIN, map_col, map_pieces, refs_in, tensors_in
 
 __all__ = ["StorageActorImpl", "StorageActor", "ID_BLOCK"]
@@ -64,11 +65,11 @@ class _Block:
 class StorageActorImpl:
     """One storage unit as a (threaded) actor, with its shared-memory arena."""
 
-    def __init__(self, index: int, storage: Any = "memory"):
+    def __init__(self, index: int, storage: Any = "memory", arena: dict | None = None):
         from ...storage import create_unit
 
         self.index = index
-        self.arena = Arena(index)
+        self.arena = Arena(index, **(arena or {}))
         self.blocks: dict[ShmRef, _Block] = {}
         self.pins: dict[int, tuple[int, list[ShmRef]]] = {}  # pin -> (reader pid, blocks)
         self._pin_ids = itertools.count(1)
@@ -86,7 +87,8 @@ class StorageActorImpl:
         event loop on a thread of its own; where. ``controller``: the controller's
         endpoint, for :meth:`put_rows` (which calls the control plane over it)."""
         if controller is not None and self._controller is None:
-            self._controller = RayControl(None, controller)
+            # (its methods are generated: the type checker sees the protocol's, abstract)
+            self._controller = RayControl(None, controller)  # type: ignore[abstract]
         if self._endpoint is None:
             loop = new_loop()
             threading.Thread(target=loop.run_forever, name="streamrl-unit-rpc",
@@ -372,7 +374,7 @@ class StorageActorImpl:
         return True
 
 
-class _ArenaSink:
+class _ArenaSink(Sink):
     """Where a unit's checkpoint is read into: arena blocks for big tensors (what a put
     through the arena stores), numpy arrays for the rest; objects stay encoded."""
 
@@ -465,4 +467,6 @@ def _proc_memory() -> dict[str, int]:
 
 
 #: the storage unit as a Ray actor class (threaded; its socket channel has its own loop)
-StorageActor = ray.remote(num_cpus=0, max_concurrency=4)(StorageActorImpl)
+# (Ray's annotations of ray.remote list task options only: max_concurrency is an actor's)
+StorageActor = ray.remote(  # type: ignore[call-overload]
+    num_cpus=0, max_concurrency=4)(StorageActorImpl)
