@@ -32,7 +32,7 @@ import logging
 import os
 import threading
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -74,6 +74,7 @@ class _Loop:
     _current: "_Loop | None" = None
 
     def __init__(self):
+        self.loop: asyncio.AbstractEventLoop
         try:
             import uvloop
             self.loop = uvloop.new_event_loop()
@@ -289,6 +290,7 @@ class AsyncTransferQueueClient:
         stored = {names[f]: c for f, c in cols.items()}
 
         if metadata is None:
+            assert partition_id is not None, "checked on entry: metadata or partition_id"
             rb = await self._store(stored)
             try:
                 idx, _ = await self._ctl("commit", partition_id, None, rb.rows, rb.shards, wire,
@@ -315,7 +317,7 @@ class AsyncTransferQueueClient:
         try:
             if old:
                 try:
-                    await self._store(part(old), [rows[p] for p in old])
+                    await self._store(part(old), _set_ints([rows[p] for p in old], "rows"))
                 except RowsDropped as e:
                     raise InvalidArgument(f"samples of this metadata were cleared (rows {e.rows[:8]}); "
                                      "get fresh metadata") from None
@@ -399,7 +401,8 @@ class AsyncTransferQueueClient:
         if lacking:
             raise InvalidArgument(f"fields {lacking} were never written to these samples")
         names = [store[f] for f in fields]
-        rb = RowRemoteBatch(self._sys.queue, rows, shards, names)
+        rb = RowRemoteBatch(self._sys.queue, _set_ints(rows, "rows"), _set_ints(shards, "shards"),
+                            names)
         try:
             td = await rb.materialize(names, copy=self._sys.copy)
         except UnknownField as e:
@@ -582,8 +585,8 @@ class AsyncTransferQueueClient:
         if not isinstance(saved, dict) or "controller" not in saved:
             raise CheckpointError(f"{CONTROLLER_FILE} in {root} is not a controller state of "
                                   "streamrl.compat.transferqueue")
-        with open(os.path.join(store, UNITS_FILE)) as f:
-            listed = json.load(f)
+        with open(os.path.join(store, UNITS_FILE)) as units_file:
+            listed = json.load(units_file)
         if not isinstance(listed, list) or len(listed) != saved["storage_units"]:
             raise CheckpointError(
                 f"storage unit count mismatch in {root}: {STORAGE_DIR}/{UNITS_FILE} lists "
@@ -645,6 +648,12 @@ class TransferQueueClient(AsyncTransferQueueClient):
     def _run_coroutine(self, coro: Any) -> Any:
         return self._sys.loop.run(coro)
 
+    if TYPE_CHECKING:
+        # the blocking calls are attached below (setattr over _CALLS), where mypy cannot
+        # see them; these declare the ones streamrl itself calls
+        def save_storage_checkpoint(self, checkpoint_dir: str) -> None: ...
+        def load_storage_checkpoint(self, checkpoint_dir: str) -> None: ...
+
 
 def _blocking(name: str) -> Callable:
     impl = getattr(AsyncTransferQueueClient, f"async_{name}").__wrapped__
@@ -662,6 +671,14 @@ for _name in _CALLS:
 
 
 # ---------------------------------------------------------------------- helpers
+
+
+def _set_ints(values: Sequence[int | None], what: str) -> list[int]:
+    """``values`` (rows or shards known to be set at this point) as a list of ints."""
+    out = [v for v in values if v is not None]
+    if len(out) != len(values):
+        raise AssertionError(f"{what} of samples holding data are unset")
+    return out
 
 
 def _key_list(keys: Any) -> list[str]:

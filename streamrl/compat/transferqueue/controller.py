@@ -202,7 +202,7 @@ class TQController:
     # ------------------------------------------------------------------ samples
 
     def _alloc(self, part: _Partition, n: int) -> list[int]:
-        out = []
+        out: list[int] = []
         while self._free and len(out) < n:
             out.append(self._free.popleft())
         out.extend(range(self._next, self._next + n - len(out)))
@@ -242,6 +242,7 @@ class TQController:
     def insert(self, partition_id: str, fields: Sequence[str], batch_size: int) -> BatchMeta:
         """``get_meta(mode="insert")``: ``batch_size`` new samples, no data yet."""
         p = self._part(partition_id, create=True)
+        assert p is not None, "_part(create=True) always returns a partition"
         idx = self._alloc(p, batch_size)
         return self._meta(p, idx, fields, [0] * len(idx), placeholders=True)
 
@@ -326,6 +327,7 @@ class TQController:
             if s.row is None:
                 s.row, s.shard = row, shard
             elif s.row != row:
+                assert s.shard is not None, "a sample's row and shard are set together"
                 conflicts.append((pos, s.row, s.shard))
                 continue
             for f, meta in schema.items():
@@ -373,6 +375,7 @@ class TQController:
             if s is not None:
                 self._free.append(i)
                 if s.row is not None:
+                    assert s.shard is not None, "a sample's row and shard are set together"
                     rows.append((s.row, s.shard))
         return rows
 

@@ -93,6 +93,9 @@ def _attach() -> bool:
         actor = ray.get_actor(ACTOR_NAME, namespace=ACTOR_NAMESPACE)
     except ValueError:
         return False
+    # Ray's stubs give an actor handle's methods no type (its __getattr__ returns Never)
+    queue: Any
+    conf: Any
     queue, conf = ray.get([actor.get_queue.remote(), actor.get_config.remote()])
     _set(System(queue, _RayController(actor), conf, owner=False, actor=actor))
     return True
@@ -135,6 +138,9 @@ def init(conf: Any = None) -> Any:
 
         queue = streamrl.StreamQueue(**opts)
         actor_cls = ray.remote(ControllerService)
+        # Ray's stubs type ActorClass.remote() as "ActorHandle | the class itself"
+        # (ActorProxy); it returns an ActorHandle, whose methods' .remote() they cannot type
+        actor: Any
         try:
             actor = actor_cls.options(name=ACTOR_NAME, namespace=ACTOR_NAMESPACE, num_cpus=0,
                                       max_concurrency=1000).remote(merged, queue, settings)
@@ -291,6 +297,7 @@ async def _kv_batch_get_by_meta(meta: KVBatchMeta,
                                 select_fields: Sequence[str] | str | None = None) -> TensorDict:
     if meta.partition_id is None:
         raise InvalidArgument("the KVBatchMeta has no partition_id")
+    wanted: list[str] | None  # None: every field of the batch
     if select_fields is not None:
         wanted = [select_fields] if isinstance(select_fields, str) else list(select_fields)
         if meta.fields is None or any(f not in meta.fields for f in wanted):

@@ -145,7 +145,8 @@ class GRPOGroupNSampler(BaseSampler):
             return [[idx for _, idx in sorted(members)]
                     for _, members in sorted(by_group.items()) if len(members) == n]
         # no partition view (a sampler called on its own): runs of n consecutive indexes
-        out, run = [], []
+        out: list[list[int]] = []
+        run: list[int] = []
         for idx in sorted(ready_indexes):
             run = run + [idx] if run and idx == run[-1] + 1 else [idx]
             if len(run) == n:
