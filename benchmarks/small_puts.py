@@ -165,7 +165,20 @@ async def main() -> None:
     ap.add_argument("--scrape-every", type=float, default=1.0,
                     help="seconds between scrapes in the metrics-on case")
     ap.add_argument("--json", default=None)
+    ap.add_argument("--profile", action="store_true",
+                    help="only profile the embedded one-row put path (cProfile, by own time)")
     a = ap.parse_args()
+    if a.profile:
+        import cProfile
+        import pstats
+
+        await embedded_streamrl(500)  # warm
+        pr = cProfile.Profile()
+        pr.enable()
+        await embedded_streamrl(a.rows)
+        pr.disable()
+        pstats.Stats(pr).sort_stats("tottime").print_stats(30)
+        return
     res: dict = {}
     s = med([await embedded_streamrl(a.rows) for _ in range(a.reps)])
     b = med([await embedded_asyncio_queue(a.rows) for _ in range(a.reps)])

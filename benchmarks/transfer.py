@@ -17,6 +17,9 @@ Systems:
   ray-numpy     the same with ``tensor.numpy()`` (Ray's zero-copy numpy path)
   transferqueue TransferQueue 0.1.11, 1 storage unit, driver put + get_meta + get_data
                 (``pip install -e .[bench]``; skipped with a note when missing)
+  tq-compat     the same TransferQueue code on streamrl.compat.transferqueue (worker only:
+                ``benchmarks/compat.py`` compares it; ``tq-compat-nocopy``: with
+                ``streamrl.copy_on_get: false``)
   shm           the physical bound: process A writes the bytes into /dev/shm, process B
                 copies them out (two processes, one copy each)
 
@@ -265,7 +268,14 @@ def worker_ray(reps: int, numpy: bool) -> dict:
     return out
 
 
-def worker_tq(reps: int) -> dict:
+def worker_tq(reps: int, compat: bool = False, copy: bool = True) -> dict:
+    """TransferQueue's put + get_meta + get_data from the driver; with ``compat``, the
+    same code on streamrl.compat.transferqueue (``import transfer_queue`` resolved to it;
+    ``copy=False``: its ``streamrl.copy_on_get: false``)."""
+    if compat:
+        import streamrl.compat.transferqueue
+
+        streamrl.compat.transferqueue.install()
     try:
         import transfer_queue as tq
     except ImportError:
@@ -278,7 +288,10 @@ def worker_tq(reps: int) -> dict:
 
     ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False,
              object_store_memory=2 * GiB, _node_ip_address="127.0.0.1")
-    tq.init({"backend": {"SimpleStorage": {"num_data_storage_units": 1}}})
+    conf: dict = {"backend": {"SimpleStorage": {"num_data_storage_units": 1}}}
+    if compat and not copy:
+        conf["streamrl"] = {"copy_on_get": False}
+    tq.init(conf)
     client = tq.get_client()
     out: dict = {"cases": {}, "version": tq.__version__}
     for name, case in CASES.items():
@@ -484,6 +497,8 @@ def main() -> None:
               "ray-torch": lambda: worker_ray(a.reps, numpy=False),
               "ray-numpy": lambda: worker_ray(a.reps, numpy=True),
               "transferqueue": lambda: worker_tq(a.reps),
+              "tq-compat": lambda: worker_tq(a.reps, compat=True),
+              "tq-compat-nocopy": lambda: worker_tq(a.reps, compat=True, copy=False),
               "shm": lambda: worker_shm(a.reps),
               "xnode": lambda: worker_xnode(a.reps),
               "memory": lambda: worker_memory(a.memory_gib)}[a.worker]

@@ -16,14 +16,19 @@ This module does not import torch: storage-unit actors run without it.
 from __future__ import annotations
 
 import bisect
+import itertools
+import logging
 import mmap
 import os
+import threading
 from collections.abc import Iterable
-from typing import NamedTuple
+from typing import Literal, NamedTuple, overload
 
 import numpy as np
 
 __all__ = ["Arena", "ShmRef", "SEGMENT_BYTES", "map_segment"]
+
+log = logging.getLogger("streamrl.arena")
 
 #: default segment size; bigger blocks get a segment of their own size. Small enough that
 #: an arena holds little more than its rows (it grows a segment at a time), big enough that
@@ -70,6 +75,18 @@ class Arena:
         segment_bytes: size of a new segment (a block bigger than this gets a segment of
             its own).
 
+    Keyword Args:
+        reserve: bytes of segments to make at once, on a background thread, so that the
+            first puts find their pages already faulted in (a page's first write costs
+            many times a later one on a VM). Default 0.
+        ahead: bytes of spare segments to keep made beyond what blocks use, on the same
+            thread, so a growing arena rarely waits for a new segment. Default 0.
+        limit: the arena never makes spare segments past this size (``None``: no bound
+            but ``reserve`` and ``ahead``).
+
+    Spare segments are handed to :meth:`alloc` when a block needs a new standard-size
+    segment; until then they hold memory (they count in :attr:`size`).
+
     Examples:
         >>> a = Arena(0, segment_bytes=1 << 20)
         >>> ref = a.alloc(1000)
@@ -81,16 +98,67 @@ class Arena:
         (0, 1048576)
     """
 
-    def __init__(self, unit: int = 0, segment_bytes: int = SEGMENT_BYTES):
+    def __init__(self, unit: int = 0, segment_bytes: int = SEGMENT_BYTES, *,
+                 reserve: int = 0, ahead: int = 0, limit: int | None = None):
         self.unit = unit
         self.segment_bytes = segment_bytes
         self.segments: list[_MemfdSegment] = []
         self.used = 0  # bytes in allocated blocks
+        self._names = itertools.count()
+        # spare segments made ahead of need by the prefault thread
+        self._spare: list[_MemfdSegment] = []
+        self._spare_lock = threading.Lock()
+        self.reserve, self.ahead, self.limit = reserve, ahead, limit
+        self._wake = threading.Event()
+        self._closed = False
+        self._thread: threading.Thread | None = None
+        if reserve > 0 or ahead > 0:
+            self._thread = threading.Thread(target=self._prefault, daemon=True,
+                                            name=f"streamrl-arena{unit}-prefault")
+            self._thread.start()
+            self._wake.set()
 
     @property
     def size(self) -> int:
-        """Bytes of shared memory the arena holds (used or free)."""
-        return sum(s.size for s in self.segments)
+        """Bytes of shared memory the arena holds (used, free, or spare)."""
+        with self._spare_lock:
+            spare = sum(s.size for s in self._spare)
+        return sum(s.size for s in self.segments) + spare
+
+    def _more(self) -> bool:
+        """Whether the prefault thread makes another segment: the arena is smaller than
+        ``reserve`` or than what blocks use plus ``ahead`` (whole segments, rounded up),
+        and one more stays within ``limit``."""
+        size = self.size
+        if self.limit is not None and size + self.segment_bytes > self.limit:
+            return False
+        return size < max(self.reserve, self.used + self.ahead)
+
+    def _prefault(self) -> None:
+        while True:
+            self._wake.wait()
+            self._wake.clear()
+            if self._closed:
+                return
+            while not self._closed and self._more():
+                try:
+                    seg = self._make(self.segment_bytes)
+                except OSError as e:  # out of shared memory: puts grow (or go inline)
+                    log.warning("streamrl: arena of unit %d cannot make spare segments (%s)",
+                                self.unit, e)
+                    return
+                with self._spare_lock:
+                    self._spare.append(seg)
+
+    def close(self) -> None:
+        """Stop the prefault thread (the segments stay until the process lets go)."""
+        self._closed = True
+        self._wake.set()
+
+    @overload
+    def alloc(self, nbytes: int, grow: Literal[True] = True) -> ShmRef: ...
+    @overload
+    def alloc(self, nbytes: int, grow: bool) -> ShmRef | None: ...
 
     def alloc(self, nbytes: int, grow: bool = True) -> ShmRef | None:
         """A block of at least ``nbytes`` (first fit; a new segment when none fits, or
@@ -108,6 +176,8 @@ class Arena:
         if not grow:
             return None
         seg = self._grow(need)
+        if self._thread is not None:
+            self._wake.set()  # make the next spare while this block is written
         off, size = seg.free[0]
         seg.free[0] = [need, size - need]
         if size == need:
@@ -116,17 +186,26 @@ class Arena:
         return ShmRef(self.unit, len(self.segments) - 1, 0, need)
 
     def _grow(self, need: int) -> _MemfdSegment:
-        size = self.segment_bytes if need <= self.segment_bytes else -(-need // _GROW) * _GROW
-        fd = os.memfd_create(f"streamrl-unit{self.unit}-{len(self.segments)}", os.MFD_CLOEXEC)
+        seg = None
+        if need <= self.segment_bytes:
+            with self._spare_lock:
+                if self._spare:
+                    seg = self._spare.pop(0)
+        if seg is None:
+            seg = self._make(self.segment_bytes if need <= self.segment_bytes
+                             else -(-need // _GROW) * _GROW)
+        self.segments.append(seg)
+        return seg
+
+    def _make(self, size: int) -> _MemfdSegment:
+        fd = os.memfd_create(f"streamrl-unit{self.unit}-{next(self._names)}", os.MFD_CLOEXEC)
         try:
             os.ftruncate(fd, size)
             os.posix_fallocate(fd, 0, size)  # the pages exist now, not at first write
+            return _MemfdSegment(fd, size)
         except OSError:
             os.close(fd)
             raise
-        seg = _MemfdSegment(fd, size)
-        self.segments.append(seg)
-        return seg
 
     def free(self, ref: ShmRef) -> None:
         """Give a block back (merged with free neighbours)."""

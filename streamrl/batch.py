@@ -36,6 +36,8 @@ from .columns import Column, settle, take_rows, to_columns, to_tensordict
 from .errors import InvalidArgument, RowsDropped, SchemaError, UnknownField, rows_preview
 
 if TYPE_CHECKING:
+    from typing_extensions import TypeIs  # (typing.TypeIs is Python >= 3.13)
+
     from .queue import StreamQueue
     from .session import Session
 
@@ -292,6 +294,10 @@ class RowRemoteBatch(RemoteBatch):
             return ColumnRemoteBatch(self.select(idx), idx)
         if isinstance(idx, (list, tuple)) and idx and all(isinstance(i, str) for i in idx):
             return self.select(*idx)
+        return self._index(idx)
+
+    def _index(self, idx: Any) -> "RowRemoteBatch":
+        """The rows ``idx`` (not a field name) as :meth:`__getitem__` takes them."""
         if self._scalar:
             raise IndexError("cannot index a 0-d view (from an int index) further")
         n = len(self._rows)
@@ -324,19 +330,19 @@ class RowRemoteBatch(RemoteBatch):
         Raises:
             UnknownField: a field is not among :attr:`fields`.
         """
-        fields = _flat_fields(fields)
-        unknown = [f for f in fields if f not in self._known]
+        names = _flat_fields(fields)
+        unknown = [f for f in names if f not in self._known]
         if unknown:
             raise UnknownField(
                 f"this batch's rows are not known to have {unknown}; they have "
                 f"{sorted(self._known)}. Fields written later by others can still be read with "
                 "materialize([...])")
-        return self._view(slice(None), fields=fields, scalar=self._scalar)
+        return self._view(slice(None), fields=names, scalar=self._scalar)
 
     def exclude(self, *fields: str) -> "RowRemoteBatch":
         """A view without ``fields``."""
-        fields = set(_flat_fields(fields))
-        return self._view(slice(None), fields=[f for f in self._fields if f not in fields],
+        names = set(_flat_fields(fields))
+        return self._view(slice(None), fields=[f for f in self._fields if f not in names],
                           scalar=self._scalar)
 
     @staticmethod
@@ -468,6 +474,7 @@ class RowRemoteBatch(RemoteBatch):
             out.update(await self._empty_columns(missing))
             missing = []
         if missing:
+            inverse: np.ndarray | None
             uniq, inverse = np.unique(rows, return_inverse=True)
             if len(uniq) == len(rows):
                 fetch_rows, fetch_shards, inverse = rows, self._shards, None
@@ -628,7 +635,18 @@ class ColumnRemoteBatch(RemoteBatch):
     would. Index it by rows like the batch it came from; an int index gives the row.
 
     Examples:
-        >>> # rewards = await mb["reward"].materialize()     # a [n] tensor
+        >>> import asyncio, torch, streamrl
+        >>> async def main():
+        ...     async with streamrl.StreamQueue(capacity=16) as q:
+        ...         await q.put({"reward": torch.tensor([0.5, 1.0, 0.0])})
+        ...         mb = await q.get("t", fields=["reward"], batch_size=3)
+        ...         col = mb["reward"]                  # a ColumnRemoteBatch: nothing fetched
+        ...         rewards = await col.materialize()   # the [3] tensor
+        ...         first = await col[0].materialize()  # an int index gives the row
+        ...         await mb.ack()
+        ...         return rewards.tolist(), first.item()
+        >>> asyncio.run(main())
+        ([0.5, 1.0, 0.0], 0.5)
     """
 
     __slots__ = ("_batch", "_field")
@@ -658,7 +676,7 @@ class ColumnRemoteBatch(RemoteBatch):
     def __getitem__(self, idx: Any) -> "ColumnRemoteBatch":
         if isinstance(idx, str):
             raise IndexError("a column is already one field; index rows with ints/slices/masks")
-        return ColumnRemoteBatch(self._batch[idx], self._field)
+        return ColumnRemoteBatch(self._batch._index(idx), self._field)
 
     def __repr__(self) -> str:
         return f"ColumnRemoteBatch(field={self._field!r}, rows={len(self)})"
@@ -683,10 +701,18 @@ class BatchProxy:
         local: initial local fields (same number of rows), optional.
 
     Examples:
-        >>> # proxy = BatchProxy(mb)
-        >>> # proxy["advantage"] = adv                  # local only
-        >>> # td = await proxy.materialize(["response_ids", "advantage"])
-        >>> # await proxy.commit()                      # writes "advantage" to the rows
+        >>> import asyncio, torch, streamrl
+        >>> async def main():
+        ...     async with streamrl.StreamQueue(capacity=16) as q:
+        ...         rows = await q.put({"reward": torch.tensor([1.0, 3.0])})
+        ...         proxy = streamrl.BatchProxy(rows)
+        ...         reward = await proxy.get("reward")            # fetched from the queue once
+        ...         proxy["advantage"] = reward - reward.mean()   # local only
+        ...         await proxy.commit()                          # writes "advantage" to the rows
+        ...         td = await rows.materialize(["advantage"])
+        ...         return td["advantage"].tolist()
+        >>> asyncio.run(main())
+        [-1.0, 1.0]
     """
 
     def __init__(self, remote: RowRemoteBatch, local: TensorDictBase | Mapping[str, Any] | None = None):
@@ -706,7 +732,7 @@ class BatchProxy:
 
     def keys(self) -> list[str]:
         """Local fields, then remote fields not shadowed."""
-        local = list(self.local.keys())
+        local = [k for k in self.local.keys() if isinstance(k, str)]  # (no nested keys)
         return local + [f for f in self.remote.fields if f not in local]
 
     def __contains__(self, name: str) -> bool:
@@ -772,7 +798,7 @@ def _probe(rows: np.ndarray, shards: np.ndarray) -> tuple[np.ndarray, np.ndarray
     return (rows[:1].copy(), shards[:1].copy()) if len(rows) else None
 
 
-def _is_int(x: Any) -> bool:
+def _is_int(x: Any) -> TypeIs[int | np.integer]:
     return isinstance(x, (int, np.integer)) and not isinstance(x, bool)
 
 

@@ -287,14 +287,14 @@ class _Encoder:
         meta: list[Any] = [_dtype_name(t.dtype), list(t.shape)]
         if t.numel() == 0:
             return [*meta, 0, 0, 0]
-        return [*meta, *self.segment(memoryview(_tensor_bytes(t).numpy()))]
+        return [*meta, *self.segment(_tensor_bytes(t).numpy().data)]
 
     def ndarray_ref(self, a: np.ndarray) -> list[Any]:
         meta: list[Any] = [a.dtype.str, list(a.shape)]
         if a.nbytes == 0:
             return [*meta, 0, 0, 0]
         flat = np.ascontiguousarray(a).reshape(-1).view(np.uint8)
-        return [*meta, *self.segment(memoryview(flat))]
+        return [*meta, *self.segment(flat.data)]
 
     # -- the walk
 
@@ -557,11 +557,11 @@ class _Decoder:
                 _fail(f"a numpy scalar of dtype {dtype_str!r} needs {dtype.itemsize} bytes")
             return np.frombuffer(raw, dtype=dtype)[0]
         if code == _EXT_BYTES:
-            data = self.segment(*value)
-            whole = isinstance(data, memoryview) and type(data.obj) is bytes
-            if whole and data.nbytes == len(data.obj):
-                return data.obj  # the frame itself: no copy
-            return bytes(data)
+            seg = self.segment(*value)
+            if (isinstance(seg, memoryview) and type(seg.obj) is bytes
+                    and seg.nbytes == len(seg.obj)):
+                return seg.obj  # the frame itself: no copy
+            return bytes(seg)
         if code == _EXT_STR:
             return str(self.segment(*value), "utf-8", _UNICODE_ERRORS)
         if code == _EXT_PICKLE:
@@ -738,7 +738,7 @@ def unpack(data: Frame) -> list[memoryview]:
     lengths_end = _PACK_PREFIX.size + 8 * count
     if magic != _PACK_MAGIC or lengths_end > view.nbytes:
         raise EncodeError("cannot unpack: the buffer was not made by streamrl.codec.pack")
-    frames = []
+    frames: list[memoryview] = []
     position = lengths_end
     for length in struct.unpack_from(f"<{count}Q", view, _PACK_PREFIX.size):
         position += -position % _PACK_ALIGN

@@ -174,7 +174,7 @@ def column_dtype(name: str, col: Column) -> str:
 def row_nbytes(col: Column, n: int) -> list[int]:
     """Bytes of each row of a column (exact for tensors, estimated for objects)."""
     if isinstance(col, torch.Tensor):
-        return [col.element_size() * col[0].numel() if n else 0] * n
+        return [col.element_size() * (col.numel() // n) if n else 0] * n
     return [approx_size(x) for x in col]
 
 
@@ -254,12 +254,14 @@ def _take_jagged(nt: torch.Tensor, index: Sequence[int] | slice) -> torch.Tensor
         positions: Sequence[int] = picked
     else:
         span, positions = None, [i + n if i < 0 else i for i in index]
-    if not (nt.layout == torch.jagged and nt.lengths() is None
+    # (lengths() and offsets() are methods of torch's jagged NestedTensor subclass, which
+    # torch.Tensor's annotations do not have)
+    if not (nt.layout == torch.jagged and nt.lengths() is None  # type: ignore[attr-defined]
             and getattr(nt, "_ragged_idx", 1) == 1):
         rows = nt.unbind(0)
         return _stack_or_ragged([rows[i] for i in positions], nt.dtype, rows[0].shape[1:] if rows
                                 else ())
-    values, offsets = nt.values(), nt.offsets()
+    values, offsets = nt.values(), nt.offsets()  # type: ignore[attr-defined]
     rest = tuple(values.shape[1:])
     if span is not None:
         a, b = span

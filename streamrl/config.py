@@ -10,10 +10,10 @@ Examples:
     >>> cfg = QueueConfig.from_mapping({"capacity": 64, "num_shards": 2})
     >>> cfg.capacity, cfg.transport
     (64, 'embedded')
-    >>> QueueConfig.from_mapping({"capacty": 64})
+    >>> QueueConfig.from_mapping({"capacty": 64})  # doctest: +ELLIPSIS
     Traceback (most recent call last):
     ...
-    streamrl.errors.InvalidArgument: unknown queue option 'capacty' (did you mean 'capacity'?); valid options: capacity, capacity_bytes, consumers, lease_timeout, max_lead, max_staleness, name, num_shards, options, sampler, storage, transport
+    streamrl.errors.InvalidArgument: unknown queue option 'capacty' (did you mean 'capacity'?); valid options: capacity, capacity_bytes, ...
 """
 
 from __future__ import annotations
@@ -123,6 +123,10 @@ class QueueConfig:
             ``"spill"``, ...) or a mapping ``{"backend": name, **options}``.
         sampler: how ready rows are picked for a request by default: a registered name
             (``"fifo"``, ``"priority"``, ...) or a mapping ``{"sampler": name, **options}``.
+        checkpoint_every: seconds between periodic checkpoints (``None``: none); needs
+            ``checkpoint_dir``.
+        checkpoint_dir: where periodic checkpoints go (``ckpt-NNNNNNNN`` directories).
+        checkpoint_keep: how many periodic checkpoints are kept (the newest).
         metrics: serve Prometheus metrics over HTTP: ``True`` (a free port on 127.0.0.1),
             a port number (on 127.0.0.1), ``"host:port"`` (``"0.0.0.0:9100"`` for other
             machines to scrape), or ``None`` (off). See :mod:`streamrl.metrics`.
@@ -140,10 +144,13 @@ class QueueConfig:
     lease_timeout: float = 600.0
     max_staleness: int | None = None
     max_lead: int | None = None
-    consumers: tuple[str, ...] | None = None
+    consumers: Sequence[str] | None = None  # (kept as a sorted tuple)
     name: str | None = None
     storage: Any = "memory"
     sampler: Any = "fifo"
+    checkpoint_every: float | None = None
+    checkpoint_dir: str | None = None
+    checkpoint_keep: int = 2
     metrics: Any = None
     options: Mapping[str, Any] = field(default_factory=dict)
 
@@ -167,6 +174,20 @@ class QueueConfig:
         object.__setattr__(self, "consumers", _consumers(self.consumers))
         _check_name("name", self.name, allow_none=True)
         _check_sampler(self.sampler, allow_none=False)
+        object.__setattr__(self, "checkpoint_every",
+                           check_duration("checkpoint_every", self.checkpoint_every))
+        if self.checkpoint_dir is not None:
+            if hasattr(self.checkpoint_dir, "__fspath__"):
+                object.__setattr__(self, "checkpoint_dir", str(self.checkpoint_dir))
+            _check_name("checkpoint_dir", self.checkpoint_dir, allow_none=False)
+        if self.checkpoint_every is not None and self.checkpoint_dir is None:
+            raise InvalidArgument(
+                "checkpoint_every needs checkpoint_dir: the directory periodic checkpoints "
+                "go to")
+        if not _is_int(self.checkpoint_keep) or self.checkpoint_keep < 1:
+            raise InvalidArgument(
+                f"checkpoint_keep must be an int >= 1 (periodic checkpoints kept), got "
+                f"{self.checkpoint_keep!r}")
         from .metrics import parse_spec
 
         parse_spec(self.metrics)  # raises for a bad spec
@@ -222,7 +243,7 @@ class QueueConfig:
 def _plain(m: Any) -> Any:
     """A mapping as plain dicts and lists (OmegaConf's DictConfig/ListConfig included)."""
     try:  # OmegaConf, without importing it when it is not used
-        from omegaconf import DictConfig, ListConfig, OmegaConf  # type: ignore
+        from omegaconf import DictConfig, ListConfig, OmegaConf
     except ImportError:
         pass
     else:

@@ -14,9 +14,10 @@ field names, sizes, scalar tags, leases) and the small values filters read.
 from __future__ import annotations
 
 import inspect
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Callable, Hashable, Mapping, Sequence
 from typing import Any, Protocol, runtime_checkable
 
+from .checkpoint.cut import CheckpointCut
 from .config import Request
 from .messages import CommitResult, Delivery, FilterSpec, PutAnswer, WriteToken
 from .stats import Stats
@@ -44,8 +45,8 @@ class ControlPlane(Protocol):
         """Admit a write of fields to existing rows."""
         ...
 
-    async def commit(self, token: WriteToken, nbytes: dict[str, Sequence[int]],
-                     tags: dict[str, Sequence[Hashable]] | None = None) -> CommitResult:
+    async def commit(self, token: WriteToken, nbytes: Mapping[str, Sequence[int]],
+                     tags: Mapping[str, Sequence[Hashable]] | None = None) -> CommitResult:
         """The write's data is stored: mark its fields ready."""
         ...
 
@@ -63,8 +64,8 @@ class ControlPlane(Protocol):
         ...
 
     async def put_rows(self, partition: str, fields: Sequence[str], ids: Sequence[int],
-                       shard: int, nbytes: dict[str, Sequence[int]],
-                       tags: dict[str, Sequence[Hashable]] | None = None,
+                       shard: int, nbytes: Mapping[str, Sequence[int]],
+                       tags: Mapping[str, Sequence[Hashable]] | None = None,
                        version: int | None = None, dtypes: dict[str, str] | None = None
                        ) -> PutAnswer:
         """Admit and commit new rows a unit already stored (no waiting)."""
@@ -132,6 +133,23 @@ class ControlPlane(Protocol):
         """Register a filter function."""
         ...
 
+    # -- checkpoints
+    async def checkpoint_begin(self, directory: str, timeout: float | None = None
+                               ) -> CheckpointCut:
+        """Take a checkpoint's cut, write the controller's state under ``directory``;
+        hold storage deletes of the cut's rows until ``checkpoint_end``."""
+        ...
+
+    async def checkpoint_end(self, token: int) -> None:
+        """The units wrote the cut: do the storage deletes held since."""
+        ...
+
+    async def checkpoint_load(self, directory: str, state: dict[str, Any],
+                              shards: dict[int, int] | None = None,
+                              filters: dict[str, Callable] | None = None) -> dict[str, Any]:
+        """Load a checkpoint's controller state into this new queue."""
+        ...
+
     # -- introspection
     async def stats(self, with_units: bool = True) -> Stats:
         """A snapshot of counters and holdings."""
@@ -159,8 +177,9 @@ def _methods(proto: type) -> dict[str, inspect.Signature]:
 CONTROL_METHODS: dict[str, inspect.Signature] = _methods(ControlPlane)
 
 #: Calls whose effect is taken back if the caller gives up while it waits: a take's
-#: lease, an admitted write, a commit (see :meth:`ControllerService.cancel`).
-CANCELLABLE = frozenset({"take", "allocate", "begin_write", "commit"})
+#: lease, an admitted write, a commit, a checkpoint's hold on deletes (see
+#: :meth:`ControllerService.cancel`).
+CANCELLABLE = frozenset({"take", "allocate", "begin_write", "commit", "checkpoint_begin"})
 
 
 def check_implements(cls: type, proto: type = ControlPlane) -> list[str]:

@@ -28,6 +28,7 @@ __all__ = [
     "TransportError",
     "EventLoopError",
     "CheckpointError",
+    "NotSupported",
 ]
 
 
@@ -141,6 +142,11 @@ class CheckpointError(StreamRLError, ValueError):
     """A saved state cannot be loaded: it is not a streamrl state, its format version is
     unknown or newer than this streamrl reads, or it does not fit the controller it is
     loaded into (for example rows on a storage unit the queue does not have)."""
+
+
+class NotSupported(StreamRLError, NotImplementedError):
+    """The call exists for compatibility (for example in :mod:`streamrl.compat`) but what
+    it needs is not built yet; the message says when it arrives and what to do meanwhile."""
 
 
 def rows_preview(rows: Iterable[int]) -> str:

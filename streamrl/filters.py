@@ -52,6 +52,15 @@ class zero_variance(Filter):
             (``None``: when its partition is sealed).
         atol: rewards closer than this count as equal.
         name: the name counted in ``stats().filtered_by``.
+
+    Examples:
+        >>> import torch
+        >>> from tensordict import TensorDict
+        >>> f = zero_variance("reward", group_by="uid", group_size=2)
+        >>> f(TensorDict({"reward": torch.tensor([1.0, 1.0])}, batch_size=[2]))  # rejected
+        False
+        >>> f(TensorDict({"reward": torch.tensor([0.0, 1.0])}, batch_size=[2]))
+        True
     """
 
     def __init__(self, reward: str = "reward", *, group_by: str = "uid",
@@ -84,6 +93,14 @@ class max_length(Filter):
     Keyword Args:
         pad_value: padding value not counted in ``[n, L]`` tensors.
         name: the name counted in ``stats().filtered_by``.
+
+    Examples:
+        >>> import torch
+        >>> from tensordict import TensorDict
+        >>> f = max_length("response_ids", 3, pad_value=0)
+        >>> ids = torch.tensor([[5, 6, 0, 0], [5, 6, 7, 8]])
+        >>> f(TensorDict({"response_ids": ids}, batch_size=[2]))  # a mask of rows kept
+        tensor([ True, False])
     """
 
     def __init__(self, field: str, limit: int, *, pad_value: Any = None, name: str = "max_length"):
@@ -130,7 +147,11 @@ class predicate(Filter):
             ``"predicate:<field>"``).
 
     Examples:
+        >>> import torch
+        >>> from tensordict import TensorDict
         >>> keep_finished = predicate("finished", lambda col: col)
+        >>> keep_finished(TensorDict({"finished": torch.tensor([True, False])}, batch_size=[2]))
+        tensor([ True, False])
         >>> keep_short_chats = predicate("chat", lambda chats: [len(c) < 8 for c in chats])
     """
 

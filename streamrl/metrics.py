@@ -42,9 +42,12 @@ import asyncio
 import logging
 import threading
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .stats import Histogram, Stats
+
+if TYPE_CHECKING:
+    from wsgiref.simple_server import WSGIServer
 
 log = logging.getLogger("streamrl")
 
@@ -154,7 +157,8 @@ def families(st: Stats, queue: str, reads: dict[str, list] | None = None) -> Ite
 
 
 def _buckets(h: Histogram) -> list[tuple[str, float]]:
-    out, seen = [], 0
+    out: list[tuple[str, float]] = []
+    seen = 0
     last = max((i for i, c in enumerate(h.counts) if c), default=0)
     for i in range(min(last + 2, Histogram.NBUCKETS)):
         seen += h.counts[i]
@@ -203,9 +207,10 @@ class MetricsServer:
         self._lock = threading.Lock()
         self.registry = CollectorRegistry()
         self.registry.register(_Collector(self._families))
-        self._server, self._thread = start_http_server(addr[1], addr=addr[0],
-                                                       registry=self.registry)
-        self.host, self.port = addr[0], self._server.server_port
+        server, self._thread = start_http_server(addr[1], addr=addr[0],
+                                                 registry=self.registry)
+        self._server: WSGIServer | None = server
+        self.host, self.port = addr[0], server.server_port
 
     @property
     def url(self) -> str:
@@ -255,7 +260,8 @@ class RayMirror:
                 if sample.name.endswith("_created"):
                     continue
                 keys = tuple(sorted(sample.labels))
-                m = self._metrics.get(sample.name)
+                # a Counter or a Gauge, as fam.type says
+                m: Any = self._metrics.get(sample.name)
                 if m is None:
                     kind = rm.Counter if fam.type == "counter" else rm.Gauge
                     m = self._metrics[sample.name] = kind(

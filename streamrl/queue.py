@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import os
 import warnings
 import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import anyio
 import numpy as np
@@ -30,6 +31,10 @@ from .transport.base import DataPlane, Transport
 from .errors import (EndOfStream, InvalidArgument, LeaseExpired, SchemaError, StreamTimeout,
                      TransportError)
 from .stats import Stats
+
+if TYPE_CHECKING:
+    from .checkpoint.client import CheckpointInfo, Periodic
+    from .metrics import MetricsServer
 
 __all__ = ["StreamQueue", "Stream", "DEFAULT_PARTITION"]
 
@@ -74,6 +79,12 @@ class StreamQueue:
         sampler: how ready rows are picked for a request unless the request names its
             own: ``"fifo"`` (commit order, default) or a registered sampler by name or as
             ``{"sampler": name, **options}`` (docs/sampling.md).
+        checkpoint_every: write a checkpoint (:meth:`checkpoint`) every this many
+            seconds into ``checkpoint_dir``, from the queue's first call on, until
+            :meth:`shutdown` (``None``: no periodic checkpoints). A failed one is logged.
+        checkpoint_dir: where periodic checkpoints go, as ``ckpt-NNNNNNNN``
+            directories; :meth:`restore` of this directory takes the newest.
+        checkpoint_keep: how many periodic checkpoints to keep (the newest).
         **options: transport options (see :mod:`streamrl.transport`).
 
     Every option is a field of :class:`streamrl.config.QueueConfig`; build a queue from a
@@ -96,12 +107,18 @@ class StreamQueue:
         8
     """
 
+    #: the ``/metrics`` endpoint this process serves for the queue (``metrics=``), if any
+    _metrics: MetricsServer | None
+    #: periodic checkpoints (``checkpoint_every``), if any
+    _periodic: Periodic | None
+
     def __init__(self, capacity: int = 4096, num_shards: int = 4, *,
                  capacity_bytes: int | None = None, transport: "str | Transport" = "embedded",
                  lease_timeout: float = 600.0, max_staleness: int | None = None,
                  max_lead: int | None = None, consumers: Sequence[str] | None = None,
                  name: str | None = None, storage: Any = "memory", sampler: Any = "fifo",
-                 metrics: Any = None, **options: Any):
+                 checkpoint_every: float | None = None, checkpoint_dir: str | None = None,
+                 checkpoint_keep: int = 2, metrics: Any = None, **options: Any):
         if isinstance(transport, Transport):  # an already built deployment (connect, attach)
             self._config = None
             self._start(transport, name)
@@ -110,10 +127,19 @@ class StreamQueue:
             capacity=capacity, num_shards=num_shards, capacity_bytes=capacity_bytes,
             transport=transport, lease_timeout=lease_timeout, max_staleness=max_staleness,
             max_lead=max_lead, consumers=consumers, name=name, storage=storage,
-            sampler=sampler, metrics=metrics, options=options)
+            sampler=sampler, checkpoint_every=checkpoint_every,
+            checkpoint_dir=checkpoint_dir, checkpoint_keep=checkpoint_keep, metrics=metrics,
+            options=options)
         self._config = config
         self._start(registry.resolve(config.transport)(config), name)
         self._serve_metrics(config)
+        if config.checkpoint_every is not None:
+            from .checkpoint.client import Periodic  # noqa: F811 (at run time)
+
+            assert config.checkpoint_dir is not None  # (QueueConfig checks it)
+            self._periodic = Periodic(self, config.checkpoint_every, config.checkpoint_dir,
+                                      config.checkpoint_keep)
+            self._periodic.start()  # (or at the first call, once a loop runs)
 
     def _serve_metrics(self, config: QueueConfig) -> None:
         """Start the ``/metrics`` endpoint of ``metrics=`` (see :mod:`streamrl.metrics`):
@@ -146,14 +172,15 @@ class StreamQueue:
     def _start(self, transport: Transport, name: str | None) -> None:
         self._metrics = None
         self._timings: dict[str, RoleTiming] = {}
-        self.name = name
+        self.name: str | None = name
         self._closed_locally = False
         # tag fields (group keys...) as the controller last said, per partition, and of
         # any partition: see _tags
         self._tags_by_part: OrderedDict[str, frozenset[str]] = OrderedDict()
         self._tags_any: frozenset[str] = frozenset()
-        self._transport = transport
-        self._session = Session(self, transport)
+        self._transport: Transport = transport
+        self._periodic = None
+        self._session: Session = Session(self, transport)
         if getattr(transport, "metrics_url", None) is not None and transport.handle is not None:
             # the controller serves the queue-wide series elsewhere: this process's reads
             # go to the cluster's metrics (the Ray dashboard) instead
@@ -221,6 +248,8 @@ class StreamQueue:
 
     @property
     def _control(self) -> ControlPlane:
+        if self._periodic is not None and self._periodic.task is None:
+            self._periodic.start()
         return self._transport.control
 
     @property
@@ -353,6 +382,7 @@ class StreamQueue:
         dtypes = {f: column_dtype(f, c) for f, c in cols.items()}
         ctl = self._control
         target: RowRemoteBatch | None = None
+        part: str | None
         if rows is None:
             part = DEFAULT_PARTITION if partition is None else partition
             tags = self._tags(part, cols)
@@ -683,6 +713,83 @@ class StreamQueue:
         row of every finished partition was consumed, filtered, dropped or cleared)."""
         return sum((await self._control.leaked()).values())
 
+    # ------------------------------------------------------------------ checkpoints
+
+    async def checkpoint(self, path: "str | os.PathLike", *,
+                         timeout: float | None = None) -> "CheckpointInfo":
+        """Write a snapshot of the whole queue to the directory ``path``, atomically,
+        while producers and consumers go on; :meth:`restore` makes a running queue of it.
+
+        What is saved: every row with its fields and data, per-field readiness and each
+        task's consumption, partitions and their seals, consumers, the policy version,
+        the row-id counters (no id is ever reused), the filters' registrations, and the
+        queue's options. The snapshot is the queue at one instant during the call (the
+        *cut*): every put, write and ``ack`` that returned before ``checkpoint`` was
+        called is in it; those running meanwhile may or may not be (docs/checkpoint.md).
+        Leases held at the cut come back released: their rows are delivered again
+        (at-least-once) and counted as redelivered. Rows a task acknowledged before the
+        cut are never delivered to it again.
+
+        What waits: no queue call waits for the files; every call waits while the
+        controller takes the cut (``CheckpointInfo.pause``, about a microsecond per row
+        held). Rows dropped during the checkpoint keep their bytes until their storage
+        unit has written them. A second checkpoint waits for the first. Copies: none
+        in memory; every byte is written once, from where it is stored (each Ray
+        storage unit writes its own files; nothing goes through this process).
+
+        Args:
+            path: the checkpoint directory. It is written as a temporary directory
+                beside it and renamed at the end; a checkpoint already there is
+                replaced. On a queue spread over several Ray nodes, ``path`` must be on
+                a filesystem they all mount at the same place.
+
+        Keyword Args:
+            timeout: the longest the controller holds deletes back for this checkpoint
+                (default: the larger of 600 s and ``lease_timeout``); a checkpoint that
+                takes longer fails.
+
+        Returns:
+            A :class:`~streamrl.checkpoint.CheckpointInfo` (rows, bytes, seconds, pause).
+
+        Raises:
+            CheckpointError: the checkpoint could not be written (nothing is left at
+                ``path`` but what was there before).
+            EncodeError: a Python object field that cannot be encoded.
+        """
+        from .checkpoint.client import checkpoint
+
+        return await checkpoint(self, path, timeout=check_timeout("timeout", timeout))
+
+    @classmethod
+    async def restore(cls, path: "str | os.PathLike", *,
+                      filters: "Mapping[str, Callable] | None" = None,
+                      **overrides: Any) -> "StreamQueue":
+        """A running queue from the checkpoint at ``path`` (see :meth:`checkpoint`), or
+        the newest one of a ``checkpoint_dir``.
+
+        It is made with the saved options and ``overrides`` on top: any option of the
+        constructor, for example another ``transport`` (restore an embedded checkpoint
+        on Ray and the other way round), ``num_shards`` (rows of old unit ``s`` go to
+        unit ``s % num_shards``; with more units than before, the new ones start empty
+        and take new rows), ``capacity`` or ``name``, and transport options.
+
+        Filters: one registered as an importable module-level function (or a
+        ready-made filter of :mod:`streamrl.filters`) comes back by itself; pass the
+        others as ``filters={name: fn}``.
+
+        Every file is checked (sizes and CRC-32) as it is read; a torn or corrupt
+        checkpoint raises and the new queue is shut down: never partial data. Restoring
+        imports the modules its filters name, and decodes Python objects that were
+        pickled: restore only checkpoints you trust.
+
+        Raises:
+            CheckpointError: no checkpoint at ``path``; a newer format version; a torn or
+                corrupt file; filters that cannot be found (listed by name).
+        """
+        from .checkpoint.client import restore
+
+        return await restore(cls, path, filters=filters, **overrides)
+
     async def close(self) -> dict[str, int]:
         """Close the queue (idempotent): ``put`` raises :class:`~streamrl.errors.QueueClosed`,
         streams deliver what is ready and end, waiting ``put``/``get`` wake with an error.
@@ -695,8 +802,12 @@ class StreamQueue:
         return await self._control.close()
 
     async def shutdown(self) -> None:
-        """Free the deployment (Ray: kill the actors this queue started) and stop serving
-        metrics."""
+        """Free the deployment (Ray: kill the actors this queue started), stop serving
+        metrics and periodic checkpoints (one being written is abandoned: the previous
+        ones stay)."""
+        if self._periodic is not None:
+            await self._periodic.stop()
+            self._periodic = None
         if self._metrics is not None:
             self._metrics.close()
         await self._transport.shutdown()
@@ -704,7 +815,22 @@ class StreamQueue:
 
 class Stream:
     """The iterator returned by :meth:`StreamQueue.stream` (see its docstring for the
-    acknowledgement rules)."""
+    acknowledgement rules).
+
+    Examples:
+        >>> import asyncio, torch, streamrl
+        >>> async def main():
+        ...     async with streamrl.StreamQueue(capacity=16) as q:
+        ...         await q.put({"x": torch.arange(6)}, partition="p")
+        ...         await q.seal("p")               # no more rows: the stream ends once drained
+        ...         sizes = []
+        ...         async with q.stream("t", ["x"], batch_size=4, partition="p") as batches:
+        ...             async for mb in batches:    # acknowledged when the next is asked for
+        ...                 sizes.append(len(mb))
+        ...         return sizes
+        >>> asyncio.run(main())
+        [4, 2]
+    """
 
     def __init__(self, queue: StreamQueue, req: Request, timeout: float | None):
         self._q = queue
@@ -818,6 +944,8 @@ def _split_by_shard(rows: Sequence[int], shards: Sequence[int], cols: Mapping[st
     """(shard, rows, columns) per storage unit: slices (views) for contiguous runs of one
     shard, gathered copies otherwise."""
     n = len(rows)
+    if n and all(s == shards[0] for s in shards):  # one unit (every one-row put): as is
+        return [(shards[0], list(rows), dict(cols))]
     runs: list[tuple[int, int, int]] = []  # (shard, start, stop)
     start = 0
     for i in range(1, n + 1):
@@ -848,7 +976,7 @@ def _attach_embedded(qid: int) -> StreamQueue:
     return q
 
 
-def _from_handle(kind: type, handle: Any, name: str | None) -> StreamQueue:
+def _from_handle(kind: type[Transport], handle: Any, name: str | None) -> StreamQueue:
     q = StreamQueue.__new__(StreamQueue)
     q._config = None
     q._start(kind.attach(handle), name)

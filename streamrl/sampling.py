@@ -368,6 +368,12 @@ def register(name: str, factory: Factory | str, *, replace: bool = False) -> Non
 
     Raises:
         InvalidArgument: a bad name or factory, or the name is taken (without ``replace``).
+
+    Examples:
+        >>> register("newest", lambda: PrioritySampler(VERSION))  # newest version first
+        >>> resolve("newest")
+        PrioritySampler('@version', order='desc', reduce='max')
+        >>> unregister("newest")
     """
     if not isinstance(name, str) or not name:
         raise InvalidArgument(f"a sampler name must be a non-empty str, got {name!r}")

@@ -12,7 +12,9 @@ an event loop:
 * **filters** -- filter jobs the controller queues are run right away by whoever caused
   them (usually the producer whose write completed a row or group), reading the needed
   fields from storage.
-* **storage deletes** -- rows the controller drops are deleted from their units.
+* **storage deletes** -- rows the controller drops are deleted from their units (while
+  a checkpoint is written, those of rows of its cut are held until its units wrote them:
+  see :mod:`streamrl.checkpoint.cut`).
 
 Everything runs in one event loop (the caller's for the embedded transport, the
 controller actor's on Ray); no locks are needed because controller calls never await.
@@ -23,9 +25,10 @@ from __future__ import annotations
 import inspect
 import logging
 import math
+import time
 from collections import OrderedDict, deque
-from collections.abc import Callable, Hashable, Sequence
-from typing import Any
+from collections.abc import Callable, Collection, Hashable, Iterable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any
 
 import anyio
 
@@ -33,10 +36,14 @@ from ._aio import shielded
 from .controller import Controller
 from .messages import (END, CommitResult, Delivery, DropReason, FilterJob, FilterSpec, PutAnswer,
                        PutStatus, Request, WriteToken)
-from .errors import (FilterError, InvalidArgument, QueueClosed, QueueFull, RowsDropped,
-                     StreamRLError, StreamTimeout)
+from .checkpoint.cut import CheckpointCut, Hold
+from .errors import (CheckpointError, FilterError, InvalidArgument, QueueClosed, QueueFull,
+                     RowsDropped, StreamRLError, StreamTimeout)
 from .stats import Histogram, Stats, TaskStats
 from .transport.base import DataPlane
+
+if TYPE_CHECKING:
+    import asyncio
 
 log = logging.getLogger("streamrl")
 
@@ -65,7 +72,11 @@ class ControllerService:
         # (tag field, partition or None) -> its backfill is done
         self._tags_ready: dict[tuple[str, str | None], anyio.Event] = {}
         self._deferred: deque[list[int]] = deque()  # releases queued by finalizers
-        self._loop = None  # the event loop this service runs in (set on first use)
+        self._loop: asyncio.AbstractEventLoop | None = None  # the event loop this service runs in (set on first use)
+        # a checkpoint being written: the storage deletes it holds back (one at a time)
+        self._hold: Hold | None = None
+        self._hold_ended: anyio.Event = anyio.Event()
+        self._holds = 0
 
     # ------------------------------------------------------------------ plumbing
 
@@ -103,6 +114,8 @@ class ControllerService:
             self._loop = asyncio.get_running_loop()
         if self._deferred:
             self._apply_deferred()
+        if self._hold is not None and self._hold.expired(self.ctl.clock()):
+            await shielded(self._end_hold(self._hold))
         errors: list[FilterError] = []
         # Storage I/O for state the controller already changed runs to the end even if
         # the caller is cancelled meanwhile (shielded): once taken out of the outbox, a
@@ -136,12 +149,16 @@ class ControllerService:
                 log.error("streamrl: %s", e)
 
     async def _delete(self, deletes: dict[int, list[int]]) -> None:
+        if self._hold is not None:  # rows of a checkpoint's cut: deleted once written
+            deletes = self._hold.split(deletes)
+            if not deletes:
+                return
         try:
             await self.data.delete(deletes)
         except Exception:  # a dead unit: its rows are gone anyway
             log.exception("streamrl: deleting rows from storage failed")
 
-    def _wake(self, woken: set[tuple], changed: set, freed: bool) -> None:
+    def _wake(self, woken: Iterable[tuple], changed: Collection[Any], freed: bool) -> None:
         for key in woken:
             for ev in self._sub_waiters.get(key, ()):
                 ev.set()
@@ -211,6 +228,7 @@ class ControllerService:
         ctl.check_dtypes(dtypes)  # a put that can never be admitted does not wait
         deadline = None if timeout is None else ctl.clock() + timeout
         if ctl.admission(n, nbytes, version) == "ahead":
+            assert version is not None and ctl.max_lead is not None  # (what "ahead" means)
             # version pacing: wait until this producer is no longer too far ahead
             await self._until_version(
                 version - ctl.max_lead, deadline,
@@ -261,8 +279,8 @@ class ControllerService:
                 self._pace_waiters.discard(ev)
 
     async def put_rows(self, partition: str, fields: Sequence[str], ids: Sequence[int],
-                       shard: int, nbytes: dict[str, Sequence[int]],
-                       tags: dict[str, Sequence[Hashable]] | None = None,
+                       shard: int, nbytes: Mapping[str, Sequence[int]],
+                       tags: Mapping[str, Sequence[Hashable]] | None = None,
                        version: int | None = None, dtypes: dict[str, str] | None = None
                        ) -> PutAnswer:
         """Admit and commit, in one step, new rows that storage unit ``shard`` already
@@ -306,8 +324,8 @@ class ControllerService:
             raise QueueClosed("the queue is closed; no fields can be written any more")
         return self.ctl.begin_write(rows, fields, overwrite=overwrite, dtypes=dtypes)
 
-    async def commit(self, token: WriteToken, nbytes: dict[str, Sequence[int]],
-                     tags: dict[str, Sequence[Hashable]] | None = None) -> CommitResult:
+    async def commit(self, token: WriteToken, nbytes: Mapping[str, Sequence[int]],
+                     tags: Mapping[str, Sequence[Hashable]] | None = None) -> CommitResult:
         """Mark a write's fields ready; run the filters it completes (a filter failure is
         raised here as :class:`~streamrl.errors.FilterError` after its rows were dropped).
         Rows dropped while the write was in flight are deleted from storage here.
@@ -352,6 +370,8 @@ class ControllerService:
             await shielded(self._forget_now(undo))
 
     async def _forget_now(self, undo) -> None:
+        if self._hold is not None and self._hold.keeps(undo):
+            return  # fields of rows of a checkpoint's cut: forgotten once written
         try:
             await self._forget_parts(undo)
         except Exception:  # a dead unit: gone anyway
@@ -362,7 +382,7 @@ class ControllerService:
         for fields, parts in undo.parts:
             await self.data.delete_fields(parts, fields, write=undo.write)
             told.update(parts)
-        rest = {s: [] for s in undo.shards if s not in told and s not in self.ctl.dead_shards}
+        rest: dict[int, list[int]] = {s: [] for s in undo.shards if s not in told and s not in self.ctl.dead_shards}
         if rest:  # no entries to forget there, but late data of the write is dropped
             await self.data.delete_fields(rest, (), write=undo.write)
 
@@ -413,8 +433,9 @@ class ControllerService:
                 every = self._tags_ready.get((f, None)) if partition is not None else None
                 if (mine is not None and mine.is_set()) or (every is not None and every.is_set()):
                     break
-                if mine is not None or every is not None:  # another caller backfills
-                    await (mine or every).wait()
+                other = mine if mine is not None else every
+                if other is not None:  # another caller backfills
+                    await other.wait()
                     continue  # (it may have failed: look again)
                 ev = self._tags_ready[(f, partition)] = anyio.Event()
                 try:
@@ -636,6 +657,92 @@ class ControllerService:
         self.ctl.filter_done(job.id, [verdict_by_row.get(r, False) for r in job.rows])
         return None
 
+    # ------------------------------------------------------------------ checkpoints
+
+    async def checkpoint_begin(self, directory: str, timeout: float | None = None
+                               ) -> CheckpointCut:
+        """Take a checkpoint's cut: the controller's state at this instant, written to
+        ``directory`` (in a worker thread, while the queue goes on), and what each
+        storage unit must write. From now until :meth:`checkpoint_end` (or ``timeout``
+        seconds), storage deletes of rows of the cut are held back, so that the units
+        can still read them. Waits while another checkpoint is being written.
+
+        Cancelled (or failing) after the cut: the hold ends before this raises."""
+        from .checkpoint.cut import write_state
+        from .checkpoint.refs import filter_ref
+
+        while self._hold is not None:
+            await self._hold_ended.wait()
+        if self._deferred:
+            self._apply_deferred()
+        ctl = self.ctl
+        t0 = time.perf_counter()
+        cut = ctl.state_cut()
+        hold = Hold(self._holds + 1, set(ctl.rows),
+                    None if timeout is None else ctl.clock() + timeout)
+        pause = time.perf_counter() - t0
+        self._holds += 1
+        self._hold, self._hold_ended = hold, anyio.Event()
+        filters = {n: filter_ref(fn) for n, fn in self._filters.items()}
+        try:
+            entry, plans, rows, summary = await anyio.to_thread.run_sync(
+                write_state, directory, cut, ctl.num_shards)
+        except BaseException:
+            await shielded(self._end_hold(hold))
+            raise
+        summary["config"] = {k: v for k, v in ctl.config.to_dict().items()
+                             if k not in ("options", "transport", "name", "storage")}
+        return CheckpointCut(hold.token, plans, rows, entry, filters, summary, pause)
+
+    async def checkpoint_end(self, token: int) -> None:
+        """The units wrote checkpoint ``token``'s rows: the storage deletes held since
+        its cut are done now (nothing when the hold already ended)."""
+        if self._hold is not None and self._hold.token == token:
+            await shielded(self._end_hold(self._hold))
+
+    async def _end_hold(self, hold: Hold) -> None:
+        if self._hold is not hold:
+            return
+        self._hold = None
+        self._hold_ended.set()
+        if hold.deletes:
+            await self._delete(hold.deletes)
+        for undo in hold.undos:
+            await self._forget_now(undo)
+
+    async def checkpoint_load(self, directory: str, state: dict[str, Any],
+                              shards: dict[int, int] | None = None,
+                              filters: dict[str, Callable] | None = None) -> dict[str, Any]:
+        """Load the controller's state of the checkpoint in ``directory`` (its file
+        checked against ``state``, its entry) into this new, empty queue, whose storage
+        units hold the checkpoint's data already: rows of unit ``s`` are placed on unit
+        ``shards[s]`` (``None``: the same), ``filters`` are the functions of its filters.
+        Leases come back released, writes in flight aborted, filter jobs judged again
+        (see :meth:`Controller.load_state_dict`). Returns ``rows`` (held now) and
+        ``tag_fields``.
+
+        Raises:
+            CheckpointError: the queue is not new, the state file is missing, torn or
+                corrupt, or a filter of the checkpoint is not in ``filters``.
+        """
+        from .checkpoint.cut import read_state, remap_shards
+
+        ctl = self.ctl
+        if ctl.rows or ctl.parts or ctl.c_put:
+            raise CheckpointError("a checkpoint is loaded into a new queue only (this one "
+                                  "has had rows); use StreamQueue.restore")
+        st = await anyio.to_thread.run_sync(read_state, directory, state)
+        remap_shards(st, shards)
+        filters = dict(filters or {})
+        lacking = sorted(f["name"] for f in st.get("filters", ()) if f["name"] not in filters)
+        if lacking:
+            raise CheckpointError(f"the checkpoint's filters {lacking} were not given; pass "
+                                  "them to StreamQueue.restore(..., filters={name: fn})")
+        self._filters.update(filters)
+        ctl.load_state_dict(st)
+        await self._after()
+        return {"rows": len(ctl.rows), "tag_fields": sorted(ctl.tag_fields)}
+
     # ------------------------------------------------------------------ stats
 
     async def stats(self, with_units: bool = True) -> Stats:
@@ -701,12 +808,12 @@ class ControllerService:
         for rid, row in ctl.rows.items():
             if row.shard in ctl.dead_shards:
                 continue
-            held = inv[row.shard].get(rid)
-            if held is None:
+            stored = inv[row.shard].get(rid)
+            if stored is None:
                 if rid not in inflight:
                     out.append(f"row {rid}: the controller holds it, unit {row.shard} does not")
                 continue
-            held = set(held)
+            held = set(stored)
             lacking = sorted(set(row.fields) - held)
             if lacking:
                 out.append(f"row {rid}: fields {lacking} are committed but unit {row.shard} "

@@ -150,6 +150,19 @@ class Stats:
             (blocks not reused until those tensors are gone).
         closed: whether the queue is closed.
         last_filter_errors: messages of the last filter failures.
+
+    Examples:
+        >>> import asyncio, torch, streamrl
+        >>> async def main():
+        ...     async with streamrl.StreamQueue(capacity=16) as q:
+        ...         rows = await q.put({"x": torch.zeros(4, 2)})   # 4 rows of 8 bytes
+        ...         st = await q.stats()
+        ...         held = (st.rows, st.bytes)
+        ...         await rows.drop()
+        ...         st = await q.stats()
+        ...         return held, (st.rows, st.bytes, st.dropped)
+        >>> asyncio.run(main())
+        ((4, 32), (0, 0, 4))
     """
 
     rows: int = 0

@@ -87,7 +87,7 @@ import types
 import weakref
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field, replace
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from . import queue as _aq
 from .batch import ColumnRemoteBatch, RowRemoteBatch
@@ -200,7 +200,7 @@ class _Runner:
         loop = _new_loop()
         self = cls(loop, None, None, "this blocking queue's own event loop thread")
         ready = threading.Event()
-        self._thread = threading.Thread(target=self._main, args=(ready,), daemon=True,
+        self._thread = threading.Thread(target=self._main, args=(loop, ready), daemon=True,
                                         name="streamrl-sync-loop")
         self._thread.start()
         ready.wait()
@@ -216,8 +216,7 @@ class _Runner:
     def owns_loop(self) -> bool:
         return self._thread is not None
 
-    def _main(self, ready: threading.Event) -> None:
-        loop = self._loop
+    def _main(self, loop: asyncio.AbstractEventLoop, ready: threading.Event) -> None:
         asyncio.set_event_loop(loop)
         self.thread_ident = threading.get_ident()
         loop.call_soon(ready.set)
@@ -366,6 +365,7 @@ class _Runner:
         if thread is None:
             return
         loop = self._loop
+        assert loop is not None  # (a runner with a thread of its own has its loop)
         try:
             loop.call_soon_threadsafe(loop.stop)
         except RuntimeError:  # already closed
@@ -474,8 +474,12 @@ class _TwinBase:
 
     __slots__ = ()
     _twin: ClassVar[Twin]
-    _target: Any
-    _home: "StreamQueue"
+
+    if TYPE_CHECKING:  # slots of the twins, read-only properties of StreamQueue
+        @property
+        def _target(self) -> Any: ...
+        @property
+        def _home(self) -> StreamQueue: ...
 
     def __init_subclass__(cls, twin: type | None = None, **kwargs: Any):
         super().__init_subclass__(**kwargs)
@@ -546,7 +550,7 @@ def blocking_annotation(annotation: Any) -> Any:
             _aq.Stream: SyncStream}.get(annotation, annotation)
 
 
-def _dress(fn: Callable, cls: type, name: str, source_fn: Callable, note: str) -> Callable:
+def _dress(fn: Callable, cls: type[_TwinBase], name: str, source_fn: Callable, note: str) -> Callable:
     """Give a derived method the name, docstring and signature of the async one."""
     functools.update_wrapper(fn, source_fn)
     fn.__module__ = cls.__module__
@@ -554,7 +558,10 @@ def _dress(fn: Callable, cls: type, name: str, source_fn: Callable, note: str) -
     doc = inspect.getdoc(source_fn)
     fn.__doc__ = f"{note}\n\n{doc}" if doc else note
     sig = inspect.signature(source_fn)
-    fn.__signature__ = sig.replace(return_annotation=blocking_annotation(sig.return_annotation))
+    # (functions take any attribute; Callable declares neither of these)
+    fn.__signature__ = sig.replace(  # type: ignore[attr-defined]  # read by inspect.signature
+        return_annotation=blocking_annotation(sig.return_annotation))
+    fn._derived = True  # type: ignore[attr-defined]  # what _derive may replace (see there)
     return fn
 
 
@@ -563,7 +570,7 @@ def _ref(cls: type, name: str) -> str:
         "streamrl.queue.", "streamrl.")
 
 
-def _blocking_method(cls: type, name: str, func: Callable) -> Callable:
+def _blocking_method(cls: type[_TwinBase], name: str, func: Callable) -> Callable:
     def method(self, *args, **kwargs):
         home = self._home
         args, kwargs = _unwrap_all(args, kwargs)
@@ -575,7 +582,7 @@ def _blocking_method(cls: type, name: str, func: Callable) -> Callable:
                   "and waits for it.")
 
 
-def _plain_method(cls: type, name: str, func: Callable) -> Callable:
+def _plain_method(cls: type[_TwinBase], name: str, func: Callable) -> Callable:
     def method(self, *args, **kwargs):
         args, kwargs = _unwrap_all(args, kwargs)
         return _wrap(getattr(self._target, name)(*args, **kwargs), self._home, self)
@@ -584,7 +591,7 @@ def _plain_method(cls: type, name: str, func: Callable) -> Callable:
                   f"{_ref(cls._twin.source, name)}, with blocking batches and streams.")
 
 
-def _static_method(cls: type, name: str, func: Callable) -> staticmethod:
+def _static_method(cls: type[_TwinBase], name: str, func: Callable) -> staticmethod:
     def method(*args, **kwargs):
         home = _home_of(list(args) + list(kwargs.values()))
         u_args, u_kwargs = _unwrap_all(args, kwargs)
@@ -595,7 +602,7 @@ def _static_method(cls: type, name: str, func: Callable) -> staticmethod:
                                f"{_ref(cls._twin.source, name)} of blocking batches."))
 
 
-def _constructor(cls: type, name: str, func: Callable, owns: bool) -> classmethod:
+def _constructor(cls: type[_TwinBase], name: str, func: Callable, owns: bool) -> classmethod:
     def method(klass, *args, **kwargs):
         runner = _Runner.start()
         try:
@@ -627,9 +634,10 @@ def _forward_property(name: str, raw: Any) -> property:
     return property(fget, fset if settable else None, doc=doc)
 
 
-def _derive(cls: type) -> type:
+def _derive(cls: type[_TwinBase]) -> type[_TwinBase]:
     """Add to ``cls`` the members of ``cls._twin.source`` (see :class:`Twin`)."""
     twin: Twin = cls._twin
+    member: object  # (derived members are marked _derived by _dress)
     skip = set(twin.hidden) | set(twin.renamed) | set(twin.by_hand)
     for name, raw in _members(twin.source).items():
         if name in skip or (name.startswith("__") and name not in _FORWARDED_PROTOCOL):
@@ -641,16 +649,12 @@ def _derive(cls: type) -> type:
             if name not in twin.constructors:
                 continue  # not derived: the surface test names it
             member = _constructor(cls, name, raw.__func__, twin.constructors[name])
-            member.__func__._derived = True
         elif isinstance(raw, staticmethod):
             member = _static_method(cls, name, raw.__func__)
-            member.__func__._derived = True
         elif inspect.iscoroutinefunction(raw):
             member = _blocking_method(cls, name, raw)
-            member._derived = True
         elif inspect.isfunction(raw):
             member = _plain_method(cls, name, raw)
-            member._derived = True
         else:  # property, slot, or a plain class attribute
             member = _forward_property(name, raw)
         setattr(cls, name, member)
@@ -671,6 +675,8 @@ class SyncBatch(_TwinBase):
 
     __slots__ = ("_target", "_home")
     _twin = Twin(RowRemoteBatch, extra={"remote": "the async batch this one wraps"})
+    _target: RowRemoteBatch
+    _home: StreamQueue
 
     def __init__(self, remote: RowRemoteBatch, queue: "StreamQueue"):
         self._target = remote
@@ -694,6 +700,8 @@ class SyncColumn(_TwinBase):
 
     __slots__ = ("_target", "_home")
     _twin = Twin(ColumnRemoteBatch, extra={"remote": "the async column this one wraps"})
+    _target: ColumnRemoteBatch
+    _home: StreamQueue
 
     def __init__(self, remote: ColumnRemoteBatch, queue: "StreamQueue"):
         self._target = remote
@@ -718,6 +726,8 @@ class SyncStream(_TwinBase):
     _twin = Twin(_aq.Stream, renamed={
         "__aiter__": "__iter__", "__anext__": "__next__",
         "__aenter__": "__enter__", "__aexit__": "__exit__", "aclose": "close"})
+    _target: _aq.Stream
+    _home: StreamQueue
 
     def __init__(self, stream: _aq.Stream, queue: "StreamQueue"):
         stream.watch_task = False  # each blocking call runs as a task of its own
@@ -786,7 +796,7 @@ class StreamQueue(_TwinBase):
         by_hand={"close": "a no-op once this blocking queue is shut down",
                  "shutdown": "closes a queue it owns first, wakes every blocked caller and "
                              "stops the event-loop thread"},
-        constructors={"from_config": True, "connect": False},
+        constructors={"from_config": True, "connect": False, "restore": True},
         attributes=("name",),
         extra={"wrap": "a blocking view of an existing async queue",
                "aqueue": "the async queue behind this one"})
@@ -924,7 +934,8 @@ class StreamQueue(_TwinBase):
             runner.stop(wait=False)
 
 
-StreamQueue.__init__.__signature__ = inspect.signature(_aq.StreamQueue.__init__)
+StreamQueue.__init__.__signature__ = (  # type: ignore[attr-defined]  # read by inspect.signature
+    inspect.signature(_aq.StreamQueue.__init__))
 for _cls in (SyncBatch, SyncColumn, SyncStream, StreamQueue):
     _derive(_cls)
 del _cls

@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import logging
 import sys
 import time
 from typing import Any
@@ -105,7 +106,7 @@ async def _run(args: argparse.Namespace) -> int:
 
     if not ray.is_initialized():
         ray.init(address=args.address, namespace=args.namespace, log_to_driver=False,
-                 logging_level="ERROR")
+                 logging_level=logging.ERROR)
     q = StreamQueue.connect(args.name, namespace=args.namespace)
     prev: tuple[float, Stats] | None = None
     if args.once:

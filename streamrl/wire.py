@@ -83,6 +83,10 @@ class WireTensor:
         with one, see :meth:`pinned`)."""
         if self.ref is None:
             return self
+        if self.buf is None:
+            raise ValueError(
+                "this WireTensor is a reference without the referenced array (stripped); "
+                "inline it where the array is (see pinned)")
         return WireTensor(self.dtype, self.itemsize, self.shape,
                           self.buf[self.offset:self.offset + self.nbytes])
 
@@ -105,11 +109,13 @@ class WireTensor:
         if self.ref is not None:
             return WireTensor(self.dtype, self.itemsize, shape, self.buf, self.ref,
                               self.offset + start * row)
+        assert self.buf is not None  # (inline: the bytes are here)
         return WireTensor(self.dtype, self.itemsize, shape, self.buf[start * row:stop * row])
 
     def resolve(self, arrays: dict) -> np.ndarray:
         """The bytes as a flat ``uint8`` array; ``arrays`` maps refs to their arrays."""
         if self.ref is None:
+            assert self.buf is not None  # (inline: the bytes are here)
             return self.buf
         arr = arrays[self.ref] if self.buf is None else arrays.get(self.ref, self.buf)
         return arr[self.offset:self.offset + self.nbytes]

@@ -89,3 +89,51 @@ def test_another_process_sees_the_bytes():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert out.returncode == 0, out.stderr
     assert (a.view(ref) == 7).all()  # and writes of that process are seen here
+
+
+def _until(cond, what: str, timeout: float = 20.0) -> None:
+    import time
+
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.01)
+
+
+def test_reserve_makes_segments_ahead_and_alloc_takes_them():
+    """reserve= makes that many bytes of segments on a background thread; blocks that
+    need a new segment take a spare (no new memfd), and the arena holds no more than
+    asked for."""
+    a = Arena(0, segment_bytes=SEG, reserve=3 * SEG)
+    try:
+        _until(lambda: a.size == 3 * SEG, "the reserve")
+        assert a.segments == [] and len(a._spare) == 3
+        live = {}
+        for i in range(3):
+            r = a.alloc(SEG)  # one whole segment each
+            live[r] = i
+        _check(a, live)
+        assert len(a.segments) == 3 and a._spare == [] and a.size == 3 * SEG
+        a.alloc(SEG)  # past the reserve: made on demand
+        assert a.size == 4 * SEG
+    finally:
+        a.close()
+
+
+def test_ahead_keeps_spare_room_within_the_limit():
+    """ahead= keeps that much spare beyond what blocks use, never past limit=."""
+    a = Arena(0, segment_bytes=SEG, ahead=SEG, limit=3 * SEG)
+    try:
+        _until(lambda: a.size == SEG, "the first spare")
+        refs = [a.alloc(SEG) for _ in range(2)]
+        _until(lambda: a.size == 3 * SEG, "a spare beyond the 2 used segments")
+        refs.append(a.alloc(SEG))
+        import time
+
+        time.sleep(0.2)
+        assert a.size == 3 * SEG  # the limit: no spare past it
+        for r in refs:
+            a.free(r)
+        assert a.used == 0
+    finally:
+        a.close()

@@ -117,9 +117,10 @@ async def test_the_actor_dispatches_every_call_to_its_service():
 
 
 @pytest.mark.parametrize("method", sorted(CANCELLABLE))
-async def test_a_cancelled_call_is_taken_back_once_done(method):
+async def test_a_cancelled_call_is_taken_back_once_done(method, tmp_path):
     """cancel(rid) after the call returned: the lease goes back, the admitted write is
-    aborted, the commit retracted (what ControllerActorImpl.cancel promises)."""
+    aborted, the commit retracted, a checkpoint's hold on deletes ended (what
+    ControllerActorImpl.cancel promises)."""
     actor = _actor()
     req = Request("t", ("x",), 2, partition="p")
     tok = await actor.allocate("p", 2, ["x"], nbytes=16)
@@ -143,6 +144,15 @@ async def test_a_cancelled_call_is_taken_back_once_done(method):
         assert res.dead == {}
         await actor.cancel("r1")
         assert (await actor.stats()).rows == 0  # the new rows went with the write
+        return
+    if method == "checkpoint_begin":
+        await actor.commit(tok, {"x": [8, 8]})
+        cut = await actor.cancellable("r1", "checkpoint_begin", (str(tmp_path),), {})
+        assert cut.rows == {0: sorted(tok.rows)}
+        await actor.drop(tok.rows)  # the unit keeps them for the checkpoint's writers
+        assert actor._data.units[0].stats()[0] == 2
+        await actor.cancel("r1")
+        assert actor._data.units[0].stats()[0] == 0  # the hold ended: deleted
         return
     await actor.commit(tok, {"x": [8, 8]})
     d = await actor.cancellable("r1", "take", (req, 1.0), {})

@@ -601,3 +601,23 @@ async def test_controller_actor_runs_on_uvloop(rq):
     pytest.importorskip("uvloop")
     q = rq()
     assert (await q._transport._controller.event_loop.remote()).startswith("uvloop")
+
+
+async def test_arena_reserve_makes_room_at_start_and_is_validated(rq):
+    """arena_reserve= makes shared memory on each unit at start (whole segments); bad
+    values are refused before any actor starts."""
+    from streamrl.arena import SEGMENT_BYTES
+
+    q = rq(num_shards=1, arena_reserve=1 << 20)
+    await _until(lambda: _arena_size_is(q, SEGMENT_BYTES), "the reserve")
+    await q.put({"x": torch.ones(4, 1024)}, partition="p")  # lands in the reserved segment
+    assert (await _arena(q))["size"] == SEGMENT_BYTES
+    for bad in (-1, 1.5, "1G"):
+        with pytest.raises(InvalidArgument, match="arena_reserve"):
+            streamrl.StreamQueue(transport="ray", arena_reserve=bad)
+    with pytest.raises(InvalidArgument, match="capacity_bytes"):
+        streamrl.StreamQueue(transport="ray", arena_reserve=True)
+
+
+async def _arena_size_is(q, size: int) -> bool:
+    return (await _arena(q))["size"] == size

@@ -1,16 +1,28 @@
-"""Run the Python code blocks of the docs, to check them against the real API.
+"""Run the Python code blocks of README.md and the docs, to check them against the real API.
 
     python docs/_ext/check_snippets.py          # every runnable block (embedded transport)
     python docs/_ext/check_snippets.py --ray    # also the blocks marked <!-- test: ray -->
+    python docs/_ext/check_snippets.py --ray deployment   # blocks of files whose path has it
 
-A ```python block runs as a script of its own. A block right after an HTML comment
-``<!-- test: skip -->`` (a fragment) is not run; ``<!-- test: ray -->`` marks blocks that
-start Ray (run with ``--ray``; they start a local Ray on loopback). Exit status 1 when a
-block fails.
+The default test run does the same (``tests/test_docs_snippets.py``: one test per block,
+the Ray ones marked ``ray`` and ``slow``), so CI checks every block.
+
+Marker convention. Every fenced ```python block of ``README.md`` and ``docs/**/*.md`` runs
+as a script of its own (a fresh interpreter, this checkout first on ``sys.path``, a temporary
+working directory), and must exit with status 0. An HTML comment on the line right before
+the fence changes that (it does not show in rendered Markdown):
+
+- ``<!-- test: skip -->``: a fragment (names defined elsewhere, a cluster address...): not run;
+- ``<!-- test: ray -->``: starts Ray: run with ``--ray`` (and in the test run, when Ray is
+  installed), after a prelude that starts a local Ray on loopback with 2 CPUs.
+
+Any other ``test:`` word is an error, so a typo cannot silently skip a block. Blocks in
+other languages (```bash, ```text...) are never run. Exit status 1 when a block fails.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import pathlib
 import re
@@ -19,37 +31,82 @@ import sys
 import tempfile
 
 DOCS = pathlib.Path(__file__).resolve().parent.parent
-BLOCK = re.compile(r"(?:<!-- test: (\w+) -->\n)?```python\n(.*?)```", re.S)
+ROOT = DOCS.parent
+BLOCK = re.compile(r"(?:<!-- test: ([\w-]+) -->\n)?```python\n(.*?)```", re.S)
+TAGS = ("run", "skip", "ray")
 RAY_PRELUDE = ('import ray\nray.init(address="local", num_cpus=2, include_dashboard=False, '
                '_node_ip_address="127.0.0.1")\n')
+#: seconds one block may take (a Ray block starts a cluster)
+TIMEOUT = 300
 
 
-def main() -> int:
-    with_ray = "--ray" in sys.argv
+@dataclasses.dataclass(frozen=True)
+class Block:
+    path: pathlib.Path  #: the Markdown file
+    index: int  #: its position among the file's python blocks
+    line: int  #: line of the opening fence
+    tag: str  #: "run", "skip" or "ray" (see the module docstring)
+    code: str
+
+    @property
+    def name(self) -> str:
+        """``file block i`` (the file relative to the repository root)."""
+        return f"{self.path.relative_to(ROOT).as_posix()} block {self.index}"
+
+
+def sources() -> list[pathlib.Path]:
+    """README.md and every Markdown file under docs/."""
+    return [ROOT / "README.md"] + sorted(DOCS.rglob("*.md"))
+
+
+def blocks() -> list[Block]:
+    """Every python block of :func:`sources`. Raises ValueError on an unknown marker."""
+    out = []
+    for md in sources():
+        text = md.read_text()
+        for i, m in enumerate(BLOCK.finditer(text)):
+            tag = m.group(1) or "run"
+            line = text.count("\n", 0, m.start(2))
+            if tag not in TAGS:
+                raise ValueError(f"{md.relative_to(ROOT)}:{line}: unknown snippet marker "
+                                 f"<!-- test: {tag} -->; use one of {', '.join(TAGS)}")
+            out.append(Block(md, i, line, tag, m.group(2)))
+    return out
+
+
+def run(block: Block, tmp: pathlib.Path) -> tuple[bool, str]:
+    """Run ``block`` as a script in directory ``tmp``: (passed, the end of its stderr)."""
+    script = tmp / f"{block.path.stem}_{block.index}.py"
+    script.write_text((RAY_PRELUDE if block.tag == "ray" else "") + block.code)
+    path = os.environ.get("PYTHONPATH")
+    env = {**os.environ, "RAY_ADDRESS": "", "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",
+           # this checkout's streamrl, whichever one is installed
+           "PYTHONPATH": str(ROOT) + (os.pathsep + path if path else "")}
+    try:
+        out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                             timeout=TIMEOUT, cwd=tmp, env=env)
+    except subprocess.TimeoutExpired:
+        return False, f"timed out after {TIMEOUT}s"
+    return out.returncode == 0, out.stderr[-2000:]
+
+
+def main(argv: list[str]) -> int:
+    with_ray = "--ray" in argv
+    only = [a for a in argv if not a.startswith("--")]
     failed = 0
-    env = {**os.environ, "RAY_ADDRESS": "", "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
     with tempfile.TemporaryDirectory() as tmp:
-        for md in sorted(DOCS.rglob("*.md")):
-            for i, m in enumerate(BLOCK.finditer(md.read_text())):
-                tag, code = m.group(1) or "run", m.group(2)
-                if tag == "skip" or (tag == "ray" and not with_ray):
-                    continue
-                script = pathlib.Path(tmp) / f"{md.stem}_{i}.py"
-                script.write_text((RAY_PRELUDE if tag == "ray" else "") + code)
-                name = f"{md.relative_to(DOCS)} block {i}"
-                try:
-                    out = subprocess.run([sys.executable, str(script)], capture_output=True,
-                                         text=True, timeout=300, cwd=tmp, env=env)
-                    ok = out.returncode == 0
-                    detail = out.stderr[-2000:]
-                except subprocess.TimeoutExpired:
-                    ok, detail = False, "timed out"
-                print(("ok    " if ok else "FAIL  ") + name, flush=True)
-                if not ok:
-                    failed += 1
-                    print(detail)
+        for block in blocks():
+            if block.tag == "skip" or (block.tag == "ray" and not with_ray):
+                continue
+            if only and not any(s in block.name for s in only):
+                continue
+            ok, detail = run(block, pathlib.Path(tmp))
+            print(("ok    " if ok else "FAIL  ") + block.name, flush=True)
+            if not ok:
+                failed += 1
+                print(detail)
     return 1 if failed else 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main(sys.argv[1:]))

@@ -40,7 +40,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, final
 
 from ..config import QueueConfig, Request, validate_request
 from ..messages import (END, CommitResult, Delivery, DropReason, FilterJob, FilterSpec, Undo,
@@ -55,15 +55,15 @@ from .introspect import Introspect
 from .leases import Leases
 from .lifecycle import Lifecycle
 from .snapshot import FORMAT_VERSION, Snapshot
-from .state import State, _consumers
+from .state import _consumers
 
 __all__ = ["Controller", "validate_request", "Request", "Delivery", "END", "FilterSpec",
            "FilterJob", "DropReason", "Undo", "WriteToken", "CommitResult", "imbalance",
            "FORMAT_VERSION"]
 
 
-class Controller(Admission, Dispatch, Leases, Groups, Lifecycle, Index, Introspect, Snapshot,
-                 State):
+@final  # (the composition of the parts: see .base)
+class Controller(Admission, Dispatch, Leases, Groups, Lifecycle, Index, Introspect, Snapshot):
     """Metadata state machine of one queue.
 
     Args:

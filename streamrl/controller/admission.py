@@ -18,10 +18,11 @@ from ..errors import (
     rows_preview,
 )
 from ..messages import CommitResult, DropReason, Undo, WriteToken
+from .base import ControllerBase
 from .state import _MISSING, LEASE_MEMORY, Row, _by_shard_of, _dtype_name
 
 
-class Admission:
+class Admission(ControllerBase):
     """Capacity, ids, placement and write tokens (part of :class:`Controller`)."""
 
     # ------------------------------------------------------------------ capacity
@@ -131,9 +132,9 @@ class Admission:
             ids = list(range(start, start + n))
             shards = self._place(n)
         else:
-            block = (self._id_block(shard, ids)
-                     if len(ids) == n and shard not in self.dead_shards else None)
-            if block is None:
+            block = (self._id_block(shard, ids) if shard is not None and len(ids) == n
+                     and shard not in self.dead_shards else None)
+            if block is None or shard is None:
                 raise InvalidArgument(
                     f"rows {rows_preview(ids)} are not unused ids leased to storage unit "
                     f"{shard}; admit them without ids")
@@ -336,8 +337,8 @@ class Admission:
         return Undo(token.id, frozenset(token.shards),
                     [(tuple(token.fields), _by_shard_of(live))])
 
-    def commit(self, token: int | WriteToken, nbytes: dict[str, Sequence[int]],
-               tags: dict[str, Sequence[Hashable]] | None = None) -> CommitResult:
+    def commit(self, token: int | WriteToken, nbytes: Mapping[str, Sequence[int]],
+               tags: Mapping[str, Sequence[Hashable]] | None = None) -> CommitResult:
         """The write's bytes are in storage: mark its fields ready on its rows.
 
         Args:

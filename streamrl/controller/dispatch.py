@@ -7,11 +7,16 @@ from __future__ import annotations
 import heapq
 import itertools
 from collections.abc import Hashable, Iterator
+from typing import TYPE_CHECKING, SupportsFloat, cast
 
 from ..config import Request
 from ..errors import DispatchError, InvalidArgument
 from ..messages import END, Delivery, DropReason, _End
-from ..sampling import FifoSampler, Ready, Sampler, resolve
+from ..sampling import FifoSampler, Ready, Sampler, Unit, resolve
+from .base import ControllerBase
+
+if TYPE_CHECKING:
+    from .index import _Sub
 
 
 class _Dispatcher:
@@ -26,7 +31,7 @@ class _Dispatcher:
         self.shares: dict[tuple[int, int], tuple[int, list[int], list[int]]] = {}
 
 
-class Dispatch:
+class Dispatch(ControllerBase):
     """Selection, tails and ends, DP dispatch (part of :class:`Controller`)."""
 
     def take(self, req: Request) -> Delivery | _End | None:
@@ -55,7 +60,7 @@ class Dispatch:
         """The request's sampler, or the queue's."""
         return self.sampler if req.sampler is None else resolve(req.sampler)
 
-    def _owed(self, sub) -> int | None:
+    def _owed(self, sub: _Sub) -> int | None:
         """Rows the task still owes in the subscription's scope once no new rows can come
         (its partition, or the whole queue, is sealed); ``None`` while more may come."""
         if sub.partition is None:
@@ -65,15 +70,15 @@ class Dispatch:
         p = self.parts.get(sub.partition)
         return p.remaining(sub.task) if p is not None and p.sealed else None
 
-    def _tail(self, sub) -> bool:
+    def _tail(self, sub: _Sub) -> bool:
         """True when every row the task still owes is deliverable now (nothing to wait
         for), so a short final batch may go out."""
         return self.closed or self._owed(sub) == len(sub.avail)
 
-    def _ended(self, sub) -> bool:
+    def _ended(self, sub: _Sub) -> bool:
         return (self.closed and not sub.avail) or self._owed(sub) == 0
 
-    def _select(self, sub, req: Request, size: int, sampler: Sampler
+    def _select(self, sub: _Sub, req: Request, size: int, sampler: Sampler
                 ) -> list[int] | _End | None:
         """Pick (without leasing) up to ``size`` rows, or None/END."""
         fifo = type(sampler) is FifoSampler  # the default, kept O(batch) with no overhead
@@ -99,7 +104,7 @@ class Dispatch:
             return END
         return None
 
-    def _pack(self, sub, sampler: Sampler, size: int, *, check: bool = True
+    def _pack(self, sub: _Sub, sampler: Sampler, size: int, *, check: bool = True
               ) -> tuple[list[int], bool]:
         """Take the sampler's units, in its order, while they fit ``size`` rows (a first
         unit always: a group may be bigger than a batch). Returns the rows and whether a
@@ -122,7 +127,7 @@ class Dispatch:
                 break
         return chosen, offered > len(chosen)
 
-    def _ready_units(self, sub) -> Iterator[list[int]]:
+    def _ready_units(self, sub: _Sub) -> Iterator[list[int]]:
         """What :meth:`Ready.units` yields."""
         if sub.group_by is None:
             for r in sub.avail:
@@ -133,7 +138,7 @@ class Dispatch:
             b = sub.buckets[gk]
             yield list(itertools.islice(b, gs)) if gs and len(b) > gs else list(b)
 
-    def _check_unit(self, sub, sampler: Sampler, unit, seen: set[int]) -> list[int]:
+    def _check_unit(self, sub: _Sub, sampler: Sampler, unit: Unit, seen: set[int]) -> list[int]:
         """``unit`` as a list, if it is a ready unit not taken yet; raise otherwise."""
         unit = list(unit)
         ok = bool(unit) and all(r in sub.avail and r not in seen for r in unit)
@@ -153,7 +158,7 @@ class Dispatch:
                 "was given twice); a sampler must order the units of ready.units()")
         return unit
 
-    def _delivery(self, lid: int, req: Request, sub, rids: list[int], rank: int = 0,
+    def _delivery(self, lid: int, req: Request, sub: _Sub, rids: list[int], rank: int = 0,
                   dispatch: int | None = None) -> Delivery:
         objs = [self.rows[r] for r in rids]
         common = set(objs[0].fields) if objs else set()
@@ -170,7 +175,7 @@ class Dispatch:
 
     # ------------------------------------------------------------------ DP dispatch
 
-    def _take_dp(self, sub, req: Request, sampler: Sampler) -> Delivery | _End | None:
+    def _take_dp(self, sub: _Sub, req: Request, sampler: Sampler) -> Delivery | _End | None:
         """Rank ``r`` takes share ``r`` of dispatch ``k`` (its k-th batch). The first rank
         to ask for dispatch ``k`` makes it: ``dp_size * batch_size`` rows (whole groups)
         split into equal-count, weight-balanced shares; the other shares are reserved
@@ -197,7 +202,9 @@ class Dispatch:
             self._claim(lease)
         return self._delivery(lid, req, sub, list(rids) + list(pads), rank, k)
 
-    def _make_dispatch(self, sub, req: Request, disp: _Dispatcher, k: int, sampler: Sampler):
+    def _make_dispatch(self, sub: _Sub, req: Request, disp: _Dispatcher, k: int,
+                       sampler: Sampler) -> bool | _End | None:
+        """Make dispatch ``k``: ``True``, or ``None``/:data:`END` as :meth:`_select`."""
         R = req.dp_size
         rows = self._select(sub, req, R * req.batch_size, sampler)
         if rows is None or rows is END:
@@ -237,7 +244,7 @@ class Dispatch:
         disp.made = k + 1
         return True
 
-    def _units(self, sub, rows: list[int]) -> list[list[int]]:
+    def _units(self, sub: _Sub, rows: list[int]) -> list[list[int]]:
         if sub.group_by is None:
             return [[r] for r in rows]
         by: dict[Hashable, list[int]] = {}
@@ -257,6 +264,6 @@ class Dispatch:
                     raise InvalidArgument(
                         f"balance_by={balance_by!r}: row {r} has no value for it yet; write the "
                         "length field before the row becomes ready, or list it in fields")
-                w += float(v)
+                w += float(cast(SupportsFloat, v))  # a balance key is a number (a length)
             out.append(w)
         return out

@@ -10,15 +10,16 @@ filters) and records their verdicts.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Hashable, Sequence
+from collections.abc import Hashable, Iterable, Sequence
 
 from ..errors import InvalidArgument
 from ..messages import DropReason, FilterJob, FilterSpec
+from .base import ControllerBase
 from .lifecycle import _unbucket
 from .state import _MISSING, Partition, Row
 
 
-class Groups:
+class Groups(ControllerBase):
     """Tags, groups and filters (part of :class:`Controller`)."""
 
     # ------------------------------------------------------------------ tags
@@ -29,6 +30,7 @@ class Groups:
         scope that already have the field but no tag: the caller reads their values from
         storage and passes them to :meth:`set_tags`."""
         self._tag_scope(field, partition)
+        rows: Iterable[Row]
         if partition is None:
             rows = self.rows.values()
         else:
@@ -161,6 +163,8 @@ class Groups:
     def filter_done(self, job_id: int, keep: Sequence[bool] | None, *, error: bool = False) -> int:
         """Record a filter verdict: ``keep[i]`` for the job's i-th row. Rejected rows (all
         of them when ``error``) are dropped. Returns how many were dropped."""
+        if keep is None and not error:  # (before any change: the job stays pending)
+            raise InvalidArgument("filter_done needs keep, a verdict per row, unless error=True")
         job = self._jobs.pop(job_id, None)
         if job is None:
             return 0
@@ -173,6 +177,7 @@ class Groups:
             self.c_filter_errors[job.filter] = self.c_filter_errors.get(job.filter, 0) + len(live)
             reason = DropReason.FILTER_ERROR
         else:
+            assert keep is not None  # (checked above)
             verdict = dict(zip(job.rows, keep))
             rejected = [r for r in live if not verdict[r.id]]
             self.c_filtered_by[job.filter] = self.c_filtered_by.get(job.filter, 0) + len(rejected)

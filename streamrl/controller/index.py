@@ -16,6 +16,7 @@ from collections.abc import Hashable, Iterable
 
 from ..config import Request, validate_request
 from ..errors import InvalidArgument
+from .base import ControllerBase
 from .state import _MISSING, Row
 
 
@@ -27,8 +28,12 @@ class _Sub:
 
     def __init__(self, key: tuple, gating: int, tbit: int):
         self.key = key
-        self.task, fields, self.partition, self.group_by, self.group_size = key
+        task, fields, partition, group_by, group_size = key  # see Request.sub_key
+        self.task: str = task
         self.fields: frozenset[str] = fields
+        self.partition: str | None = partition
+        self.group_by: str | None = group_by
+        self.group_size: int | None = group_size
         self.avail: dict[int, None] = {}  # deliverable rows, in the order they became so
         self.buckets: dict[tuple[str, Hashable], dict[int, None]] = {}  # (part, key) -> rows
         self.complete: dict[tuple[str, Hashable], None] = {}  # groups that may go out
@@ -36,20 +41,20 @@ class _Sub:
         self.tbit = tbit
 
 
-class Index:
+class Index(ControllerBase):
     """Subscriptions and the readiness index (part of :class:`Controller`)."""
 
     def _init_index(self) -> None:
-        """Every derived structure of the controller, empty."""
-        self.subs: dict[tuple, _Sub] = {}
-        self._subs_by_part: dict[str | None, list[_Sub]] = {}
-        self._subs_by_task: dict[str, list[_Sub]] = {}
-        self._cands: dict[str, list[_Sub]] = {}  # partition -> subscriptions that see it
-        # filter name -> (partition, key) -> rows that have the filter's fields, unjudged
-        self._filter_ready: dict[str, dict[tuple, dict[int, None]]] = {}
-        self._lease_heap: list[tuple[float, int]] = []  # (deadline, lease id)
-        self._token_heap: list[tuple[float, int]] = []  # (deadline, token id)
-        self._dispatchers: dict[tuple, object] = {}  # DP dispatch progress (see .dispatch)
+        """Every derived structure of the controller, empty (their types and what they
+        hold: see :class:`.ControllerBase`)."""
+        self.subs = {}
+        self._subs_by_part = {}
+        self._subs_by_task = {}
+        self._cands = {}
+        self._filter_ready = {}
+        self._lease_heap = []
+        self._token_heap = []
+        self._dispatchers = {}
 
     def validate_request(self, req: Request) -> None:
         """Raise :class:`InvalidArgument` for a request that can never be served."""
@@ -155,6 +160,7 @@ class Index:
         p = self.parts.get(gk[0])
         if p is None or not (p.sealed or self.closed):
             return False
+        assert sub.group_by is not None  # (only grouped subscriptions have groups)
         # sealed: complete when every live row of the key that the task still owes is here
         members = p.groups.get(sub.group_by, {}).get(gk[1], {})
         owed = sum(1 for r in members if not self.rows[r].acked & sub.tbit)

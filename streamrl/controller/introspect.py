@@ -4,9 +4,11 @@ the read-only views ``stats()`` is built from."""
 from __future__ import annotations
 
 from ..messages import FilterJob
+from .base import ControllerBase
+from .state import Row
 
 
-class Introspect:
+class Introspect(ControllerBase):
     """Outboxes and stats helpers (part of :class:`Controller`)."""
 
     def drain(self) -> tuple[dict[int, list[int]], list[FilterJob], set[tuple], set, bool]:
@@ -57,7 +59,7 @@ class Introspect:
             if not subs:
                 continue
             ready: set[int] = set()
-            scope: dict[int, object] = {}
+            scope: dict[int, Row] = {}
             for sub in subs:
                 ready.update(sub.avail)
                 rows = (self.rows if sub.partition is None

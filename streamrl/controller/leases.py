@@ -6,12 +6,17 @@ from __future__ import annotations
 
 import heapq
 from collections.abc import Iterable
+from typing import TYPE_CHECKING
 
 from ..config import Request
 from ..errors import LeaseExpired, rows_preview
 from ..messages import Delivery, DropReason
 from ..stats import Histogram
+from .base import ControllerBase
 from .state import LEASE_MEMORY
+
+if TYPE_CHECKING:
+    from .index import _Sub
 
 
 class _Lease:
@@ -32,10 +37,10 @@ class _Lease:
         self.rank = 0
 
 
-class Leases:
+class Leases(ControllerBase):
     """Leases and deadlines (part of :class:`Controller`)."""
 
-    def _lease(self, sub, req: Request, rids: list[int], *, claimed: bool = True,
+    def _lease(self, sub: _Sub, req: Request, rids: list[int], *, claimed: bool = True,
                rank: int = 0, dispatch: int | None = None) -> Delivery:
         task = req.task
         timeout = req.lease_timeout or self.lease_timeout

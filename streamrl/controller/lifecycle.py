@@ -3,14 +3,19 @@ and storage units that died. Every removal of a row goes through :meth:`_drop_ro
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Hashable, Iterable, Sequence
+from typing import TYPE_CHECKING
 
 from ..errors import InvalidArgument
 from ..messages import DropReason
+from .base import ControllerBase
 from .state import _MISSING, Partition, Row, _consumers
 
+if TYPE_CHECKING:
+    from .index import _Sub
 
-class Lifecycle:
+
+class Lifecycle(ControllerBase):
     """Partitions' ends and rows' removal (part of :class:`Controller`)."""
 
     def declare(self, partition: str, consumers: Sequence[str] | None) -> None:
@@ -122,7 +127,8 @@ class Lifecycle:
         freed = 0
         gone = 0
         parts: set[Partition] = set()
-        regroup: list[tuple[str, Partition, object]] = []  # grouped filters to look at again
+        # grouped filters to look at again: (filter, partition, the row's tags)
+        regroup: list[tuple[str, Partition, dict[str, Hashable]]] = []
         for row in objs:
             if self.rows.pop(row.id, None) is None:
                 continue
@@ -210,7 +216,7 @@ class Lifecycle:
         self._drop_rows(stale, DropReason.STALE, group=True)
         return self.c_dropped.get(DropReason.STALE, 0) - before
 
-    def _drop_stale(self, sub, k: int) -> None:
+    def _drop_stale(self, sub: _Sub, k: int) -> None:
         limit = self.version - k
         stale = [self.rows[r] for r in sub.avail if self.rows[r].version < limit]
         if stale:

@@ -11,6 +11,7 @@ from typing import Any
 
 from ..errors import CheckpointError
 from ..messages import FilterJob, FilterSpec, WriteToken
+from .base import ControllerBase
 from .leases import _Lease
 from .state import Partition, Row, _consumers
 
@@ -20,7 +21,7 @@ FORMAT = "streamrl.controller"
 FORMAT_VERSION = 1
 
 
-class Snapshot:
+class Snapshot(ControllerBase):
     """``state_dict`` and ``load_state_dict`` (part of :class:`Controller`)."""
 
     def state_dict(self) -> dict[str, Any]:
@@ -49,8 +50,20 @@ class Snapshot:
             CheckpointError: a tag value that is not a str, int, float, bool, ``None``,
                 bytes or a tuple of those.
         """
-        tnames, fnames = self._tbits, self._fbits
-        names = self._names
+        return self.state_cut().state_dict()
+
+    def state_cut(self) -> "StateCut":
+        """The state at this instant, taken cheaply: what :meth:`state_dict` returns,
+        with the rows captured as they are (a tuple each, their sets of tasks and
+        filters still as bits) and turned into plain data later, by
+        :meth:`StateCut.state_dict`, in any thread. A checkpoint takes its cut this way
+        while producers and consumers wait: the controller changes nothing the cut
+        holds, so the slow part of ``state_dict`` runs beside them.
+
+        Raises:
+            CheckpointError: a group key of a subscription or a filter that cannot be
+                saved (see :meth:`state_dict`).
+        """
         subs = []
         for sub in self.subs.values():
             subs.append({
@@ -59,7 +72,7 @@ class Snapshot:
                 "ready": list(sub.avail),
                 "groups": [[p, _enc(k)] for p, k in sub.buckets],
                 "complete": [[p, _enc(k)] for p, k in sub.complete]})
-        return {
+        head = {
             "format": FORMAT,
             "version": FORMAT_VERSION,
             "policy_version": self.version,
@@ -79,12 +92,7 @@ class Snapshot:
                             "consumers": None if p.consumers is None else sorted(p.consumers),
                             "tasks": sorted(p.tasks)} for p in self.parts.values()],
             "retired": sorted(self.retired),
-            "rows": [{"id": r.id, "partition": r.part.name, "shard": r.shard,
-                      "version": r.version, "fields": dict(r.fields),
-                      "tags": {f: _enc(v) for f, v in r.tags.items()},
-                      "acked": sorted(names(tnames, r.acked)),
-                      "delivered": sorted(names(tnames, r.delivered)),
-                      "pending": sorted(names(fnames, r.pending))} for r in self.rows.values()],
+            "rows": None,  # (filled by StateCut.state_dict)
             "leases": [{"id": le.id, "task": le.task, "rows": list(le.rows),
                         "timeout": le.timeout, "claimed": le.claimed}
                        for le in self.leases.values()],
@@ -108,8 +116,14 @@ class Snapshot:
                 "filtered_by": dict(self.c_filtered_by),
                 "filter_errors": dict(self.c_filter_errors),
                 "delivered": dict(self.c_delivered), "acked": dict(self.c_acked),
-                "redelivered": dict(self.c_redelivered), "expired": dict(self.c_expired)},
+                "redelivered": dict(self.c_redelivered), "expired": dict(self.c_expired),
+                "bytes_delivered": dict(self.c_bytes_delivered)},
         }
+        # the one part that costs per row: a tuple of each row's fields, nothing converted
+        rows = [(r.id, r.part.name, r.shard, r.version, dict(r.fields),
+                 dict(r.tags) if r.tags else None, r.acked, r.delivered, r.pending)
+                for r in self.rows.values()]
+        return StateCut(head, rows, dict(self._tbits), dict(self._fbits))
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Replace this controller's state by ``state`` (from :meth:`state_dict`, also
@@ -195,6 +209,7 @@ class Snapshot:
         self.c_filter_errors = dict(c["filter_errors"])
         self.c_delivered, self.c_acked = dict(c["delivered"]), dict(c["acked"])
         self.c_redelivered, self.c_expired = dict(c["redelivered"]), dict(c["expired"])
+        self.c_bytes_delivered = dict(c.get("bytes_delivered", {}))
         self._lease_outcome = OrderedDict((int(lid), o) for lid, o in st["lease_outcomes"]
                                           if o != "acked")
         self._outcome_floor = int(st.get("outcome_floor", 0))
@@ -304,6 +319,46 @@ class Snapshot:
             order = {(p, _dec(k)): i for i, (p, k) in enumerate(sd["complete"])}
             done = sorted(sub.complete, key=lambda gk: order.get(gk, len(order)))
             sub.complete = dict.fromkeys(done)
+
+
+class StateCut:
+    """A controller's state taken at one instant by :meth:`Snapshot.state_cut`: plain
+    data except the rows, which :meth:`state_dict` converts (in any thread: nothing here
+    is shared with the controller any more).
+
+    Attributes:
+        head: the state without its rows (plain data).
+        rows: one tuple per row: ``(id, partition, shard, version, fields, tags, acked
+            bits, delivered bits, pending filter bits)``.
+    """
+
+    __slots__ = ("head", "rows", "_tasks", "_filters")
+
+    def __init__(self, head: dict[str, Any], rows: list[tuple], tasks: dict[str, int],
+                 filters: dict[str, int]):
+        self.head = head
+        self.rows = rows
+        self._tasks = tasks
+        self._filters = filters
+
+    def state_dict(self) -> dict[str, Any]:
+        """What :meth:`Snapshot.state_dict` returned at the cut.
+
+        Raises:
+            CheckpointError: a tag value that cannot be saved.
+        """
+        tasks, filters = self._tasks, self._filters
+
+        def names(table: dict[str, int], mask: int) -> list[str]:
+            return sorted(n for n, b in table.items() if mask & b) if mask else []
+
+        rows = [{"id": rid, "partition": part, "shard": shard, "version": version,
+                 "fields": fields, "tags": {f: _enc(v) for f, v in tags.items()} if tags else {},
+                 "acked": names(tasks, acked), "delivered": names(tasks, delivered),
+                 "pending": names(filters, pending)}
+                for rid, part, shard, version, fields, tags, acked, delivered, pending
+                in self.rows]
+        return {**self.head, "rows": rows}
 
 
 def _check_format(state: Any) -> None:

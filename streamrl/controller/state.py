@@ -13,11 +13,17 @@ on the order names were first seen, so a saved state names them instead.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Hashable, Iterable, Sequence
+from collections.abc import Callable, Hashable, Iterable, Sequence
+from typing import TYPE_CHECKING
 
 from ..errors import InvalidArgument
-from ..messages import FilterJob, FilterSpec, WriteToken
+from ..messages import FilterJob, FilterSpec, Undo, WriteToken
 from ..stats import Histogram
+
+if TYPE_CHECKING:
+    from ..config import QueueConfig
+    from ..sampling import Sampler
+    from .leases import _Lease
 
 _MISSING = object()
 
@@ -86,28 +92,41 @@ class State:
     ``c_*`` counters.
     """
 
+    # configuration, set by Controller.__init__ (not state: a load keeps its own).
+    # Declared for the type checker; class annotations create nothing at run time.
+    config: QueueConfig
+    capacity: int
+    capacity_bytes: int | None
+    num_shards: int
+    lease_timeout: float
+    max_staleness: int | None
+    max_lead: int | None
+    default_consumers: frozenset[str] | None
+    sampler: Sampler
+    clock: Callable[[], float]
+
     def _init_state(self) -> None:
-        self.version = 0
-        self.closed = False
-        self.sealed_all = False  # seal() of the whole queue: no new rows anywhere
+        self.version: int = 0
+        self.closed: bool = False
+        self.sealed_all: bool = False  # seal() of the whole queue: no new rows anywhere
         self.rows: dict[int, Row] = {}
         self.parts: dict[str, Partition] = {}
         # sealed partitions whose last row left: forgotten (streams over them end at once)
         self.retired: set[str] = set()
-        self.bytes_held = 0
-        self.reserved_bytes = 0
+        self.bytes_held: int = 0
+        self.reserved_bytes: int = 0
         # next ids: never reused, whether or not they are ever used
-        self._next_id = 0
-        self._next_lease = 1
-        self._next_token = 1
-        self._next_job = 1
+        self._next_id: int = 0
+        self._next_lease: int = 1
+        self._next_token: int = 1
+        self._next_job: int = 1
         self._unit_ids: dict[int, list[list[int]]] = {}  # shard -> [next, end) id blocks
-        self._next_shard = 0
+        self._next_shard: int = 0
         self.dead_shards: set[int] = set()  # storage units known to be gone
 
-        self.leases: dict = {}  # lease id -> _Lease (see .leases)
+        self.leases: dict[int, _Lease] = {}  # lease id -> lease (see .leases)
         self._lease_outcome: OrderedDict[int, str | list] = OrderedDict()
-        self._outcome_floor = 0  # leases up to this id may have a forgotten outcome
+        self._outcome_floor: int = 0  # leases up to this id may have a forgotten outcome
         self._tokens: dict[int, WriteToken] = {}  # writes admitted, not committed
         self._expired_tokens: OrderedDict[int, None] = OrderedDict()
         self._retracted: OrderedDict[int, None] = OrderedDict()  # write tokens taken back
@@ -126,10 +145,10 @@ class State:
         self._field_bits: dict[str, int] = {}  # field -> bit (writes in flight)
 
         # counters
-        self.c_put = 0
-        self.c_bytes_put = 0
-        self.c_bytes_freed = 0
-        self.c_writes_expired = 0
+        self.c_put: int = 0
+        self.c_bytes_put: int = 0
+        self.c_bytes_freed: int = 0
+        self.c_writes_expired: int = 0
         self.c_dropped: dict[str, int] = {}
         self.c_bytes_dropped: dict[str, int] = {}  # per reason, like c_dropped
         self.c_filtered_by: dict[str, int] = {}
@@ -147,11 +166,11 @@ class State:
         self.deletes: dict[int, list[int]] = {}
         # ({shard: rows}, fields) a write to existing rows may have stored before it was
         # aborted for taking too long: the caller deletes those fields from storage
-        self.field_deletes: list = []
+        self.field_deletes: list[Undo] = []
         self.filter_jobs: list[FilterJob] = []
         self.woken: set[tuple] = set()
         self.changed: set[str | None] = set()
-        self.space_freed = False
+        self.space_freed: bool = False
 
     # ------------------------------------------------------------------ registries
 
@@ -173,9 +192,10 @@ class State:
 
     # ------------------------------------------------------------------ partitions
 
-    def _part(self, name: str, create: bool = True) -> Partition | None:
+    def _part(self, name: str) -> Partition:
+        """Partition ``name``, created if it is new."""
         p = self.parts.get(name)
-        if p is None and create:
+        if p is None:
             if not isinstance(name, str) or not name:
                 raise InvalidArgument(f"partition must be a non-empty str, got {name!r}")
             p = self.parts[name] = Partition(name, self.default_consumers,

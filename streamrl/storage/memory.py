@@ -18,7 +18,7 @@ from __future__ import annotations
 import sys
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from typing import Any
+from typing import Any, final
 
 from .._types import Column
 from ..errors import RowsDropped, UnknownField, rows_preview
@@ -83,6 +83,7 @@ def approx_size(obj: Any) -> int:
     return total
 
 
+@final  # (so that ``type(e) is _Obj`` tells a type checker an entry is not an int)
 class _Obj:
     """A stored Python object (distinguishes it from a packed tensor entry)."""
 
@@ -393,11 +394,15 @@ class StorageUnit(StorageBackend):
             while i < n:
                 r, e = items[i]
                 if isinstance(e, _Obj):
+                    objs = [e]
                     j = i + 1
-                    while (j < n and j - i < self.STATE_CHUNK_OBJECTS
-                           and isinstance(items[j][1], _Obj) and items[j][1].write == e.write):
+                    while j < n and j - i < self.STATE_CHUNK_OBJECTS:
+                        o = items[j][1]
+                        if not isinstance(o, _Obj) or o.write != e.write:
+                            break
+                        objs.append(o)
                         j += 1
-                    yield StateChunk(f, [x[0] for x in items[i:j]], [x[1].value for x in items[i:j]],
+                    yield StateChunk(f, [x[0] for x in items[i:j]], [o.value for o in objs],
                                      e.write)
                     i = j
                     continue

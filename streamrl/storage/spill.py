@@ -274,7 +274,7 @@ class SpillUnit(StorageUnit):
         super()._dead(sid, seg)
 
     def _release(self, e: int | _Obj) -> None:
-        if e.__class__ is not _Obj:
+        if type(e) is not _Obj:
             seg = self.segments[e >> _OFF_BITS]
             if seg.tensor.__class__ is _OnDisk:
                 self._free_row(seg, e & _OFF_MASK)
@@ -298,7 +298,7 @@ class SpillUnit(StorageUnit):
             for store in self.columns.values():
                 for r in unique:
                     e = store.get(r)
-                    if e is None or e.__class__ is _Obj:
+                    if e is None or type(e) is _Obj:
                         continue
                     seg = segments[e >> _OFF_BITS]
                     if seg.tensor.__class__ is _OnDisk:
@@ -399,14 +399,14 @@ class SpillUnit(StorageUnit):
 
     def _pwrite(self, data: np.ndarray, pos: int) -> None:
         fd = self._check_open()
-        view = memoryview(np.ascontiguousarray(data)).cast("B")
+        view = np.ascontiguousarray(data).data.cast("B")
         while view:
             n = os.pwrite(fd, view, pos)
             view, pos = view[n:], pos + n
 
     def _pread(self, buf: np.ndarray, pos: int) -> None:
         fd = self._check_open()
-        view = memoryview(buf)
+        view = buf.data
         done, n = 0, len(view)
         while done < n:
             got = os.preadv(fd, [view[done:]], pos + done)

@@ -92,6 +92,28 @@ class DataPlane(abc.ABC):
     async def unit_stats(self) -> list[tuple[int, int]]:
         """(rows, bytes) held by each storage unit, read from the units themselves."""
 
+    async def checkpoint_write(self, directory: str, plans: Mapping[int, Mapping[str, Any]],
+                               rows: Mapping[int, Sequence[int]]) -> list[dict]:
+        """Have every storage unit write its rows of a checkpoint's cut to files of its
+        own under ``directory/unit-XXXXX``, all at once, with no data through this
+        process unless the units live here (see :func:`streamrl.checkpoint.units.write_unit`:
+        ``plans[shard]`` is the unit's plan, ``rows[shard]`` its rows). Returns the units'
+        manifest entries, by shard. Rows of the cut stay readable meanwhile (the
+        controller holds their deletes)."""
+        raise NotImplementedError(f"{type(self).__name__} cannot write checkpoints")
+
+    async def checkpoint_load(self, directory: str,
+                              sources: Mapping[int, Sequence[dict]]) -> None:
+        """Fill every new, empty storage unit ``shard`` from the parts ``sources[shard]``
+        (manifest entries of the checkpoint's units) under ``directory``, each unit
+        reading and checking its own files (see
+        :func:`streamrl.checkpoint.units.read_unit`).
+
+        Raises:
+            CheckpointError: a file is missing, torn or corrupt.
+        """
+        raise NotImplementedError(f"{type(self).__name__} cannot restore checkpoints")
+
     def released(self) -> None:
         """Tell the storage units now which read data this process no longer views
         (where they keep it for readers, as the Ray transport's arenas do); otherwise it

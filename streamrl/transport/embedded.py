@@ -70,6 +70,21 @@ class LocalDataPlane(DataPlane):
         """(rows, bytes) held by each unit."""
         return [u.stats() for u in self.units]
 
+    async def checkpoint_write(self, directory: str, plans: Mapping[int, Mapping],
+                               rows: Mapping[int, Sequence[int]]) -> list[dict]:
+        """Each unit's rows of a cut, written by a worker thread per unit (see
+        :mod:`streamrl.checkpoint.local`)."""
+        from ..checkpoint.local import write_units
+
+        return await write_units(self.units, directory, plans, rows)
+
+    async def checkpoint_load(self, directory: str,
+                              sources: Mapping[int, Sequence[dict]]) -> None:
+        """Fill the units from a checkpoint, a worker thread per unit."""
+        from ..checkpoint.local import load_units
+
+        await load_units(self.units, directory, sources)
+
 
 class EmbeddedTransport(Transport):
     """Everything in this process (the default)."""

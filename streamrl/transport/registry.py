@@ -63,6 +63,15 @@ def register(name: str, factory: Factory | str, *, replace: bool = False) -> Non
 
     Raises:
         InvalidArgument: a bad name or factory, or the name is taken (without ``replace``).
+
+    Examples:
+        >>> import streamrl
+        >>> from streamrl.transport import embedded, register, unregister
+        >>> register("in-process", embedded.create)   # the built-in one, under a new name
+        >>> q = streamrl.StreamQueue(capacity=16, transport="in-process")
+        >>> q.transport                               # the transport's own name
+        'embedded'
+        >>> unregister("in-process")
     """
     if not isinstance(name, str) or not name:
         raise InvalidArgument(f"a transport name must be a non-empty str, got {name!r}")

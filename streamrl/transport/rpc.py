@@ -32,6 +32,7 @@ way, here.
 from __future__ import annotations
 
 import asyncio
+import functools
 import hmac
 import inspect
 import itertools
@@ -102,7 +103,7 @@ def _frames(on_frame: Callable[[int, Callable[[], Any]], None]) -> Generator[Any
         buffers = []
         for k, off in zip(sizes, offsets):
             buffers.append((yield pool[off:off + k] if pool is not None and k >= DIRECT else k))
-        on_frame(req_id, lambda body=body, buffers=buffers: pickle.loads(body, buffers=buffers))
+        on_frame(req_id, functools.partial(pickle.loads, body, buffers=buffers))
 
 
 class _Protocol(asyncio.BufferedProtocol):
@@ -126,6 +127,7 @@ class _Protocol(asyncio.BufferedProtocol):
         self._want = next(parser)
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        # (a stream connection's transport is an asyncio.Transport)
         self.transport = transport  # type: ignore[assignment]
 
     def send(self, pieces: list) -> None:
@@ -142,7 +144,7 @@ class _Protocol(asyncio.BufferedProtocol):
 
     def get_buffer(self, sizehint: int) -> memoryview:
         if self._big is not None:
-            return memoryview(self._big)[self._got:]
+            return self._big.data[self._got:]
         if self._end == len(self._stage):  # full: move what is left to the front
             n = self._end - self._start
             self._view[:n] = self._view[self._start:self._end]
@@ -160,6 +162,7 @@ class _Protocol(asyncio.BufferedProtocol):
         self._drain()
 
     def _feed(self, piece: Any) -> None:
+        assert self._parser is not None  # (pieces are cut only while a parser wants them)
         try:
             self._want = self._parser.send(piece)
         except StopIteration:  # the parser is done with this connection
@@ -200,7 +203,7 @@ class RpcServer:
         self.target = target
         self.host = host
         self.token = secrets.token_bytes(_TOKEN_BYTES)
-        self._server: asyncio.AbstractServer | None = None
+        self._server: asyncio.Server | None = None
         self._conns: set[_Served] = set()
 
     async def start(self) -> Endpoint:
@@ -216,7 +219,8 @@ class RpcServer:
         if self._server is not None:
             self._server.close()
         for c in list(self._conns):
-            c.transport.abort()
+            if c.transport is not None:  # (set before the connection is listed)
+                c.transport.abort()
 
     async def _run(self, conn: _Served, req_id: int, load: Callable) -> None:
         method = "?"
@@ -262,11 +266,13 @@ class _Served(_Protocol):
     def _no_token(self) -> None:
         log.warning("streamrl: closed a connection that presented no token within %ss",
                     _CONNECT_TIMEOUT)
-        self.transport.abort()
+        if self.transport is not None:
+            self.transport.abort()
 
     def _serve(self) -> Generator[Any, Any, None]:
         token = yield _TOKEN_BYTES
-        self._timer.cancel()
+        if self._timer is not None:
+            self._timer.cancel()
         if not hmac.compare_digest(token, self.server.token):
             log.warning("streamrl: refused a connection with a wrong token")
             return
@@ -275,7 +281,7 @@ class _Served(_Protocol):
     def _call(self, req_id: int, load: Callable) -> None:
         task = asyncio.ensure_future(self.server._run(self, req_id, load))
         self.running[req_id] = task
-        task.add_done_callback(lambda _t, i=req_id: self.running.pop(i, None))
+        task.add_done_callback(lambda _t: self.running.pop(req_id, None))
 
     def connection_lost(self, exc: BaseException | None) -> None:
         self.server._conns.discard(self)
@@ -350,7 +356,8 @@ class _Connection(_Protocol):
     def close(self) -> None:
         if self.broken is None:
             self.broken = ConnectionAbortedError("closed by this client")
-        self.transport.close()
+        if self.transport is not None:
+            self.transport.close()
 
 
 def _ready(fut: asyncio.Future | None) -> _Connection | None:

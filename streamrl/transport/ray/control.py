@@ -20,23 +20,30 @@ import pickle
 import sys
 import uuid
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import ray
 
-from ...control import CANCELLABLE, CONTROL_METHODS, forwarders
+from ...control import CANCELLABLE, CONTROL_METHODS, ControlPlane, forwarders
 from ...errors import TransportError
 from ..rpc import ConnectFailed, Endpoint, RpcClient
 from .calls import undone, unwrap
 
 __all__ = ["RayControl"]
 
-#: control calls with an argument that is pickled by value (a user's function, whose
-#: module the controller actor may not import): call -> parameter
-_BY_VALUE = {"add_filter": "fn"}
+#: control calls with an argument that is pickled by value (a user's function, or a
+#: dict of them, whose module the controller actor may not import): call -> parameter
+_BY_VALUE = {"add_filter": "fn", "checkpoint_load": "filters"}
+
+if TYPE_CHECKING:
+    # for the type checker, RayControl is a ControlPlane: it has every method of the
+    # protocol, with the protocol's signature (generated below, see forwarders)
+    _Generated = ControlPlane
+else:
+    _Generated = object
 
 
-class RayControl:
+class RayControl(_Generated):
     """The controller actor as a control plane (see the module docstring).
 
     Args:
@@ -108,7 +115,11 @@ def _by_value(method: str, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
     """The call's arguments with the one named in :data:`_BY_VALUE` pickled by value."""
     bound = CONTROL_METHODS[method].bind(None, *args, **kwargs)
     param = _BY_VALUE[method]
-    bound.arguments[param] = _ByValue(bound.arguments[param])
+    value = bound.arguments.get(param)
+    if isinstance(value, dict):
+        bound.arguments[param] = {k: _ByValue(fn) for k, fn in value.items()}
+    elif value is not None:
+        bound.arguments[param] = _ByValue(value)
     return bound.args[1:], bound.kwargs
 
 

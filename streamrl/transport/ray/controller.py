@@ -7,10 +7,11 @@ goes to the service through one dispatch (:meth:`ControllerActorImpl._serve`). N
 here is written per call, except what :data:`_UNDO` says about the cancellable ones.
 
 A call its caller may give up on (:data:`~streamrl.control.CANCELLABLE`: ``take``,
-``allocate``, ``begin_write``, ``commit``) comes wrapped with a request id
-(:meth:`ControllerActorImpl.cancellable`); :meth:`ControllerActorImpl.cancel` then stops
-it, or takes back what it did (a take's lease is released, an admitted write aborted, a
-commit retracted), so nothing outlives a caller that is gone.
+``allocate``, ``begin_write``, ``commit``, ``checkpoint_begin``) comes wrapped with a
+request id (:meth:`ControllerActorImpl.cancellable`); :meth:`ControllerActorImpl.cancel`
+then stops it, or takes back what it did (a take's lease is released, an admitted write
+aborted, a commit retracted, a checkpoint's hold on deletes ended), so nothing outlives a
+caller that is gone.
 
 The actor's own methods, which are not controller calls: :meth:`~ControllerActorImpl.endpoints`,
 :meth:`~ControllerActorImpl.handles`, :meth:`~ControllerActorImpl.cancellable`,
@@ -60,6 +61,7 @@ _UNDO: dict[str, Callable[[tuple, dict, Any], tuple[str, tuple] | None]] = {
     "allocate": lambda a, kw, tok: ("abort", (tok.id,)),
     "begin_write": lambda a, kw, tok: ("abort", (tok.id,)),
     "commit": lambda a, kw, _res: ("retract", (_token(a, kw),)),
+    "checkpoint_begin": lambda a, kw, cut: ("checkpoint_end", (cut.token,)),
 }
 assert _UNDO.keys() == CANCELLABLE, "every cancellable control call needs its undo"
 
@@ -113,7 +115,9 @@ class ControllerActorImpl:
         if rid is None:
             res = await call
         else:
-            self._inflight[rid] = asyncio.current_task()
+            task = asyncio.current_task()
+            assert task is not None  # (a coroutine of the actor's loop)
+            self._inflight[rid] = task
             try:
                 res = await call
             finally:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import functools
 import logging
 import os
 import random
@@ -77,7 +78,7 @@ class RayDataPlane(DataPlane):
 
     def use_endpoints(self, endpoints: Sequence[Endpoint | None]) -> None:
         """Call the units over their socket channels (see :mod:`streamrl.transport.rpc`) from now on."""
-        self.rpcs = [RpcClient(e, on_broken=lambda s=shard: self._unmap(s)) if e is not None
+        self.rpcs = [RpcClient(e, on_broken=functools.partial(self._unmap, shard)) if e is not None
                      else None for shard, e in enumerate(endpoints)]
 
     def _unmap(self, shard: int) -> None:
@@ -187,6 +188,7 @@ class RayDataPlane(DataPlane):
         if got is None:
             await self._call(shard, "put", parts, write, rows=rows)
             return
+        assert pid is not None  # (blocks are reserved only for a process that maps them)
         refs, where = got
         by_id: dict[int, WireTensor] = {}  # id of a big tensor -> its block reference
         try:
@@ -196,6 +198,7 @@ class RayDataPlane(DataPlane):
                 self._no_shm(shard, e)
             else:
                 for t, ref in zip(big, refs):
+                    assert t.buf is not None  # (to_wire's tensors are inline)
                     dst = np.frombuffer(maps[ref.seg], dtype=np.uint8, count=t.nbytes,
                                         offset=ref.off)
                     np.copyto(dst, t.buf)  # the one copy of a put
@@ -238,13 +241,17 @@ class RayDataPlane(DataPlane):
         self._next_unit = (self._next_unit + 1) % len(pool)
         shard = pool[self._next_unit]
         rid = uuid.uuid4().hex
+        rpc = self.rpcs[shard]
+        assert rpc is not None  # (live units have a socket channel)
         try:
-            ans = await self.rpcs[shard].call("put_rows", n, wire, partition, list(cols),
+            ans = await rpc.call("put_rows", n, wire, partition, list(cols),
                                               nbytes, tags, version, rid, dtypes)
         except asyncio.CancelledError:
             # the unit finishes the put (shielded) and then drops what it committed;
             # the cancellation goes on once that is done, so a retry cannot race it
-            await undone(self.rpcs[shard].call("cancel_put", rid), "put")
+            rpc = self.rpcs[shard]  # (read again: the channel may have been replaced)
+            assert rpc is not None
+            await undone(rpc.call("cancel_put", rid), "put")
             raise
         except ConnectFailed:  # nothing sent: the usual path finds out why
             self._unreachable.add(shard)
@@ -291,7 +298,8 @@ class RayDataPlane(DataPlane):
         if pin is not None:
             # one fresh array per segment for this read: the views handed out keep it
             # alive, and when the last goes, the unit hears that the blocks are free
-            bases = {}
+            assert pid is not None  # (a pin comes only with a pid asked for)
+            bases: dict[int, np.ndarray] = {}
             try:
                 for ref in refs_in(pieces):
                     base = bases.get(ref.seg)
@@ -340,6 +348,44 @@ class RayDataPlane(DataPlane):
         res = await asyncio.gather(*[self._call(s, "stats") for s in range(self.num_shards)],
                                    return_exceptions=True)
         return [(0, 0) if isinstance(r, BaseException) else r for r in res]
+
+    async def checkpoint_write(self, directory: str, plans: Mapping[int, Mapping],
+                               rows: Mapping[int, Sequence[int]]) -> list[dict]:
+        """Every unit actor writes its rows of the cut to its own files, all at once
+        (Ray actor calls: they take seconds, and run on an actor thread, beside the
+        unit's other calls). If this is cancelled or a unit fails, the others are told
+        to stop, and this returns once no unit writes into ``directory`` any more."""
+        calls = [asyncio.ensure_future(
+            self._actor_call(s, "checkpoint_write", directory, dict(plans.get(s, {})),
+                             list(rows.get(s, ()))))
+            for s in range(self.num_shards)]
+        try:
+            return list(await asyncio.gather(*calls))
+        except BaseException:
+            await asyncio.shield(self._stop_writes(directory, calls))
+            raise
+
+    async def _stop_writes(self, directory: str, calls: Sequence[asyncio.Future]) -> None:
+        if all(c.done() for c in calls):
+            return
+        await asyncio.gather(*[self._actor_call(s, "checkpoint_stop", directory)
+                               for s in range(self.num_shards)], return_exceptions=True)
+        await asyncio.gather(*calls, return_exceptions=True)
+
+    async def checkpoint_load(self, directory: str,
+                              sources: Mapping[int, Sequence[dict]]) -> None:
+        """Every unit actor reads and checks its part of a checkpoint, all at once."""
+        await asyncio.gather(*[self._actor_call(s, "checkpoint_load", directory, list(src))
+                               for s, src in sources.items() if src])
+
+    async def _actor_call(self, shard: int, method: str, *args: Any) -> Any:
+        """``method(*args)`` on unit ``shard`` as a Ray actor call."""
+        try:
+            return await getattr(self.units[shard], method).remote(*args)
+        except (ray.exceptions.RayActorError, ray.exceptions.ObjectLostError) as e:
+            raise TransportError(f"storage unit {shard} is gone ({type(e).__name__})") from None
+        except ray.exceptions.RayTaskError as e:
+            raise unwrap(e, "storage unit") from None
 
     async def arena_stats(self) -> list[dict[str, int]]:
         """Each unit's arena (see :meth:`.unit.StorageActorImpl.arena_stats`); ``{}`` for

@@ -56,7 +56,8 @@ class RayTransport(Transport):
     #: the data-plane client: the storage units through their arenas or inline bytes
     data_plane: type[RayDataPlane] = RayDataPlane
     #: the control-plane client (the controller actor as a ControlPlane)
-    control_plane: type[RayControl] = RayControl
+    # (its methods are generated: the type checker sees the protocol's, abstract)
+    control_plane: type[RayControl] = RayControl  # type: ignore[type-abstract]
     #: the actor classes :meth:`create` starts
     controller_actor: Any = ControllerActor
     storage_actor: Any = StorageActor
@@ -95,9 +96,17 @@ class RayTransport(Transport):
         * ``direct_calls`` (default ``True``): clients call the controller over a TCP
           connection to its node's IP address (see :mod:`streamrl.transport.rpc`), which
           is about 30x faster than a Ray actor call. ``False`` sends every call through
-          Ray (for clusters whose nodes only reach each other on Ray's own ports)."""
+          Ray (for clusters whose nodes only reach each other on Ray's own ports);
+        * ``arena_reserve`` (bytes per unit, or ``True`` for ``capacity_bytes /
+          num_shards``; default 0) and ``arena_ahead`` (bytes; default 0): each unit makes
+          that much shared memory at start, and keeps that much spare beyond what it
+          uses, on a background thread, bounded by ``capacity_bytes / num_shards`` when
+          set. A page's first write costs many times a later one on a VM, so this takes
+          the cold start of a fresh queue off its first puts (see
+          :class:`~streamrl.arena.Arena`)."""
         opts = dict(config.options)
-        valid = ("namespace", "unit_options", "controller_options", "detached", "direct_calls")
+        valid = ("namespace", "unit_options", "controller_options", "detached", "direct_calls",
+                 "arena_reserve", "arena_ahead")
         unknown = sorted(set(opts) - set(valid))
         if unknown:
             gone = (" (`ownership` is gone: rows now always live in their storage unit's "
@@ -113,6 +122,8 @@ class RayTransport(Transport):
         direct_calls = opts.get("direct_calls", True)
         if not isinstance(direct_calls, bool):
             raise InvalidArgument(f"direct_calls must be True or False, got {direct_calls!r}")
+        arena = _arena_options(opts.get("arena_reserve", 0), opts.get("arena_ahead", 0),
+                               config.capacity_bytes, config.num_shards)
         if not ray.is_initialized():  # as Ray itself would (it reads RAY_ADDRESS)
             ray.init(ignore_reinit_error=True, include_dashboard=False)
         name, num_shards = config.name, config.num_shards
@@ -134,7 +145,7 @@ class RayTransport(Transport):
             o = {"scheduling_strategy": "SPREAD", **common, **opts}
             if name:
                 o.setdefault("name", f"{name}.unit{i}")
-            units.append(cls.storage_actor.options(**o).remote(i, config.storage))
+            units.append(cls.storage_actor.options(**o).remote(i, config.storage, arena))
         copts = {**common, **(controller_options or {})}
         if name:
             copts.setdefault("name", name)
@@ -170,6 +181,9 @@ class RayTransport(Transport):
                 f"no streamrl queue named {name!r} in this Ray cluster"
                 + (f" (namespace {namespace!r})" if namespace else "")
                 + "; create it with StreamQueue(transport='ray', name=...) first") from None
+        units: list
+        endpoints: Endpoints | None
+        data_plane: type[RayDataPlane]
         units, endpoints, data_plane = ray.get(controller.handles.remote())
         return cls(controller, units, owner=False, endpoints=endpoints, data_plane=data_plane)
 
@@ -233,3 +247,23 @@ class RayTransport(Transport):
 def create(config: QueueConfig) -> RayTransport:
     """The registered factory of ``transport="ray"``."""
     return RayTransport.create(config)
+
+
+def _arena_options(reserve: Any, ahead: Any, capacity_bytes: int | None,
+                   num_shards: int) -> dict[str, Any]:
+    """The storage units' :class:`~streamrl.arena.Arena` keyword arguments of the
+    ``arena_reserve`` / ``arena_ahead`` options."""
+    limit = -(-capacity_bytes // num_shards) if capacity_bytes else None
+    if reserve is True:
+        if limit is None:
+            raise InvalidArgument(
+                "arena_reserve=True reserves capacity_bytes / num_shards per unit, but the "
+                "queue has no capacity_bytes: set capacity_bytes, or give arena_reserve in "
+                "bytes per unit")
+        reserve = limit
+    for name, v in (("arena_reserve", reserve), ("arena_ahead", ahead)):
+        if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+            raise InvalidArgument(
+                f"{name} must be a number of bytes per storage unit (>= 0)"
+                + (" or True" if name == "arena_reserve" else "") + f", got {v!r}")
+    return {"reserve": reserve, "ahead": ahead, "limit": limit}

@@ -35,7 +35,8 @@ from ...wire import WireTensor
 from ..rpc import ConnectFailed, Endpoint, RpcServer
 from .calls import new_loop, spawn
 from .control import RayControl
-from .wire import map_col, map_pieces, refs_in, tensors_in
+from ...checkpoint.units import Sink
+from .wire import SHM_MIN, map_col, map_pieces, refs_in, tensors_in
 
 __all__ = ["StorageActorImpl", "StorageActor", "ID_BLOCK"]
 
@@ -64,16 +65,17 @@ class _Block:
 class StorageActorImpl:
     """One storage unit as a (threaded) actor, with its shared-memory arena."""
 
-    def __init__(self, index: int, storage: Any = "memory"):
+    def __init__(self, index: int, storage: Any = "memory", arena: dict | None = None):
         from ...storage import create_unit
 
         self.index = index
-        self.arena = Arena(index)
+        self.arena = Arena(index, **(arena or {}))
         self.blocks: dict[ShmRef, _Block] = {}
         self.pins: dict[int, tuple[int, list[ShmRef]]] = {}  # pin -> (reader pid, blocks)
         self._pin_ids = itertools.count(1)
         self.unit = create_unit(storage, index, on_release=self._released)
         self.lock = threading.Lock()
+        self._ckpt_stops: set[str] = set()  # checkpoint directories told to stop
         self._endpoint: Endpoint | None = None
         self._controller: RayControl | None = None  # for put_rows (socket thread)
         self._ids = [0, 0]  # [next, end) of the row ids leased for put_rows (socket thread)
@@ -85,7 +87,8 @@ class StorageActorImpl:
         event loop on a thread of its own; where. ``controller``: the controller's
         endpoint, for :meth:`put_rows` (which calls the control plane over it)."""
         if controller is not None and self._controller is None:
-            self._controller = RayControl(None, controller)
+            # (its methods are generated: the type checker sees the protocol's, abstract)
+            self._controller = RayControl(None, controller)  # type: ignore[abstract]
         if self._endpoint is None:
             loop = new_loop()
             threading.Thread(target=loop.run_forever, name="streamrl-unit-rpc",
@@ -297,6 +300,71 @@ class StorageActorImpl:
     def node_id(self) -> str:
         return ray.get_runtime_context().get_node_id()
 
+    # -- checkpoints
+
+    def checkpoint_write(self, directory: str, plan: dict, rows: list[int]) -> dict:
+        """Write this unit's rows of a checkpoint's cut under ``directory`` (see
+        :func:`streamrl.checkpoint.units.write_unit`): each batch of rows is read under
+        the lock, its arena blocks pinned until written (an overwrite or a spill may
+        release them meanwhile), and written outside the lock, so puts and reads go on.
+        Ray actor call (it takes seconds): it runs on one of the actor's threads."""
+        from ...checkpoint.units import write_unit
+
+        def fetch(batch: list[int], field: str):
+            with self.lock:
+                pieces = self.unit.get(batch, [field])[field]
+                refs = refs_in({field: pieces})
+                for ref in refs:
+                    self.blocks[ref].pins += 1
+
+            def release() -> None:
+                with self.lock:
+                    for ref in refs:
+                        b = self.blocks.get(ref)
+                        if b is not None:
+                            b.pins -= 1
+                            self._maybe_free(ref, b)
+
+            return pieces, release
+
+        def raw(piece):
+            if isinstance(piece, WireTensor):
+                t = piece.inlined()
+                return ("t", t.dtype, t.itemsize, t.shape, t.buf)
+            return ("o", list(piece))  # objects: encoded bytes already
+
+        stops = self._ckpt_stops
+        try:
+            return write_unit(os.path.join(directory, f"unit-{self.index:05d}"), self.index,
+                              plan, rows, fetch, raw, node=self.node_id(),
+                              stopped=lambda: directory in stops)
+        finally:
+            stops.discard(directory)
+
+    def checkpoint_stop(self, directory: str) -> None:
+        """Stop a :meth:`checkpoint_write` into ``directory`` at its next read (the
+        checkpoint was cancelled or another unit failed). Ray actor call."""
+        self._ckpt_stops.add(directory)
+
+    def checkpoint_load(self, directory: str, sources: list[dict]) -> int:
+        """Fill this new unit from the checkpoint's units ``sources`` (manifest entries)
+        under ``directory``: every file is read and checked first; tensors of at least
+        ``SHM_MIN`` bytes are read straight into blocks of the arena (one read, no
+        copy), smaller ones inline. Returns rows held. Ray actor call."""
+        from ...checkpoint.units import read_unit, unit_state
+
+        sink = _ArenaSink(self)
+        rows: list[int] = []
+        chunks: list = []
+        for entry in sources:
+            r, c = read_unit(os.path.join(directory, entry["dir"]), entry, sink,
+                             f"storage unit {entry['shard']}'s part")
+            rows += r
+            chunks += c
+        with self.lock:
+            self.unit.load_state_dict(unit_state(self.index, rows, chunks))
+            return self.unit.stats()[0]
+
     def memory(self) -> dict[str, int]:
         """This process's memory (bytes): ``VmRSS``, ``VmHWM`` (peak RSS), ``RssAnon``
         (private) and ``RssShmem`` (mapped shared memory: the arena), from /proc (Linux)."""
@@ -304,6 +372,49 @@ class StorageActorImpl:
 
     def ping(self) -> bool:
         return True
+
+
+class _ArenaSink(Sink):
+    """Where a unit's checkpoint is read into: arena blocks for big tensors (what a put
+    through the arena stores), numpy arrays for the rest; objects stay encoded."""
+
+    def __init__(self, unit: StorageActorImpl):
+        self.unit = unit
+
+    def alloc(self, nbytes: int) -> tuple[Any, Any]:
+        import numpy as np
+
+        if nbytes >= SHM_MIN:
+            u = self.unit
+            with u.lock:
+                try:
+                    ref = u._alloc(nbytes, os.getpid())
+                except OSError:  # no shared memory left: inline
+                    ref = None
+                if ref is not None:
+                    b = u.blocks[ref]
+                    b.stored, b.writer = True, None
+                    return u.arena.view(ref), ref
+        buf = np.empty(nbytes, dtype=np.uint8)
+        return buf, buf
+
+    def tensor(self, dtype: str, itemsize: int, shape: tuple, handle: Any) -> WireTensor:
+        if isinstance(handle, ShmRef):
+            return WireTensor(dtype, itemsize, shape, None, handle).pinned(
+                self.unit.arena.view(handle))
+        return WireTensor(dtype, itemsize, shape, handle)
+
+    def objects(self, values: list) -> list:
+        return values
+
+    def discard(self, handle: Any) -> None:
+        if isinstance(handle, ShmRef):
+            u = self.unit
+            with u.lock:
+                b = u.blocks.get(handle)
+                if b is not None:
+                    b.stored = False
+                    u._maybe_free(handle, b)
 
 
 async def _put_rows(unit: StorageActorImpl, n: int, cols: dict, partition: str,
@@ -356,4 +467,6 @@ def _proc_memory() -> dict[str, int]:
 
 
 #: the storage unit as a Ray actor class (threaded; its socket channel has its own loop)
-StorageActor = ray.remote(num_cpus=0, max_concurrency=4)(StorageActorImpl)
+# (Ray's annotations of ray.remote list task options only: max_concurrency is an actor's)
+StorageActor = ray.remote(  # type: ignore[call-overload]
+    num_cpus=0, max_concurrency=4)(StorageActorImpl)

@@ -1,0 +1,54 @@
+"""The Python blocks of README.md and docs/ run, each as a script of its own.
+
+The blocks and their markers (``<!-- test: skip -->``, ``<!-- test: ray -->``) are those
+of ``docs/_ext/check_snippets.py``, whose docstring states the convention; this runs the
+same checker inside the default test run. Blocks that start Ray are marked ``ray`` and
+``slow`` (deselect with ``-m "not slow"``) and need Ray installed.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import pathlib
+import sys
+
+import pytest
+
+_PATH = pathlib.Path(__file__).resolve().parents[1] / "docs" / "_ext" / "check_snippets.py"
+_spec = importlib.util.spec_from_file_location("streamrl_docs_check_snippets", _PATH)
+assert _spec is not None and _spec.loader is not None
+snippets = importlib.util.module_from_spec(_spec)
+sys.modules[_spec.name] = snippets  # (its dataclass looks its module up there)
+_spec.loader.exec_module(snippets)
+
+BLOCKS = [b for b in snippets.blocks() if b.tag != "skip"]
+
+
+def _param(block):
+    marks = [pytest.mark.timeout(snippets.TIMEOUT + 60)]
+    if block.tag == "ray":
+        marks += [pytest.mark.ray, pytest.mark.slow]
+    return pytest.param(block, id=block.name, marks=marks)
+
+
+@pytest.mark.parametrize("block", [_param(b) for b in BLOCKS])
+def test_doc_snippet(block, tmp_path):
+    if block.tag == "ray":
+        pytest.importorskip("ray")
+    ok, detail = snippets.run(block, tmp_path)
+    assert ok, f"{block.name} (line {block.line} of {block.path.name}) failed:\n{detail}"
+
+
+def test_readme_quick_start_is_checked():
+    # the README's first block is the quick start: it runs, it is not skipped
+    readme = [b for b in snippets.blocks() if b.path.name == "README.md"]
+    assert readme and readme[0].tag == "run"
+
+
+def test_unknown_marker_is_an_error(tmp_path, monkeypatch):
+    md = tmp_path / "page.md"
+    md.write_text("<!-- test: skpi -->\n```python\nraise SystemExit(1)\n```\n")
+    monkeypatch.setattr(snippets, "ROOT", tmp_path)
+    monkeypatch.setattr(snippets, "sources", lambda: [md])
+    with pytest.raises(ValueError, match="unknown snippet marker"):
+        snippets.blocks()
