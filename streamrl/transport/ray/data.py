@@ -227,9 +227,10 @@ class RayDataPlane(DataPlane):
         """A small put of ``n`` new rows, admitted and committed by one storage unit
         (see :meth:`.unit.StorageActorImpl.put_rows`): one call instead of asking the
         controller for room first. The unit is one on this process's node when there is
-        one (round robin over them), else any (round robin). Returns ``(rows, shards, commit result)``, or ``None``
-        when it does not apply (big tensors, no socket channel, no room right now): the
-        caller puts the usual way. Raises what the put would raise."""
+        one (round robin over them), else any (round robin). Returns ``(rows, shards,
+        commit result)``, or ``None`` when it does not apply (big tensors, no socket
+        channel, no room right now): the caller puts the usual way. Raises what the put
+        would raise."""
         live = [s for s in range(self.num_shards)
                 if self.rpcs[s] is not None and s not in self._unreachable]
         sizes = [sum(v) for v in nbytes.values()]  # each field's bytes
