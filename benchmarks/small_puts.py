@@ -184,11 +184,13 @@ async def main() -> None:
     b = med([await embedded_asyncio_queue(a.rows) for _ in range(a.reps)])
     res["embedded"] = {"streamrl_us_per_row": s * 1e6, "asyncio_queue_us_per_row": b * 1e6,
                        "cost_ratio": s / b, "target_ratio": 5.0}
-    # metrics on (endpoint + a scrape a second) against off, interleaved
+    # metrics on (endpoint + a scrape a second) against off, interleaved, the order
+    # alternating (a rep's first run pays for warming up)
     on, off = [], []
-    for _ in range(a.reps):
-        off.append(await embedded_streamrl(a.rows))
-        on.append(await embedded_streamrl(a.rows, metrics=True, scrape_every=a.scrape_every))
+    for i in range(a.reps):
+        for metrics in ((False, True) if i % 2 == 0 else (True, False)):
+            (on if metrics else off).append(await embedded_streamrl(
+                a.rows, metrics=metrics, scrape_every=a.scrape_every))
     res["metrics"] = {"off_us_per_row": med(off) * 1e6, "on_us_per_row": med(on) * 1e6,
                       "overhead": med(on) / med(off) - 1, "scrape_every_s": a.scrape_every,
                       "target_overhead": 0.05}
