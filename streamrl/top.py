@@ -1,4 +1,5 @@
-"""``python -m streamrl top NAME``: a live terminal view of a named Ray queue.
+"""``python -m streamrl top NAME``: a live terminal view of a named Ray queue (or, given
+a checkpoint directory, one read-only snapshot of it).
 
 Attaches to the queue (``StreamQueue.connect``) and redraws, every ``--interval``
 seconds: the queue's holdings against its capacity; its partitions with rows by state;
@@ -99,11 +100,47 @@ def _mb(n: int | None) -> str:
     return "-" if n is None else f"{n / 1e6:.1f}MB"
 
 
+def _keep(td: Any) -> bool:
+    """The stand-in of every filter when a checkpoint is viewed: nothing runs."""
+    return True
+
+
+async def _from_checkpoint(args: argparse.Namespace) -> int:
+    """One snapshot of a checkpoint directory, read-only: the checkpoint is loaded into a
+    throwaway embedded queue (no filter, periodic checkpoint or metrics of its own runs),
+    whose stats are shown, then dropped. Nothing is written to the directory."""
+    from .checkpoint.client import open_checkpoint
+    from .queue import StreamQueue
+
+    _, manifest = open_checkpoint(args.name)
+    names = list(manifest.get("filters") or {})
+    q = await StreamQueue.restore(
+        args.name, filters={n: _keep for n in names}, transport="embedded", metrics=None,
+        checkpoint_every=None, checkpoint_dir=None)
+    try:
+        snap = snapshot(await q.stats(), None, time.monotonic())
+    finally:
+        await q.close()
+        await q.shutdown()
+    snap["checkpoint"] = args.name
+    if args.json:
+        print(json.dumps(snap, default=str))
+    else:
+        from rich.console import Console
+
+        Console().print(render(snap, f"{args.name} (checkpoint, read-only)"))
+    return 0
+
+
 async def _run(args: argparse.Namespace) -> int:
+    import os
+
     import ray
 
     from .queue import StreamQueue
 
+    if os.path.isdir(args.name):
+        return await _from_checkpoint(args)
     if not ray.is_initialized():
         ray.init(address=args.address, namespace=args.namespace, log_to_driver=False,
                  logging_level=logging.ERROR)
@@ -137,7 +174,8 @@ async def _run(args: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m streamrl top",
                                 description="A live terminal view of a named Ray queue.")
-    p.add_argument("name", help="the queue's name (StreamQueue(transport='ray', name=...))")
+    p.add_argument("name", help="the queue's name (StreamQueue(transport='ray', name=...)), "
+                   "or a checkpoint directory (one snapshot, read-only)")
     p.add_argument("--address", default="auto", help="the Ray cluster (default: auto)")
     p.add_argument("--namespace", default=None, help="the Ray namespace of the queue")
     p.add_argument("--interval", type=float, default=1.0, help="seconds between redraws")
