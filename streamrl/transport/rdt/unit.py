@@ -1,0 +1,85 @@
+"""The storage unit of the RDT transport: the Ray transport's unit, which also tells
+holders when no row refers to a tensor they hold any more.
+
+It stores a held field as its reference entry (a :class:`~streamrl.wire.WireTensor` whose
+``ref`` is a :class:`~.runtime.HeldRef`; no bytes). When the unit releases such an entry
+(its rows were dropped, the field was overwritten, the write that stored it was aborted)
+or drops it unstored (its write was aborted while it was on its way), it sends the
+holder a ``free`` from its socket channel's event loop, without waiting: the holder's
+memory returns to zero once every row is gone.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+from typing import Any
+
+import ray
+
+from ...wire import WireTensor
+from ..rpc import Endpoint, RpcClient
+from ..ray.calls import spawn
+from ..ray.unit import StorageActorImpl
+from .runtime import HeldRef
+
+__all__ = ["RdtStorageActorImpl", "RdtStorageActor"]
+
+log = logging.getLogger("streamrl")
+
+
+class RdtStorageActorImpl(StorageActorImpl):
+    """A storage unit that frees held tensors in their holders (see the module docstring)."""
+
+    def __init__(self, index: int, storage: Any = "memory"):
+        super().__init__(index, storage)
+        self._frees: dict[Endpoint, list[int]] = {}
+        self._frees_lock = threading.Lock()
+        self._flushing = False
+        self._holders: dict[Endpoint, RpcClient] = {}
+
+    def _released(self, t: Any) -> None:
+        super()._released(t)
+        self._held_gone(t)
+
+    def _unstored(self, t: Any) -> None:
+        super()._unstored(t)
+        self._held_gone(t)
+
+    def _held_gone(self, t: Any) -> None:
+        if not (isinstance(t, WireTensor) and isinstance(t.ref, HeldRef)):
+            return
+        with self._frees_lock:
+            self._frees.setdefault(t.ref.endpoint, []).append(t.ref.key)
+            if self._flushing:
+                return
+            self._flushing = True
+        loop = self._rpc_loop
+        if loop is None:  # no socket channel (direct_calls=False): RDT needs one
+            log.warning("streamrl: storage unit %d cannot free held tensors without its socket "
+                        "channel", self.index)
+            return
+        loop.call_soon_threadsafe(lambda: spawn(self._flush(), "freeing held tensors"))
+
+    async def _flush(self) -> None:
+        while True:
+            with self._frees_lock:
+                frees, self._frees = self._frees, {}
+                if not frees:
+                    self._flushing = False
+                    return
+            await asyncio.gather(*[self._free(ep, keys) for ep, keys in frees.items()])
+
+    async def _free(self, endpoint: Endpoint, keys: list[int]) -> None:
+        client = self._holders.get(endpoint)
+        if client is None:
+            client = self._holders[endpoint] = RpcClient(endpoint)
+        try:
+            await client.call("free", keys)
+        except ConnectionError:  # the holder is gone, and what it held with it
+            self._holders.pop(endpoint, None)
+
+
+#: the RDT storage unit as a Ray actor class (threaded; its socket channel has its own loop)
+RdtStorageActor = ray.remote(num_cpus=0, max_concurrency=4)(RdtStorageActorImpl)
