@@ -30,6 +30,8 @@ import logging
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NamedTuple
 
+import numpy as np
+
 from ...errors import RowsDropped, RowsLost, TransportError, rows_preview
 from ...wire import WireTensor
 from ..base import Column
@@ -164,7 +166,8 @@ class RdtDataPlane(RayDataPlane):
         return [_from_wire(pieces, arrays, fetched) for pieces, arrays in raws]
 
     async def _fetch(self, items: list) -> list[Any]:
-        """The bytes of ``items`` (ranges of one holder) as flat uint8 tensors."""
+        """The bytes of ``items`` (ranges of one holder): flat uint8 tensors (or numpy
+        arrays, from the socket)."""
         ref0: HeldRef = items[0][0]
         ranges = [(ref.key, off, n) for ref, off, n, _ in items]
         rows = sorted({r for *_, rs in items for r in rs})
@@ -207,8 +210,6 @@ class RdtDataPlane(RayDataPlane):
 
     async def _fetch_socket(self, ref0: HeldRef, ranges: list) -> list[Any]:
         """The fallback path: the holder's server sends the bytes over its socket."""
-        import torch
-
         client = self._holders.get(ref0.endpoint)
         if client is None:
             client = self._holders[ref0.endpoint] = RpcClient(ref0.endpoint)
@@ -216,8 +217,7 @@ class RdtDataPlane(RayDataPlane):
         if arrays is None:
             raise KeyError("gone")
         self.count_moved({"socket": sum(a.nbytes for a in arrays)})
-        return [torch.from_numpy(a) if a.size else torch.empty(0, dtype=torch.uint8)
-                for a in arrays]
+        return arrays  # numpy views of the bytes received
 
 
 def _collect(pieces: dict[str, list], rows: list[int], wanted: dict[str, list]) -> None:
@@ -249,6 +249,8 @@ def _from_wire(pieces: Mapping[str, list], arrays: dict, fetched: dict) -> dict[
 
     def tensor(t: WireTensor, shape):
         buf = fetched[(t.ref.key, t.offset, t.nbytes, t.ref.holder)]
+        if isinstance(buf, np.ndarray):
+            return codec.tensor_from_raw(t.dtype, shape, buf)
         if buf.device.type == "cpu":
             return codec.tensor_from_raw(t.dtype, shape, buf.numpy())
         dt = codec._TORCH_DTYPES[t.dtype]
