@@ -52,7 +52,7 @@ def map_segment(path: str, size: int) -> mmap.mmap:
         os.close(fd)
 
 
-class _Segment:
+class _MemfdSegment:
     __slots__ = ("fd", "size", "array", "free")
 
     def __init__(self, fd: int, size: int):
@@ -84,7 +84,7 @@ class Arena:
     def __init__(self, unit: int = 0, segment_bytes: int = SEGMENT_BYTES):
         self.unit = unit
         self.segment_bytes = segment_bytes
-        self.segments: list[_Segment] = []
+        self.segments: list[_MemfdSegment] = []
         self.used = 0  # bytes in allocated blocks
 
     @property
@@ -115,7 +115,7 @@ class Arena:
         self.used += need
         return ShmRef(self.unit, len(self.segments) - 1, 0, need)
 
-    def _grow(self, need: int) -> _Segment:
+    def _grow(self, need: int) -> _MemfdSegment:
         size = self.segment_bytes if need <= self.segment_bytes else -(-need // _GROW) * _GROW
         fd = os.memfd_create(f"streamrl-unit{self.unit}-{len(self.segments)}", os.MFD_CLOEXEC)
         try:
@@ -124,7 +124,7 @@ class Arena:
         except OSError:
             os.close(fd)
             raise
-        seg = _Segment(fd, size)
+        seg = _MemfdSegment(fd, size)
         self.segments.append(seg)
         return seg
 

@@ -31,6 +31,7 @@ import torch
 from tensordict import TensorDict, TensorDictBase
 
 from ._aio import shielded
+from .timing import counted as _timed
 from .columns import Column, settle, take_rows, to_columns, to_tensordict
 from .errors import InvalidArgument, RowsDropped, SchemaError, UnknownField, rows_preview
 
@@ -120,12 +121,12 @@ class _Cache:
         return _Cache(out, self.probe if self.probe is not None else other.probe)
 
 
-class _Lease:
+class _BatchLease:
     """Acknowledgement state shared by the views of one delivered batch."""
 
     __slots__ = ("ids", "open", "dropped", "parts")
 
-    def __init__(self, ids: tuple[int, ...], parts: Sequence["_Lease"] = ()):
+    def __init__(self, ids: tuple[int, ...], parts: Sequence["_BatchLease"] = ()):
         self.ids = ids
         self.open = bool(ids)
         self.dropped: set[int] = set()
@@ -187,7 +188,7 @@ class RowRemoteBatch(RemoteBatch):
                  versions: Sequence[int] | np.ndarray | None = None,
                  leases: tuple[int, ...] = (), task: str | None = None,
                  partition: str | None = None, cache: _Cache | None = None,
-                 lease: _Lease | None = None, scalar: bool = False,
+                 lease: _BatchLease | None = None, scalar: bool = False,
                  known: Iterable[str] = ()):
         self._s: Session = queue.session
         self._rows = np.asarray(rows, dtype=np.int64)
@@ -196,7 +197,7 @@ class RowRemoteBatch(RemoteBatch):
         self._fields = tuple(fields)
         self._known = frozenset(known) | frozenset(self._fields)
         self._cache = cache if cache is not None else _Cache(probe=_probe(self._rows, self._shards))
-        self._lease = lease if lease is not None else _Lease(tuple(leases))
+        self._lease = lease if lease is not None else _BatchLease(tuple(leases))
         self._task = task
         self._partition = partition
         self._scalar = scalar
@@ -365,7 +366,7 @@ class RowRemoteBatch(RemoteBatch):
             if b._cache is not cache:
                 cache = cache.merged(b._cache)
         leases = tuple(dict.fromkeys(i for b in batches for i in b._lease.ids))
-        lease = batches[0]._lease if all(b._lease is batches[0]._lease for b in batches) else _Lease(
+        lease = batches[0]._lease if all(b._lease is batches[0]._lease for b in batches) else _BatchLease(
             leases, parts=list({id(b._lease): b._lease for b in batches}.values()))
         lease.open = any(b._lease.open for b in batches) if lease.ids else False
         versions = (None if any(b._versions is None for b in batches)
@@ -447,7 +448,7 @@ class RowRemoteBatch(RemoteBatch):
         fields = list(self._fields) if fields is None else _flat_fields(
             [fields] if isinstance(fields, str) else fields)
         self._check_alive("materialize")
-        cols = await self._columns(fields)
+        cols = await _timed(self._columns(fields))
         if copy:
             cols = {f: c.clone() if isinstance(c, torch.Tensor) else list(c) for f, c in cols.items()}
         td = to_tensordict(cols, len(self._rows))
@@ -474,7 +475,7 @@ class RowRemoteBatch(RemoteBatch):
                 first = np.unique(rows, return_index=True)[1]
                 fetch_rows, fetch_shards = uniq, self._shards[first]
             try:
-                got = await self._s.fetch(fetch_rows, fetch_shards, missing)
+                got = await self._s.fetch(fetch_rows, fetch_shards, missing, task=self._task)
             except UnknownField:
                 await self._check_withdrawn(fetch_rows)
                 raise
@@ -559,7 +560,7 @@ class RowRemoteBatch(RemoteBatch):
         if not self._lease.open:
             return
         self._lease.close()
-        await shielded(self._s.ack(self._lease.ids))
+        await _timed(shielded(self._s.ack(self._lease.ids)))
 
     async def release(self) -> None:
         """Give the delivered batch back unacknowledged: its rows are delivered again to
@@ -567,7 +568,7 @@ class RowRemoteBatch(RemoteBatch):
         if not self._lease.open:
             return
         self._lease.close()
-        await shielded(self._s.release(self._lease.ids))
+        await _timed(shielded(self._s.release(self._lease.ids)))
 
     def release_nowait(self) -> None:
         """Give the delivered batch back without awaiting (from callbacks, finalizers or
@@ -586,7 +587,7 @@ class RowRemoteBatch(RemoteBatch):
         Dropping a whole delivered batch also ends its lease. Any later ``materialize``
         or ``write`` through this batch raises :class:`~streamrl.errors.RowsDropped`.
         Runs to the end even if the awaiting task is cancelled meanwhile."""
-        await shielded(self._drop())
+        await _timed(shielded(self._drop()))
 
     async def _drop(self) -> None:
         rows = [r for r in self._rows.tolist() if r not in self._lease.dropped]
@@ -613,7 +614,7 @@ class RowRemoteBatch(RemoteBatch):
         self._fields = st["fields"]
         self._known = st["known"]
         self._cache = _Cache(probe=st.get("probe"))
-        self._lease = _Lease(st["leases"])
+        self._lease = _BatchLease(st["leases"])
         self._lease.open = st["open"]
         self._task, self._partition, self._scalar = st["task"], st["partition"], st["scalar"]
         self.nbytes = st.get("nbytes")
@@ -665,7 +666,7 @@ class ColumnRemoteBatch(RemoteBatch):
     async def materialize(self, *, copy: bool = False) -> Column:
         """Fetch the column (cached like any view)."""
         self._batch._check_alive("materialize")
-        col = (await self._batch._columns([self._field]))[self._field]
+        col = (await _timed(self._batch._columns([self._field])))[self._field]
         if copy:
             col = col.clone() if isinstance(col, torch.Tensor) else list(col)
         return col[0] if self._batch._scalar else col

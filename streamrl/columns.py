@@ -18,17 +18,17 @@ contiguous run of one put).
 from __future__ import annotations
 
 from collections.abc import Hashable, Mapping, Sequence
-from typing import Any, Union
+from typing import Any
 
 import numpy as np
 import torch
 from tensordict import NonTensorData, NonTensorStack, TensorDict, TensorDictBase
 from tensordict.base import _is_leaf_nontensor
 
+from ._types import Column
 from .errors import InvalidArgument, SchemaError
 from .storage import approx_size
 
-Column = Union[torch.Tensor, list]
 
 __all__ = ["Column", "to_columns", "column_dtype", "row_nbytes", "tag_values", "assemble", "take_rows",
            "settle", "to_tensordict", "approx_size"]

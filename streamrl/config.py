@@ -123,6 +123,9 @@ class QueueConfig:
             ``"spill"``, ...) or a mapping ``{"backend": name, **options}``.
         sampler: how ready rows are picked for a request by default: a registered name
             (``"fifo"``, ``"priority"``, ...) or a mapping ``{"sampler": name, **options}``.
+        metrics: serve Prometheus metrics over HTTP: ``True`` (a free port on 127.0.0.1),
+            a port number (on 127.0.0.1), ``"host:port"`` (``"0.0.0.0:9100"`` for other
+            machines to scrape), or ``None`` (off). See :mod:`streamrl.metrics`.
         options: transport-specific options (for ``"ray"``: ``namespace``,
             ``unit_options``, ``controller_options``, ``detached``, ``direct_calls``).
 
@@ -141,6 +144,7 @@ class QueueConfig:
     name: str | None = None
     storage: Any = "memory"
     sampler: Any = "fifo"
+    metrics: Any = None
     options: Mapping[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -163,6 +167,9 @@ class QueueConfig:
         object.__setattr__(self, "consumers", _consumers(self.consumers))
         _check_name("name", self.name, allow_none=True)
         _check_sampler(self.sampler, allow_none=False)
+        from .metrics import parse_spec
+
+        parse_spec(self.metrics)  # raises for a bad spec
         if not isinstance(self.options, Mapping):
             raise InvalidArgument(f"options must be a mapping, got {self.options!r}")
         object.__setattr__(self, "options", dict(self.options))

@@ -24,6 +24,8 @@ from .control import ControlPlane
 from .messages import Delivery, FilterSpec, Request
 from .session import Session
 from .transport import registry
+from .timing import RoleTiming, Timer
+from .timing import counted as _timed
 from .transport.base import DataPlane, Transport
 from .errors import (EndOfStream, InvalidArgument, LeaseExpired, SchemaError, StreamTimeout,
                      TransportError)
@@ -99,7 +101,7 @@ class StreamQueue:
                  lease_timeout: float = 600.0, max_staleness: int | None = None,
                  max_lead: int | None = None, consumers: Sequence[str] | None = None,
                  name: str | None = None, storage: Any = "memory", sampler: Any = "fifo",
-                 **options: Any):
+                 metrics: Any = None, **options: Any):
         if isinstance(transport, Transport):  # an already built deployment (connect, attach)
             self._config = None
             self._start(transport, name)
@@ -108,11 +110,42 @@ class StreamQueue:
             capacity=capacity, num_shards=num_shards, capacity_bytes=capacity_bytes,
             transport=transport, lease_timeout=lease_timeout, max_staleness=max_staleness,
             max_lead=max_lead, consumers=consumers, name=name, storage=storage,
-            sampler=sampler, options=options)
+            sampler=sampler, metrics=metrics, options=options)
         self._config = config
         self._start(registry.resolve(config.transport)(config), name)
+        self._serve_metrics(config)
+
+    def _serve_metrics(self, config: QueueConfig) -> None:
+        """Start the ``/metrics`` endpoint of ``metrics=`` (see :mod:`streamrl.metrics`):
+        in this process for an in-process transport; transports whose controller lives
+        elsewhere serve it there (``metrics_url``)."""
+        from .metrics import MetricsServer, parse_spec
+
+        addr = parse_spec(config.metrics)
+        if addr is None or getattr(self._transport, "metrics_url", None) is not None:
+            return
+        try:
+            first = asyncio.get_running_loop()
+        except RuntimeError:
+            first = None
+        control = self._transport.control
+
+        def loop():
+            return getattr(control, "_loop", None) or first
+
+        self._metrics = MetricsServer(self.stats, loop, self.name or self.queue_id[:8], addr,
+                                      self._session.reads)
+
+    @property
+    def metrics_url(self) -> str | None:
+        """Where the queue's Prometheus metrics are served (``metrics=``), or ``None``."""
+        if self._metrics is not None:
+            return self._metrics.url
+        return getattr(self._transport, "metrics_url", None)
 
     def _start(self, transport: Transport, name: str | None) -> None:
+        self._metrics = None
+        self._timings: dict[str, RoleTiming] = {}
         self.name = name
         self._closed_locally = False
         # tag fields (group keys...) as the controller last said, per partition, and of
@@ -262,8 +295,8 @@ class StreamQueue:
         never races the undo. A write with ``overwrite=True`` is the exception: it is
         idempotent, and a cancelled one leaves each row with its old or its new value.
         """
-        return await self._put(data, partition, rows, version=version, overwrite=overwrite,
-                               timeout=timeout, nowait=False)
+        return await _timed(self._put(data, partition, rows, version=version,
+                                      overwrite=overwrite, timeout=timeout, nowait=False))
 
     async def put_nowait(self, data: Mapping[str, Any] | TensorDictBase,
                          partition: str | None = None, *, version: int | None = None
@@ -271,8 +304,8 @@ class StreamQueue:
         """Like :meth:`put` of new rows, but raises :class:`~streamrl.errors.QueueFull`
         instead of waiting for room. (It is a coroutine because storing may still need I/O
         on distributed transports.)"""
-        return await self._put(data, partition, None, version=version, overwrite=False,
-                               timeout=None, nowait=True)
+        return await _timed(self._put(data, partition, None, version=version,
+                                      overwrite=False, timeout=None, nowait=True))
 
     def _tags(self, part: str | None, cols: Mapping[str, Column]) -> dict[str, list]:
         """The tag values (group keys...) to send with a write: those of fields that are
@@ -407,7 +440,7 @@ class StreamQueue:
         """
         req = self._request(locals())
         timeout = check_timeout("timeout", timeout)
-        d = await self._control.take(req, timeout)
+        d = await _timed(self._control.take(req, timeout))
         if d is None:
             where = f"partition {partition!r} is sealed and" if partition else "the queue is closed and"
             raise EndOfStream(f"task {task!r}: {where} every row was delivered; nothing more to get")
@@ -599,6 +632,34 @@ class StreamQueue:
             self._tags_any = self._tags_any | {group_by}
         return name
 
+    def timed(self, role: str) -> Timer:
+        """Record how long ``role`` waits on this queue against how long it computes:
+        ``with q.timed("actor_update"): ...`` (or ``async with``) around the role's work;
+        queue calls inside it (in this task and tasks it starts) count as queue time.
+        Read the totals with :meth:`timings`. See :mod:`streamrl.timing`.
+
+        Examples:
+            >>> import asyncio, torch, streamrl
+            >>> async def main():
+            ...     async with streamrl.StreamQueue(capacity=8) as q:
+            ...         with q.timed("producer"):
+            ...             await q.put({"x": torch.zeros(4)})
+            ...         return q.timings()["producer"].calls
+            >>> asyncio.run(main())
+            1
+        """
+        if not isinstance(role, str) or not role:
+            raise InvalidArgument(f"role must be a non-empty str, got {role!r}")
+        rec = self._timings.get(role)
+        if rec is None:
+            rec = self._timings[role] = RoleTiming()
+        return Timer(rec)
+
+    def timings(self) -> dict[str, RoleTiming]:
+        """Per role timed with :meth:`timed` in this process: seconds in its blocks,
+        the part in queue calls, and the rest (compute)."""
+        return dict(self._timings)
+
     async def stats(self) -> Stats:
         """A snapshot of counters and holdings (see :class:`~streamrl.Stats`)."""
         return await self._control.stats()
@@ -628,7 +689,10 @@ class StreamQueue:
         return await self._control.close()
 
     async def shutdown(self) -> None:
-        """Free the deployment (Ray: kill the actors this queue started)."""
+        """Free the deployment (Ray: kill the actors this queue started) and stop serving
+        metrics."""
+        if self._metrics is not None:
+            self._metrics.close()
         await self._transport.shutdown()
 
 
@@ -673,7 +737,7 @@ class Stream:
                 warnings.warn(f"streamrl: {e}", RuntimeWarning, stacklevel=2)
         if self._done:
             raise StopAsyncIteration
-        d = await self._q._control.take(self._req, self._timeout)
+        d = await _timed(self._q._control.take(self._req, self._timeout))
         if d is None:
             self._done = True
             raise StopAsyncIteration

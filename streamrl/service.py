@@ -35,7 +35,7 @@ from .messages import (END, CommitResult, Delivery, DropReason, FilterJob, Filte
                        PutStatus, Request, WriteToken)
 from .errors import (FilterError, InvalidArgument, QueueClosed, QueueFull, RowsDropped,
                      StreamRLError, StreamTimeout)
-from .stats import Stats, TaskStats
+from .stats import Histogram, Stats, TaskStats
 from .transport.base import DataPlane
 
 log = logging.getLogger("streamrl")
@@ -61,6 +61,7 @@ class ControllerService:
         self._filters: dict[str, Callable] = {}
         self._filter_failures: deque[str] = deque(maxlen=16)
         self._waits: deque[float] = deque(maxlen=10000)
+        self._wait_hist: dict[str, Histogram] = {}  # task -> how long its takes waited
         # (tag field, partition or None) -> its backfill is done
         self._tags_ready: dict[tuple[str, str | None], anyio.Event] = {}
         self._deferred: deque[list[int]] = deque()  # releases queued by finalizers
@@ -450,7 +451,12 @@ class ControllerService:
                 await self._after()
                 return None
             if res is not None:
-                self._waits.append(ctl.clock() - start)
+                waited = ctl.clock() - start
+                self._waits.append(waited)
+                hist = self._wait_hist.get(req.task)
+                if hist is None:
+                    hist = self._wait_hist[req.task] = Histogram()
+                hist.observe(waited)
                 try:
                     await self._after()  # (it may run filter jobs: a real wait)
                 except BaseException:
@@ -638,11 +644,22 @@ class ControllerService:
         ctl.expire()
         await self._after()
         tasks = {}
+        states = ctl.task_states()
         for t in set(ctl.c_delivered) | set(ctl.c_acked) | {s.task for s in ctl.subs.values()}:
+            hd, hw = ctl.h_delivery.get(t), self._wait_hist.get(t)
+            st = states.get(t, {})
             tasks[t] = TaskStats(
                 delivered=ctl.c_delivered.get(t, 0), acked=ctl.c_acked.get(t, 0),
                 redelivered=ctl.c_redelivered.get(t, 0), expired=ctl.c_expired.get(t, 0),
-                leased=sum(len(le.rows) for le in ctl.leases.values() if le.task == t))
+                leased=sum(len(le.rows) for le in ctl.leases.values() if le.task == t),
+                bytes=ctl.c_bytes_delivered.get(t, 0), ready=st.get("ready", 0),
+                waiting=st.get("waiting", 0),
+                delivery_p50=hd.quantile(0.5) if hd else None,
+                delivery_p99=hd.quantile(0.99) if hd else None,
+                wait_p50=hw.quantile(0.5) if hw else None,
+                wait_p99=hw.quantile(0.99) if hw else None,
+                delivery_latency=hd.merge(Histogram()) if hd else None,
+                wait=hw.merge(Histogram()) if hw else None)
         units = await self.data.unit_stats() if with_units else []
         waits = sorted(self._waits)
         return Stats(

@@ -2,23 +2,105 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass, field
 
-__all__ = ["Stats", "TaskStats"]
+__all__ = ["Stats", "TaskStats", "Histogram"]
+
+
+class Histogram:
+    """A latency histogram with power-of-two buckets (1 us to about 18 hours): constant
+    memory, O(1) to record, quantiles within a factor of 2 (the upper bound of their
+    bucket). Bucket ``i`` counts values in ``[2**(i-1), 2**i)`` microseconds."""
+
+    __slots__ = ("counts", "count", "sum")
+
+    NBUCKETS = 37
+
+    def __init__(self) -> None:
+        self.counts = [0] * self.NBUCKETS
+        self.count = 0
+        self.sum = 0.0
+
+    def observe(self, seconds: float) -> None:
+        """Record one value (seconds)."""
+        us = seconds * 1e6
+        i = math.frexp(us)[1] if us >= 1.0 else 0
+        self.counts[i if i < self.NBUCKETS else self.NBUCKETS - 1] += 1
+        self.count += 1
+        self.sum += seconds
+
+    @staticmethod
+    def bound(i: int) -> float:
+        """The upper bound of bucket ``i``, in seconds."""
+        return (2.0 ** i) / 1e6
+
+    def quantile(self, q: float) -> float | None:
+        """The upper bound (seconds) of the bucket holding the ``q`` quantile, or
+        ``None`` when empty."""
+        if not self.count:
+            return None
+        rank = q * self.count
+        seen = 0
+        for i, c in enumerate(self.counts):
+            seen += c
+            if seen >= rank and c:
+                return self.bound(i)
+        return self.bound(self.NBUCKETS - 1)
+
+    def merge(self, other: "Histogram") -> "Histogram":
+        out = Histogram()
+        out.counts = [a + b for a, b in zip(self.counts, other.counts)]
+        out.count, out.sum = self.count + other.count, self.sum + other.sum
+        return out
+
+    def to_dict(self) -> dict:
+        return {"counts": list(self.counts), "count": self.count, "sum": self.sum}
+
+    def __reduce__(self):
+        return (_histogram, (self.to_dict(),))
+
+
+def _histogram(d: dict) -> Histogram:
+    h = Histogram()
+    h.counts, h.count, h.sum = list(d["counts"]), d["count"], d["sum"]
+    return h
 
 
 @dataclass
 class TaskStats:
-    """Counters of one task (consumer role). ``delivered`` counts rows handed out
-    (redeliveries included), ``acked`` rows acknowledged, ``redelivered`` rows handed out
-    again after a release or lease expiry, ``expired`` rows whose lease timed out, and
-    ``leased`` rows held right now."""
+    """Counters of one task (consumer role).
+
+    Attributes:
+        delivered: rows handed out (redeliveries included).
+        acked: rows acknowledged.
+        redelivered: rows handed out again after a release or lease expiry.
+        expired: rows whose lease timed out.
+        leased: rows held right now.
+        bytes: bytes of the asked-for fields of the rows handed out (as put).
+        ready: rows held now that the task could take at once.
+        waiting: rows held now that the task has not consumed and cannot take yet
+            (fields missing, a filter pending).
+        delivery_p50, delivery_p99: seconds from a row's put to its first delivery to
+            the task (upper bounds of power-of-two buckets).
+        wait_p50, wait_p99: seconds the task's takes waited for a batch (same buckets).
+        delivery_latency, wait: the histograms themselves (for exporters).
+    """
 
     delivered: int = 0
     acked: int = 0
     redelivered: int = 0
     expired: int = 0
     leased: int = 0
+    bytes: int = 0
+    ready: int = 0
+    waiting: int = 0
+    delivery_p50: float | None = None
+    delivery_p99: float | None = None
+    wait_p50: float | None = None
+    wait_p99: float | None = None
+    delivery_latency: Histogram | None = field(default=None, repr=False, compare=False)
+    wait: Histogram | None = field(default=None, repr=False, compare=False)
 
 
 @dataclass
@@ -112,11 +194,47 @@ class Stats:
     last_filter_errors: list[str] = field(default_factory=list)
 
     def to_dict(self) -> dict:
-        """A plain dict (for logging or JSON)."""
-        return asdict(self)
+        """A plain dict (for logging or JSON); histograms as ``{counts, count, sum}``."""
+        out = asdict(self)
+        for name, t in self.tasks.items():
+            for k in ("delivery_latency", "wait"):
+                h = getattr(t, k)
+                out["tasks"][name][k] = None if h is None else h.to_dict()
+        return out
 
     def summary(self) -> str:
-        """One line: rows put / filtered / stale / consumed / held / leaked."""
-        return (f"put={self.put} filtered={self.filtered} stale={self.stale} "
-                f"consumed={self.consumed} dropped={self.dropped} held={self.rows} "
-                f"bytes={self.bytes} leaked={self.leaked}")
+        """A readable summary: one line of totals (rows put / filtered / stale / consumed
+        / held / leaked), then one line per task and per partition."""
+        lines = [f"put={self.put} filtered={self.filtered} stale={self.stale} "
+                 f"consumed={self.consumed} dropped={self.dropped} held={self.rows} "
+                 f"bytes={self.bytes} leaked={self.leaked}"]
+        if self.tasks:
+            lines.append(f"{'task':<16}{'delivered':>10}{'acked':>8}{'again':>7}{'leased':>8}"
+                         f"{'ready':>7}{'waiting':>8}{'MB':>9}{'put->deliv p50/p99':>21}"
+                         f"{'wait p50/p99':>16}")
+            for name in sorted(self.tasks):
+                t = self.tasks[name]
+                lines.append(
+                    f"{name[:15]:<16}{t.delivered:>10}{t.acked:>8}{t.redelivered:>7}"
+                    f"{t.leased:>8}{t.ready:>7}{t.waiting:>8}{t.bytes / 1e6:>9.1f}"
+                    f"{_dur(t.delivery_p50) + ' / ' + _dur(t.delivery_p99):>21}"
+                    f"{_dur(t.wait_p50) + ' / ' + _dur(t.wait_p99):>16}")
+        if self.partitions:
+            lines.append(f"{'partition':<16}{'rows':>8}{'waiting':>9}{'ready':>7}"
+                         f"{'leased':>8}{'consumed':>10}  sealed")
+            for name in sorted(self.partitions):
+                p = self.partitions[name]
+                lines.append(f"{name[:15]:<16}{p.get('rows', 0):>8}{p.get('waiting', 0):>9}"
+                             f"{p.get('ready', 0):>7}{p.get('leased', 0):>8}"
+                             f"{p.get('consumed', 0):>10}  {'yes' if p.get('sealed') else 'no'}")
+        return "\n".join(lines)
+
+
+def _dur(s: float | None) -> str:
+    if s is None:
+        return "-"
+    if s < 1e-3:
+        return f"{s * 1e6:.0f}us"
+    if s < 1.0:
+        return f"{s * 1e3:.0f}ms"
+    return f"{s:.1f}s"

@@ -171,3 +171,22 @@ async def test_a_consumer_dies_holding_a_lease(make_queue):
     st = await q.stats()
     assert st.tasks["train"].expired == 8 and st.leases == 0  # its batch, after expiry
     assert len(await holding) == 8
+
+
+async def test_rows_lost_with_their_unit_are_counted_lost_not_consumed(make_queue):
+    """A consumer whose materialize raised RowsLost and which then acknowledges the batch
+    (as a stream does) must not turn the lost rows into consumed ones (issue 15, #12)."""
+    q = make_queue(num_shards=2, consumers=["t"])
+    await q.put({"x": torch.arange(4)}, partition="p")  # unit 0 (round robin from 0)
+    await q.put({"x": torch.arange(4, 8)}, partition="p")
+    mb = await q.get("t", ["x"], 8, partition="p", timeout=10)
+    dead = mb.shards[0]
+    on_dead = sum(1 for s in mb.shards if s == dead)
+    await _kill(q._transport._units[dead])
+    with anyio.fail_after(60), pytest.raises(RowsLost):
+        await mb.materialize()
+    await mb.ack()
+    st = await q.stats()
+    assert st.dropped_by.get("lost", 0) == on_dead
+    assert st.dropped_by.get("consumed", 0) == 8 - on_dead
+    assert st.put == st.rows + st.dropped

@@ -238,3 +238,23 @@ async def test_a_group_key_of_one_partition_says_nothing_of_another(make_queue):
     with pytest.raises(SchemaError, match="uid"):
         await q.get("t", ["uid"], 2, partition="B", group_by="uid", timeout=5)
     assert (await q.stats()).rows == 12 and await q.audit() == []
+
+
+# ---------------------------------------------------------------- 14: bytes of nested objects
+
+
+async def test_bytes_of_deeply_nested_objects_are_counted(make_queue):
+    """A 20 MiB string inside an agent trajectory (dict/list/dict/list/dict) counts 20
+    MiB: a 10 MiB queue refuses it at once instead of admitting 100 MiB of them."""
+    from streamrl.errors import QueueFull
+
+    q = make_queue(capacity=64, capacity_bytes=10 << 20)
+    traj = [{"turns": [{"msgs": [{"content": "x" * (20 << 20)}]}]}]
+    with pytest.raises(QueueFull, match="can never fit"):
+        await q.put({"traj": traj}, partition="p")
+    small = [{"turns": [{"msgs": [{"content": "x" * (4 << 20)}]}]}]
+    await q.put({"traj": small}, partition="p")
+    await q.put({"traj": small}, partition="p")
+    with pytest.raises(QueueFull):  # a third would pass 10 MiB
+        await q.put_nowait({"traj": small}, partition="p")
+    assert (await q.stats()).bytes >= 8 << 20

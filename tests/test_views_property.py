@@ -510,9 +510,9 @@ def count_fetches(q: streamrl.StreamQueue, monkeypatch) -> list[tuple[list[int],
     calls: list[tuple[list[int], list[str]]] = []
     orig = q.session.fetch
 
-    async def counting(rows, shards, fields):
+    async def counting(rows, shards, fields, **kw):
         calls.append((list(map(int, rows)), list(fields)))
-        return await orig(rows, shards, fields)
+        return await orig(rows, shards, fields, **kw)
 
     monkeypatch.setattr(q.session, "fetch", counting)
     return calls

@@ -28,6 +28,7 @@ import argparse
 import asyncio
 import json
 import math
+import sys
 import time
 from collections import defaultdict, deque
 from dataclasses import dataclass
@@ -135,6 +136,12 @@ class WeightSync:
 
 async def env_worker(q: streamrl.StreamQueue, game: GuessTheNumber, schedule: Schedule,
                      weights: WeightSync, args: argparse.Namespace) -> None:
+    async with q.timed("env_worker"):  # how much of its time goes to the queue
+        await _play(q, game, schedule, weights, args)
+
+
+async def _play(q: streamrl.StreamQueue, game: GuessTheNumber, schedule: Schedule,
+                weights: WeightSync, args: argparse.Namespace) -> None:
     n = args.group_size
     agent = Agent(game.vocab_size, game.num_actions).requires_grad_(False)
     version = -1
@@ -164,6 +171,12 @@ async def env_worker(q: streamrl.StreamQueue, game: GuessTheNumber, schedule: Sc
 async def judge(q: streamrl.StreamQueue, game: GuessTheNumber, schedule: Schedule,
                 args: argparse.Namespace, metrics: "Metrics") -> None:
     """The reward role: one finished group at a time, from its turns and secret only."""
+    async with q.timed("judge"):
+        await _judge(q, game, schedule, args, metrics)
+
+
+async def _judge(q: streamrl.StreamQueue, game: GuessTheNumber, schedule: Schedule,
+                 args: argparse.Namespace, metrics: "Metrics") -> None:
     turns = turn_fields(game)
     async for mb in q.stream("judge", fields=["uid", "secret", *turns],
                              batch_size=args.group_size, group_by="uid",
@@ -180,6 +193,12 @@ async def judge(q: streamrl.StreamQueue, game: GuessTheNumber, schedule: Schedul
 async def trainer(q: streamrl.StreamQueue, game: GuessTheNumber, agent: Agent,
                   weights: WeightSync, args: argparse.Namespace, metrics: "Metrics") -> None:
     """One GRPO step per partition, accumulating gradients over whole-group micro-batches."""
+    async with q.timed("actor_update"):
+        await _train(q, game, agent, weights, args, metrics)
+
+
+async def _train(q: streamrl.StreamQueue, game: GuessTheNumber, agent: Agent,
+                 weights: WeightSync, args: argparse.Namespace, metrics: "Metrics") -> None:
     opt = torch.optim.Adam(agent.parameters(), lr=args.lr)
     n = args.group_size
     turns, logps = turn_fields(game), logp_fields(game)
@@ -213,6 +232,10 @@ def moving_mean(xs: list[float], k: int = 10) -> list[float]:
     return out
 
 
+#: seconds between progress lines when the output is not a terminal
+LOG_EVERY = 10.0
+
+
 class Metrics:
     """Per-step reward and throughput, the progress bar, the plot."""
 
@@ -224,8 +247,13 @@ class Metrics:
         # (seconds, rows put, bytes put, rows trained, rows filtered) at the last 10 steps
         self._window = deque([(0.0, 0, 0, 0, 0)], maxlen=11)
         self._trained = 0
-        self.bar = tqdm(total=steps, unit="step", disable=quiet, dynamic_ncols=True,
-                        desc="agentic GRPO")
+        self.steps = steps
+        # a progress bar on a terminal; in a log (CI, nohup, a pipe) a line now and then
+        self.tty = sys.stderr.isatty()
+        self.quiet = quiet
+        self.bar = tqdm(total=steps, unit="step", disable=quiet or not self.tty,
+                        dynamic_ncols=True, desc="agentic GRPO")
+        self._logged = time.perf_counter()
 
     async def end_step(self, step: int, trained: int) -> None:
         st = await self.q.stats()
@@ -243,12 +271,20 @@ class Metrics:
         reward = moving_mean([h["reward"] for h in self.history])[-1]
         self.bar.set_postfix_str(f"reward={reward:.2f} rows/s={put:.0f} KB/s={nbytes / 1e3:.1f}")
         self.bar.update()
+        if not self.tty and not self.quiet and (time.perf_counter() - self._logged >= LOG_EVERY
+                                                or step + 1 == self.steps):
+            self._logged = time.perf_counter()
+            print(f"step {step + 1}/{self.steps} ({now:.0f} s): reward={reward:.2f} "
+                  f"rows/s={put:.0f} KB/s={nbytes / 1e3:.1f}", flush=True)
+
+    def close(self) -> None:
+        self.bar.close()
 
     def mean_reward(self, steps: range) -> float:
         r = [x for s in steps for x in self.rewards.get(s, [])]
         return sum(r) / len(r) if r else math.nan
 
-    def plot(self, path: Path) -> None:
+    def plot(self, path: Path, timings: dict[str, dict] | None = None) -> None:
         import matplotlib
 
         matplotlib.use("Agg")
@@ -257,7 +293,12 @@ class Metrics:
         h = self.history
         t = [x["seconds"] for x in h]
         reward = [x["reward"] for x in h]
-        fig, (ax_r, ax_rows, ax_bytes) = plt.subplots(3, 1, sharex=True, figsize=(8, 7.5))
+        fig = plt.figure(figsize=(8, 9.5))
+        grid = fig.add_gridspec(4, 1, height_ratios=[3, 3, 3, 2])
+        ax_r = fig.add_subplot(grid[0])
+        ax_rows = fig.add_subplot(grid[1], sharex=ax_r)
+        ax_bytes = fig.add_subplot(grid[2], sharex=ax_r)
+        ax_time = fig.add_subplot(grid[3])
         ax_r.plot(t, reward, alpha=0.3, label="per step")
         ax_r.plot(t, moving_mean(reward), label="10-step mean")
         ax_r.set_ylabel("reward (games won)")
@@ -271,6 +312,14 @@ class Metrics:
         ax_bytes.plot(t, [x["bytes_per_s"] / 1e3 for x in h])
         ax_bytes.set_ylabel("KB/s put")
         ax_bytes.set_xlabel("seconds")
+        if timings:  # where each role's time went: the queue against its own work
+            roles = list(timings)
+            queue = [timings[r]["queue_seconds"] for r in roles]
+            compute = [timings[r]["compute_seconds"] for r in roles]
+            ax_time.barh(roles, compute, label="computing")
+            ax_time.barh(roles, queue, left=compute, label="waiting on the queue")
+            ax_time.set_xlabel("seconds (summed over a role's workers)")
+            ax_time.legend(loc="lower right", fontsize="small")
         fig.suptitle("agentic GRPO on streamrl: guess the number")
         fig.tight_layout()
         fig.savefig(path, dpi=120)
@@ -321,8 +370,9 @@ async def run(args: argparse.Namespace) -> dict:
                 tg.create_task(env_worker(q, game, schedule, weights, args))
             await trainer(q, game, agent, weights, args, metrics)
             await q.close()  # ends the judge's stream
-        metrics.bar.close()
+        metrics.close()
         st = await q.stats()
+        timings = {role: t.to_dict() for role, t in q.timings().items()}
 
     window = range(max(1, args.steps // 10))
     summary = {
@@ -340,16 +390,21 @@ async def run(args: argparse.Namespace) -> dict:
         "leaked": st.leaked,
         "bytes_put": st.bytes_put,
         "bytes_held": st.bytes,
+        "time_by_role": timings,
         "history": metrics.history,
     }
     (out / "summary.json").write_text(json.dumps(summary, indent=1))
-    metrics.plot(out / "curves.png")
+    metrics.plot(out / "curves.png", timings)
     if not args.quiet:
         print(f"mean reward: start {summary['reward_start']:.3f} -> end {summary['reward_end']:.3f}"
               f" (first and last {len(window)} steps)")
         print(f"rows put {st.put} | filtered {st.filtered} | stale {st.stale} | trained "
               f"{summary['rows_trained']} | leaked {st.leaked} (held {st.rows} rows, {st.bytes} B)"
               f" | {st.bytes_put / 1e6:.1f} MB in {summary['seconds']:.0f} s")
+        print("where the time went (per role, summed over its workers):")
+        for role, t in timings.items():
+            print(f"  {role:<13} {t['seconds']:6.1f} s: {100 * t['queue_share']:4.1f}% waiting on "
+                  f"the queue, {100 * (1 - t['queue_share']):4.1f}% computing ({t['calls']} calls)")
         print("games after training:\n  " + "\n  ".join(sample_games(game, agent, args.seed + 1)))
         print(f"wrote {out / 'curves.png'} and {out / 'summary.json'}")
     return summary

@@ -144,8 +144,9 @@ class Admission:
         for name in self.filters:
             pending |= self._fbits[name]
         wmask = self._wmask(fields)
+        born = self.clock()
         for rid, s in zip(ids, shards):
-            row = Row(rid, p, s, version)
+            row = Row(rid, p, s, version, born)
             row.pending = pending
             row.writing = wmask
             self.rows[rid] = row

@@ -47,6 +47,29 @@ class Introspect:
             out[p.name] = st
         return out
 
+    def task_states(self) -> dict[str, dict[str, int]]:
+        """Per task (that asked for rows): rows held that it could take at once
+        (``ready``) and rows it has neither consumed nor leased and cannot take yet
+        (``waiting``: fields missing, a filter pending), within the partitions its
+        requests name."""
+        out: dict[str, dict[str, int]] = {}
+        for task, subs in self._subs_by_task.items():
+            if not subs:
+                continue
+            ready: set[int] = set()
+            scope: dict[int, object] = {}
+            for sub in subs:
+                ready.update(sub.avail)
+                rows = (self.rows if sub.partition is None
+                        else self.parts[sub.partition].rows if sub.partition in self.parts
+                        else {})
+                scope.update(rows)
+            bit = self._tbits.get(task, 0)
+            waiting = sum(1 for rid, row in scope.items()
+                          if rid not in ready and not row.acked & bit and task not in row.leased)
+            out[task] = {"ready": len(ready), "waiting": waiting}
+        return out
+
     def leaked(self) -> dict[str, int]:
         """Rows still held in sealed partitions that no task will ever take: not leased,
         and acknowledged by every declared consumer (or, with none declared, by every

@@ -10,6 +10,7 @@ from collections.abc import Iterable
 from ..config import Request
 from ..errors import LeaseExpired, rows_preview
 from ..messages import Delivery, DropReason
+from ..stats import Histogram
 from .state import LEASE_MEMORY
 
 
@@ -60,12 +61,24 @@ class Leases:
         task = lease.task
         bit = self._bit(self._tbits, task)
         redelivered = 0
+        hist = self.h_delivery.get(task)
+        if hist is None:
+            hist = self.h_delivery[task] = Histogram()
+        now = self.clock()
+        nbytes = 0
+        fields = lease.fields
         for rid in lease.rows:
             row = self.rows[rid]
             if row.delivered & bit:
                 redelivered += 1
+            else:
+                hist.observe(now - row.born)
             row.delivered |= bit
+            have = row.fields
+            for f in fields:
+                nbytes += have.get(f, 0)
         self.c_delivered[task] = self.c_delivered.get(task, 0) + len(lease.rows)
+        self.c_bytes_delivered[task] = self.c_bytes_delivered.get(task, 0) + nbytes
         if redelivered:
             self.c_redelivered[task] = self.c_redelivered.get(task, 0) + redelivered
 

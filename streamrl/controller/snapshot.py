@@ -225,7 +225,7 @@ class Snapshot:
                     f"{self.num_shards} units; load the state into a queue with at least "
                     f"{shard + 1} (num_shards=)")
             rid = int(rd["id"])
-            row = Row(rid, p, shard, int(rd["version"]))
+            row = Row(rid, p, shard, int(rd["version"]), self.clock())  # (latency from load)
             row.fields = {f: int(b) for f, b in rd["fields"].items()}
             row.nbytes = sum(row.fields.values())
             held += row.nbytes

@@ -17,6 +17,7 @@ from collections.abc import Hashable, Iterable, Sequence
 
 from ..errors import InvalidArgument
 from ..messages import FilterJob, FilterSpec, WriteToken
+from ..stats import Histogram
 
 _MISSING = object()
 
@@ -35,11 +36,13 @@ class Row:
 
     __slots__ = (
         "id", "part", "shard", "version", "fields", "nbytes", "tags", "leased", "acked",
-        "pending", "judging", "writing", "delivered",
+        "pending", "judging", "writing", "delivered", "born",
     )
 
-    def __init__(self, rid: int, part: "Partition", shard: int, version: int):
+    def __init__(self, rid: int, part: "Partition", shard: int, version: int,
+                 born: float = 0.0):
         self.id = rid
+        self.born = born  # when it was admitted (the controller's clock)
         self.part = part
         self.shard = shard
         self.version = version
@@ -133,6 +136,9 @@ class State:
         self.c_delivered: dict[str, int] = {}
         self.c_acked: dict[str, int] = {}
         self.c_redelivered: dict[str, int] = {}
+        self.c_bytes_delivered: dict[str, int] = {}  # task -> bytes of asked-for fields
+        # task -> latency from a row's admission to its first delivery to the task
+        self.h_delivery: dict[str, Histogram] = {}
         self.c_expired: dict[str, int] = {}
 
     def _init_outboxes(self) -> None:

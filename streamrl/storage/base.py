@@ -37,7 +37,7 @@ from typing import Any, NamedTuple
 __all__ = ["StorageBackend", "StorageCaps", "StateChunk", "STATE_FORMAT", "Column"]
 
 #: a column as given to ``put``: a tensor (rows first) or a list of per-row values
-Column = Any
+from .._types import Column
 
 #: the ``"format"`` of :meth:`StorageBackend.state_dict` (bumped when its shape changes)
 STATE_FORMAT = "streamrl.storage/1"

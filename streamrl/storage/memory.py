@@ -20,6 +20,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
+from .._types import Column
 from ..errors import RowsDropped, UnknownField, rows_preview
 from .base import STATE_FORMAT, StateChunk, StorageBackend, StorageCaps, load_chunks
 
@@ -28,29 +29,58 @@ __all__ = ["StorageUnit", "approx_size", "create"]
 # This module does not import torch: a unit stores anything with the tensor surface it
 # uses (``shape``, ``element_size()``, ``numel()``, row slices, ``unsqueeze(0)``), that is
 # torch tensors (embedded) and :class:`streamrl.wire.WireTensor` (storage-unit actors).
-Column = Any
 
 
 def _is_tensor(x: Any) -> bool:
     return hasattr(x, "element_size") and hasattr(x, "shape") and not isinstance(x, (list, tuple))
 
 
-def approx_size(obj: Any, _depth: int = 0) -> int:
-    """A cheap estimate of the memory an object holds (exact for tensors and bytes)."""
-    if _is_tensor(obj):
-        return obj.element_size() * obj.numel()
-    nbytes = getattr(obj, "nbytes", None)  # numpy arrays
-    if isinstance(nbytes, int):
-        return nbytes
-    if isinstance(obj, (bytes, bytearray, memoryview, str)):
-        return len(obj)
-    if _depth < 4:
-        if isinstance(obj, (list, tuple, set, frozenset)):
-            return 8 * len(obj) + sum(approx_size(x, _depth + 1) for x in obj)
-        if isinstance(obj, dict):
-            return 8 * len(obj) + sum(approx_size(k, _depth + 1) + approx_size(v, _depth + 1)
-                                      for k, v in obj.items())
-    return sys.getsizeof(obj)
+def approx_size(obj: Any) -> int:
+    """The bytes an object holds, for capacity accounting.
+
+    Exact for tensors, numpy arrays, ``bytes`` and ``str`` (their payload). Containers
+    (lists, tuples, sets, dicts, and objects with a ``__dict__`` or ``__slots__``) are
+    walked to any depth, each object counted once (shared and cyclic references too),
+    adding 8 bytes per reference and ``sys.getsizeof`` for other scalars. So a 20 MiB
+    string deep inside an agent trajectory counts 20 MiB. The walk visits every object
+    once: a put of Python objects costs time in proportion to what they hold."""
+    total = 0
+    seen: set[int] = set()
+    stack = [obj]
+    while stack:
+        x = stack.pop()
+        if _is_tensor(x):
+            total += x.element_size() * x.numel()
+            continue
+        if isinstance(x, (bytes, bytearray, memoryview, str)):
+            total += len(x)
+            continue
+        nbytes = getattr(x, "nbytes", None)  # numpy arrays
+        if isinstance(nbytes, int) and not isinstance(x, type):
+            total += nbytes
+            continue
+        if isinstance(x, (int, float, bool, complex)) or x is None:
+            total += 8
+            continue
+        if id(x) in seen:
+            continue
+        seen.add(id(x))
+        if isinstance(x, dict):
+            total += 8 * len(x)
+            stack.extend(x.keys())
+            stack.extend(x.values())
+        elif isinstance(x, (list, tuple, set, frozenset)):
+            total += 8 * len(x)
+            stack.extend(x)
+        else:
+            total += sys.getsizeof(x)
+            d = getattr(x, "__dict__", None)
+            if isinstance(d, dict):
+                stack.append(d)
+            for slot in getattr(type(x), "__slots__", ()) or ():
+                if isinstance(slot, str) and hasattr(x, slot):
+                    stack.append(getattr(x, slot))
+    return total
 
 
 class _Obj:

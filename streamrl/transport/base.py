@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from ..control import ControlPlane
 
-Column = Any  # a tensor (rows first) or a list of per-row values; see streamrl.columns
+from .._types import Column
 
 __all__ = ["DataCaps", "DataPlane", "Transport"]
 

@@ -14,14 +14,15 @@ commit retracted), so nothing outlives a caller that is gone.
 
 The actor's own methods, which are not controller calls: :meth:`~ControllerActorImpl.endpoints`,
 :meth:`~ControllerActorImpl.handles`, :meth:`~ControllerActorImpl.cancellable`,
-:meth:`~ControllerActorImpl.cancel`, :meth:`~ControllerActorImpl.ping` and
-:meth:`~ControllerActorImpl.event_loop`. Its service adds each storage unit's arena bytes to
+:meth:`~ControllerActorImpl.cancel`, :meth:`~ControllerActorImpl.ping`,
+:meth:`~ControllerActorImpl.event_loop` and :meth:`~ControllerActorImpl.serve_metrics`. Its service adds each storage unit's arena bytes to
 ``stats`` (:class:`ActorService`).
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any
@@ -35,8 +36,10 @@ from ...errors import InvalidArgument
 from ...service import ControllerService
 from ...stats import Stats
 from ..rpc import RpcServer
-from .calls import Endpoints
+from .calls import Endpoints, spawn
 from .data import RayDataPlane
+
+log = logging.getLogger("streamrl")
 
 __all__ = ["ActorService", "ControllerActorImpl", "ControllerActor", "serve_control_plane"]
 
@@ -184,6 +187,28 @@ class ControllerActorImpl:
             self._data.use_endpoints(units)
             self._endpoints = (mine, units)
         return self._endpoints
+
+    async def serve_metrics(self, host: str, port: int, queue: str,
+                            interval: float = 5.0) -> str:
+        """Serve the queue's Prometheus series on ``host:port`` of this node (port 0: a
+        free one), and record them as Ray metrics every ``interval`` seconds; the URL."""
+        from ...metrics import MetricsServer, RayMirror
+
+        if getattr(self, "_metrics", None) is None:
+            loop = asyncio.get_running_loop()
+            self._metrics = MetricsServer(self._svc.stats, loop, queue, (host, port))
+            mirror = RayMirror()
+
+            async def mirror_loop() -> None:
+                while True:
+                    try:
+                        mirror.update(await self._svc.stats(), queue)
+                    except Exception as e:  # noqa: BLE001 - metrics never break the queue
+                        log.warning("streamrl: Ray metrics update failed: %r", e)
+                    await asyncio.sleep(interval)
+
+            self._mirror = spawn(mirror_loop(), "Ray metrics of the queue")
+        return self._metrics.url
 
     async def event_loop(self) -> str:
         """The class of the event loop this actor runs on (Ray uses uvloop's when it is

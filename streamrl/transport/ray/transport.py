@@ -82,6 +82,8 @@ class RayTransport(Transport):
             shared = _clients[(self._key, self._data_plane)] = (control, data)
         self._control, self._data = shared
         self._owner = owner
+        #: where the controller serves the queue's Prometheus metrics (``metrics=``)
+        self.metrics_url: str | None = None
 
     @classmethod
     def create(cls, config: QueueConfig, *, data_plane: type[RayDataPlane] | None = None
@@ -150,7 +152,14 @@ class RayTransport(Transport):
             endpoints = ray.get(controller.endpoints.remote())
         else:
             ray.get(controller.ping.remote())
-        return cls(controller, units, owner=True, endpoints=endpoints, data_plane=data_plane)
+        self = cls(controller, units, owner=True, endpoints=endpoints, data_plane=data_plane)
+        from ...metrics import parse_spec
+
+        addr = parse_spec(config.metrics)
+        if addr is not None:  # the controller serves the queue-wide series on its node
+            self.metrics_url = ray.get(controller.serve_metrics.remote(
+                addr[0], addr[1], config.name or self.queue_id[:8]))
+        return self
 
     @classmethod
     def connect(cls, name: str, namespace: str | None = None) -> "RayTransport":

@@ -1,0 +1,160 @@
+"""``python -m streamrl top NAME``: a live terminal view of a named Ray queue.
+
+Attaches to the queue (``StreamQueue.connect``) and redraws, every ``--interval``
+seconds: the queue's holdings against its capacity; its partitions with rows by state;
+each task with its rates, lag, leases and latencies; the filters and what they dropped;
+the storage units and their memory. ``--once`` prints one snapshot and exits; ``--json``
+prints it as JSON (for scripts).
+
+Examples:
+    python -m streamrl top rollouts --address auto --namespace rl
+    python -m streamrl top rollouts --once --json | jq .tasks
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+import time
+from typing import Any
+
+from .stats import Stats, _dur
+
+__all__ = ["main", "render", "snapshot"]
+
+
+def snapshot(st: Stats, prev: tuple[float, Stats] | None, now: float) -> dict[str, Any]:
+    """What the view shows, as plain data: the stats plus per-task rates (rows/s since
+    the previous snapshot) and lag (rows not yet consumed: ready + waiting + leased)."""
+    out = st.to_dict()
+    dt = now - prev[0] if prev else 0.0
+    for name, t in st.tasks.items():
+        d = out["tasks"][name]
+        before = prev[1].tasks.get(name) if prev else None
+        d["rate_delivered"] = ((t.delivered - before.delivered) / dt) if before and dt else None
+        d["rate_acked"] = ((t.acked - before.acked) / dt) if before and dt else None
+        d["lag"] = t.ready + t.waiting + t.leased
+        d.pop("delivery_latency", None)
+        d.pop("wait", None)
+    out["rate_put"] = ((st.put - prev[1].put) / dt) if prev and dt else None
+    return out
+
+
+def render(snap: dict[str, Any], name: str) -> Any:
+    """A rich renderable of one snapshot."""
+    from rich.console import Group
+    from rich.table import Table
+
+    cap_b = snap["capacity_bytes"]
+    head = Table.grid(padding=(0, 2))
+    head.add_row(
+        f"[bold]streamrl queue {name}[/bold]",
+        f"rows {snap['rows']}/{snap['capacity']}",
+        f"bytes {_mb(snap['bytes'])}" + (f"/{_mb(cap_b)}" if cap_b else ""),
+        f"version {snap['version']}", f"leases {snap['leases']}",
+        f"producers waiting {snap['waiting_puts']}",
+        f"put {snap['put']}" + (f" ({snap['rate_put']:.0f}/s)" if snap["rate_put"] else ""),
+        f"leaked {snap['leaked']}", "closed" if snap["closed"] else "open")
+    parts = Table(title="partitions", title_justify="left", expand=False)
+    for col in ("partition", "rows", "waiting", "ready", "leased", "consumed", "sealed"):
+        parts.add_column(col, justify="left" if col == "partition" else "right")
+    for p, s in sorted(snap["partitions"].items()):
+        parts.add_row(p, str(s.get("rows", 0)), str(s.get("waiting", 0)), str(s.get("ready", 0)),
+                      str(s.get("leased", 0)), str(s.get("consumed", 0)),
+                      "yes" if s.get("sealed") else "no")
+    tasks = Table(title="tasks", title_justify="left")
+    for col in ("task", "delivered", "acked", "rows/s", "lag", "ready", "waiting", "leased",
+                "again", "expired", "MB", "put->deliv p50/p99", "wait p50/p99"):
+        tasks.add_column(col, justify="left" if col == "task" else "right")
+    for t, d in sorted(snap["tasks"].items()):
+        rate = d["rate_acked"]
+        tasks.add_row(t, str(d["delivered"]), str(d["acked"]),
+                      "-" if rate is None else f"{rate:.0f}", str(d["lag"]), str(d["ready"]),
+                      str(d["waiting"]), str(d["leased"]), str(d["redelivered"]),
+                      str(d["expired"]), f"{d['bytes'] / 1e6:.1f}",
+                      f"{_dur(d['delivery_p50'])} / {_dur(d['delivery_p99'])}",
+                      f"{_dur(d['wait_p50'])} / {_dur(d['wait_p99'])}")
+    drops = Table(title="dropped and filtered", title_justify="left")
+    drops.add_column("reason or filter")
+    drops.add_column("rows", justify="right")
+    drops.add_column("pending", justify="right")
+    for reason, n in sorted(snap["dropped_by"].items()):
+        drops.add_row(reason, str(n), "")
+    for f, n in sorted(snap["filtered_by"].items()):
+        drops.add_row(f"filter {f}", str(n), str(snap["filter_pending"].get(f, 0)))
+    units = Table(title="storage units", title_justify="left")
+    for col in ("unit", "rows", "bytes", "shared memory", "pinned"):
+        units.add_column(col, justify="right")
+    shared, pinned = snap["unit_shared_bytes"], snap["unit_pinned_bytes"]
+    for i, (r, b) in enumerate(zip(snap["unit_rows"], snap["unit_bytes"])):
+        units.add_row(str(i), str(r), _mb(b), _mb(shared[i]) if i < len(shared) else "-",
+                      _mb(pinned[i]) if i < len(pinned) else "-")
+    return Group(head, parts, tasks, drops, units)
+
+
+def _mb(n: int | None) -> str:
+    return "-" if n is None else f"{n / 1e6:.1f}MB"
+
+
+async def _run(args: argparse.Namespace) -> int:
+    import ray
+
+    from .queue import StreamQueue
+
+    if not ray.is_initialized():
+        ray.init(address=args.address, namespace=args.namespace, log_to_driver=False,
+                 logging_level="ERROR")
+    q = StreamQueue.connect(args.name, namespace=args.namespace)
+    prev: tuple[float, Stats] | None = None
+    if args.once:
+        st = await q.stats()
+        if args.interval > 0:  # two snapshots, for rates
+            prev = (time.monotonic(), st)
+            await asyncio.sleep(args.interval)
+            st = await q.stats()
+        snap = snapshot(st, prev, time.monotonic())
+        if args.json:
+            print(json.dumps(snap, default=str))
+        else:
+            from rich.console import Console
+
+            Console().print(render(snap, args.name))
+        return 0
+    from rich.live import Live
+
+    with Live(auto_refresh=False, screen=False) as live:
+        while True:
+            st = await q.stats()
+            now = time.monotonic()
+            live.update(render(snapshot(st, prev, now), args.name), refresh=True)
+            prev = (now, st)
+            await asyncio.sleep(args.interval)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m streamrl top",
+                                description="A live terminal view of a named Ray queue.")
+    p.add_argument("name", help="the queue's name (StreamQueue(transport='ray', name=...))")
+    p.add_argument("--address", default="auto", help="the Ray cluster (default: auto)")
+    p.add_argument("--namespace", default=None, help="the Ray namespace of the queue")
+    p.add_argument("--interval", type=float, default=1.0, help="seconds between redraws")
+    p.add_argument("--once", action="store_true", help="print one snapshot and exit")
+    p.add_argument("--json", action="store_true", help="with --once: print JSON")
+    args = p.parse_args(argv)
+    if not args.json:
+        try:
+            import rich  # noqa: F401
+        except ImportError:
+            print("python -m streamrl top needs rich: pip install 'streamrl[metrics]' "
+                  "(or use --once --json)", file=sys.stderr)
+            return 2
+    try:
+        return asyncio.run(_run(args))
+    except KeyboardInterrupt:
+        return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
