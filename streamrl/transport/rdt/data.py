@@ -38,7 +38,7 @@ from ..base import Column
 from ..ray.data import RayDataPlane
 from ..ray.wire import to_wire
 from ..rpc import Endpoint, RpcClient
-from .runtime import HeldRef, HolderGone, current, layout, runtime
+from .runtime import HeldRef, HolderGone, _bypassed, current, layout, runtime
 
 __all__ = ["RdtDataPlane", "RdtPlaneSpec"]
 
@@ -169,7 +169,13 @@ class RdtDataPlane(RayDataPlane):
         """The bytes of ``items`` (ranges of one holder): flat uint8 tensors (or numpy
         arrays, from the socket)."""
         ref0: HeldRef = items[0][0]
-        ranges = [(ref.key, off, n) for ref, off, n, _ in items]
+        ranges, where = coalesce([(ref.key, off, n) for ref, off, n, _ in items])
+        bufs = await self._fetch_ranges(ref0, ranges, items)
+        return [bufs[m][at:at + n] for (m, at), (_, _, n, _) in zip(where, items)]
+
+    async def _fetch_ranges(self, ref0: HeldRef, ranges: list, items: list) -> list[Any]:
+        """The bytes of ``ranges`` (disjoint) of holder ``ref0.holder``, one buffer each,
+        by the first path that serves them (see the module docstring)."""
         rows = sorted({r for *_, rs in items for r in rs})
         rt = current()
         try:
@@ -182,7 +188,7 @@ class RdtDataPlane(RayDataPlane):
             if (rt is not None and rt.group is not None and ref0.group == rt.group.name
                     and ref0.rank >= 0 and rt.group.backend in ("gloo", "nccl")):
                 offs, total = layout([n for _, _, n in ranges])
-                buf = await rt.pull(ref0.rank, ranges, total)
+                buf = await rt.pull(ref0.rank, ranges, total, self._bypass_client(ref0))
                 self.count_moved({"rdt": sum(n for _, _, n in ranges)})
                 return [buf[o:o + n] for o, (_, _, n) in zip(offs, ranges)]
             if (rt is not None and rt.group is not None and ref0.group == rt.group.name
@@ -208,16 +214,42 @@ class RdtDataPlane(RayDataPlane):
                 f"failed ({type(e).__name__}: {e}); treat them as lost", rows,
                 holder=ref0.holder) from None
 
-    async def _fetch_socket(self, ref0: HeldRef, ranges: list) -> list[Any]:
-        """The fallback path: the holder's server sends the bytes over its socket."""
+    def _bypass_client(self, ref0: HeldRef) -> RpcClient | None:
+        return self._client(ref0) if _bypassed() else None
+
+    def _client(self, ref0: HeldRef) -> RpcClient:
         client = self._holders.get(ref0.endpoint)
         if client is None:
             client = self._holders[ref0.endpoint] = RpcClient(ref0.endpoint)
-        arrays = await client.call("read", ranges)
+        return client
+
+    async def _fetch_socket(self, ref0: HeldRef, ranges: list) -> list[Any]:
+        """The fallback path: the holder's server sends the bytes over its socket."""
+        arrays = await self._client(ref0).call("read", ranges)
         if arrays is None:
             raise KeyError("gone")
         self.count_moved({"socket": sum(a.nbytes for a in arrays)})
         return arrays  # numpy views of the bytes received
+
+
+def coalesce(ranges: Sequence[tuple[int, int, int]]
+             ) -> tuple[list[tuple[int, int, int]], list[tuple[int, int]]]:
+    """Merge ``(key, offset, nbytes)`` ranges that touch or overlap (the rows of one put
+    read through two storage units are two ranges of one held tensor: one range, so a
+    large tensor moves without being packed). Returns the merged ranges and, for each
+    input range, ``(index of its merged range, its offset inside it)``."""
+    order = sorted(range(len(ranges)), key=lambda i: (ranges[i][0], ranges[i][1]))
+    merged: list[tuple[int, int, int]] = []
+    where: list[tuple[int, int]] = [(0, 0)] * len(ranges)
+    for i in order:
+        key, off, n = ranges[i]
+        if merged and merged[-1][0] == key and off <= merged[-1][1] + merged[-1][2]:
+            k, o, m = merged[-1]
+            merged[-1] = (k, o, max(m, off + n - o))
+        else:
+            merged.append((key, off, n))
+        where[i] = (len(merged) - 1, off - merged[-1][1])
+    return merged, where
 
 
 def _collect(pieces: dict[str, list], rows: list[int], wanted: dict[str, list]) -> None:

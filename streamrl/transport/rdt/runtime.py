@@ -50,10 +50,17 @@ BACKENDS = ("gloo", "nccl", "nixl")
 #: alignment of each tensor inside a packed transfer buffer (bytes)
 ALIGN = 64
 
-#: Private switch for tests only: run every send and receive on a new thread of its own as
-#: soon as it is asked for, concurrently and in no particular order (what a design without
-#: the serialising transfer thread does). Ray's gloo then swaps or corrupts tensors.
+#: Private switch for tests only: the naive design. A reader asks the holder for its bytes
+#: directly (no coordinator numbering) and each send and receive runs at once on a new
+#: thread of its own, concurrently and in no particular order, as async callers that
+#: each hand their transfer to a worker thread would. Ray's gloo then swaps, corrupts or
+#: crashes transfers (see ``docs/rdt.md``).
 _BYPASS_TRANSFER_THREAD = False
+
+
+def _bypassed() -> bool:
+    """Whether the tests' naive design is on (see :data:`_BYPASS_TRANSFER_THREAD`)."""
+    return _BYPASS_TRANSFER_THREAD
 
 
 class HeldRef(NamedTuple):
@@ -325,10 +332,11 @@ class Runtime:
             except concurrent.futures.InvalidStateError:  # the reader gave up meanwhile
                 pass
 
-    async def pull(self, rank: int, ranges: list, total: int) -> Any:
+    async def pull(self, rank: int, ranges: list, total: int, holder: Any = None) -> Any:
         """Have the group's coordinator move ``ranges`` of the tensors rank ``rank`` holds
         here (``total`` bytes, packed as :func:`layout` says); the buffer they land in.
-        Awaits the transfer thread without blocking the event loop.
+        Awaits the transfer thread without blocking the event loop. (``holder``: the
+        holder's client, used only by the tests' naive design.)
 
         Raises:
             HolderGone: the coordinator knows the holder is gone.
@@ -337,6 +345,10 @@ class Runtime:
         ticket = next(self._ticket_ids)
         fut: concurrent.futures.Future = concurrent.futures.Future()
         self._tickets[ticket] = fut
+        if _BYPASS_TRANSFER_THREAD and holder is not None:  # the naive design (tests only)
+            self.thread.submit(0, lambda: self._recv(rank, ticket, total))
+            await holder.call("op", 0, "send", self.group.rank, list(ranges))
+            return await asyncio.wrap_future(fut)
         try:
             await self._coordinator.call("transfer", rank, self.group.rank, ticket,
                                          list(ranges), total)
