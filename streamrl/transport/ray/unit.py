@@ -221,6 +221,11 @@ class StorageActorImpl:
 
             for rows, cols in parts:
                 self.unit.put(rows, {f: map_col(c, stored) for f, c in cols.items()}, write)
+            self._stored(parts)
+
+    def _stored(self, parts: list) -> None:
+        """``parts`` were stored (called under the lock; a data path that keeps tensors
+        elsewhere records their references here)."""
 
     def put_rows(self, n: int, cols: dict, partition: str, fields: list[str], nbytes: dict,
                  tags: dict, version: int | None, rid: str | None = None,

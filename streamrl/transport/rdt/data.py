@@ -36,7 +36,8 @@ from ...errors import RowsDropped, RowsLost, TransportError, rows_preview
 from ...wire import WireTensor
 from ..base import Column
 from ..ray.data import RayDataPlane
-from ..ray.wire import to_wire
+from ..ray.calls import send
+from ..ray.wire import tensors_in, to_wire
 from ..rpc import Endpoint, RpcClient
 from .runtime import HeldRef, HolderGone, _bypassed, current, layout, runtime
 
@@ -117,18 +118,24 @@ class RdtDataPlane(RayDataPlane):
         return {name: out[name] if name in out else wired[name] for name in cols}
 
     async def put(self, parts, write: int = 0) -> None:
-        made: list[int] = []
-        token = _made.set(made)
+        by_shard: dict[int, list] = {}
+        for shard, rows, cols in parts:
+            by_shard.setdefault(shard, []).append((list(rows), self._wire(cols)))
         try:
-            await super().put(parts, write)
+            await asyncio.gather(*[self._put(s, p, write) for s, p in by_shard.items()])
         except BaseException:
-            # what the units stored of this write is forgotten when the write is aborted;
-            # what they did not store is freed here
-            if made:
-                runtime().free(made)
+            # Whether a unit stored this write's tensors is the unit's to say (a cancelled
+            # overwrite may have landed): each one is told, after the put on the same
+            # channel, to have the holder free those no row of it refers to
+            rt = current()
+            if rt is not None and rt.endpoint is not None:
+                for shard, ps in by_shard.items():
+                    keys = [t.ref.key for _, cols in ps for t in tensors_in(cols)
+                            if isinstance(t.ref, HeldRef) and t.ref.holder == rt.id]
+                    if keys:
+                        send(self.rpcs[shard], self.units[shard], "unreserve_held",
+                             rt.endpoint, keys)
             raise
-        finally:
-            _made.reset(token)
 
     async def put_rows(self, partition, cols, n, nbytes, tags, version, dtypes=None):
         made: list[int] = []

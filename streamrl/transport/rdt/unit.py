@@ -22,6 +22,7 @@ from ...wire import WireTensor
 from ..rpc import Endpoint, RpcClient
 from ..ray.calls import spawn
 from ..ray.unit import StorageActorImpl
+from ..ray.wire import tensors_in
 from .runtime import HeldRef
 
 __all__ = ["RdtStorageActorImpl", "RdtStorageActor"]
@@ -38,6 +39,25 @@ class RdtStorageActorImpl(StorageActorImpl):
         self._frees_lock = threading.Lock()
         self._flushing = False
         self._holders: dict[Endpoint, RpcClient] = {}
+        #: the held tensors rows of this unit refer to (under ``self.lock``)
+        self._held: set[tuple[Endpoint, int]] = set()
+
+    def _stored(self, parts: list) -> None:
+        for _, cols in parts:
+            for t in tensors_in(cols):
+                if isinstance(t.ref, HeldRef):
+                    self._held.add((t.ref.endpoint, t.ref.key))
+
+    def unreserve_held(self, endpoint: Endpoint, keys: list[int]) -> None:
+        """A put of held tensors ``keys`` (of the holder at ``endpoint``) failed or was
+        cancelled, after its call to this unit (same channel, so that call was served
+        first): the holder frees those that no row of this unit refers to. (A cancelled
+        overwrite may have landed: its tensors stay, referred to by the rows.)"""
+        endpoint = tuple(endpoint)
+        with self.lock:
+            gone = [k for k in keys if (endpoint, k) not in self._held]
+        for k in gone:
+            self._queue_free(endpoint, k)
 
     def _released(self, t: Any) -> None:
         super()._released(t)
@@ -50,8 +70,12 @@ class RdtStorageActorImpl(StorageActorImpl):
     def _held_gone(self, t: Any) -> None:
         if not (isinstance(t, WireTensor) and isinstance(t.ref, HeldRef)):
             return
+        self._held.discard((t.ref.endpoint, t.ref.key))
+        self._queue_free(t.ref.endpoint, t.ref.key)
+
+    def _queue_free(self, endpoint: Endpoint, key: int) -> None:
         with self._frees_lock:
-            self._frees.setdefault(t.ref.endpoint, []).append(t.ref.key)
+            self._frees.setdefault(endpoint, []).append(key)
             if self._flushing:
                 return
             self._flushing = True
