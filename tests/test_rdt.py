@@ -174,13 +174,13 @@ class Consumer:
         await client.connection()
         try:
             bufs = await asyncio.wait_for(asyncio.gather(*[
-                rt.pull(ref.rank, [(ref.key, 0, nbytes)], nbytes, client if bypass else None)
+                rt.pull(ref.rank, [(ref.key, 0, nbytes)], client if bypass else None)
                 for ref, _ in held]), 30)
         except Exception as e:  # noqa: BLE001 - reported
             return f"{type(e).__name__}: {e}"
         finally:
             rt_mod._BYPASS_TRANSFER_THREAD = False
-        return [digest(b) for b in bufs]
+        return [digest(b[0]) for b in bufs]
 
 
 @ray.remote(num_cpus=0, enable_tensor_transport=True)

@@ -25,7 +25,7 @@ storage units, big logits or pixels held).
 * A holder that dies: reads of the rows whose fields it held raise
   :class:`~streamrl.errors.RowsLost` naming the rows and the holder (``.holder``).
 
-See ``docs/deployment.md`` (section "Ray Direct Transport").
+See ``docs/rdt.md``.
 """
 
 from __future__ import annotations

@@ -194,10 +194,9 @@ class RdtDataPlane(RayDataPlane):
                 return views
             if (rt is not None and rt.group is not None and ref0.group == rt.group.name
                     and ref0.rank >= 0 and rt.group.backend in ("gloo", "nccl")):
-                offs, total = layout([n for _, _, n in ranges])
-                buf = await rt.pull(ref0.rank, ranges, total, self._bypass_client(ref0))
+                bufs = await rt.pull(ref0.rank, ranges, self._bypass_client(ref0))
                 self.count_moved({"rdt": sum(n for _, _, n in ranges)})
-                return [buf[o:o + n] for o, (_, _, n) in zip(offs, ranges)]
+                return bufs
             if (rt is not None and rt.group is not None and ref0.group == rt.group.name
                     and rt.group.backend == "nixl"):
                 bufs = await _nixl_pull(rt, ref0, ranges)

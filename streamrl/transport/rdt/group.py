@@ -79,7 +79,7 @@ class CoordinatorImpl:
             m.alive = False
             log.warning("streamrl: RDT group %s: member %d (%s) is gone", self.name, rank, m.id)
 
-    async def transfer(self, src: int, dst: int, ticket: int, ranges: list, total: int) -> int:
+    async def transfer(self, src: int, dst: int, ticket: int, ranges: list, sizes: list) -> int:
         """Move ``ranges`` (``(key, offset, nbytes)``) of what rank ``src`` holds to rank
         ``dst``, as ticket ``ticket`` of ``dst``. Returns once both operations are sent
         (not done): the receiver's transfer thread reports the result.
@@ -107,7 +107,7 @@ class CoordinatorImpl:
             self.seq[dst] -= 1
             self._gone(src)
             raise HolderGone(f"RDT group member {src} ({s.id}) is gone")
-        if not d.client.notify("op", self.seq[dst], "recv", src, ticket, total):
+        if not d.client.notify("op", self.seq[dst], "recv", src, ticket, sizes):
             self.seq[dst] -= 1  # the holder's send fails once the reader's process is gone
             self._gone(dst)
             raise HolderGone(f"RDT group member {dst} ({d.id}) is gone")

@@ -39,7 +39,7 @@ from ..rpc import Endpoint, RpcServer
 from ..ray.calls import new_loop
 
 __all__ = ["HeldRef", "GroupInfo", "Runtime", "TransferThread", "runtime", "current",
-           "layout", "HolderGone", "BACKENDS"]
+           "layout", "plan", "HolderGone", "BACKENDS"]
 
 log = logging.getLogger("streamrl")
 
@@ -49,6 +49,10 @@ BACKENDS = ("gloo", "nccl", "nixl")
 
 #: alignment of each tensor inside a packed transfer buffer (bytes)
 ALIGN = 64
+
+#: ranges of at least this many bytes move as messages of their own (no packing copy);
+#: smaller ones are packed into one message (per-message overhead dominates them)
+BIG = 1 << 20
 
 #: Private switch for tests only: the naive design. A reader asks the holder for its bytes
 #: directly (no coordinator numbering) and each send and receive runs at once on a new
@@ -98,6 +102,15 @@ def layout(sizes: Sequence[int]) -> tuple[list[int], int]:
         offs.append(at)
         at += -(-int(n) // ALIGN) * ALIGN
     return offs, at
+
+
+def plan(sizes: Sequence[int]) -> list[list[int]]:
+    """The messages one transfer of ranges of ``sizes`` bytes is made of, as lists of
+    range indices: each range of :data:`BIG` bytes or more alone, the others packed into
+    one message (laid out by :func:`layout`). Both sides compute the same plan."""
+    groups = [[i] for i, n in enumerate(sizes) if n >= BIG]
+    small = [i for i, n in enumerate(sizes) if n < BIG]
+    return groups + [small] if small else groups
 
 
 class TransferThread:
@@ -287,22 +300,26 @@ class Runtime:
         if views is None:  # a tensor is gone: say so instead of sending garbage
             col.send(torch.tensor([-1], dtype=torch.int64, device=dev), dst, group)
             return
-        offs, total = layout([v.numel() for v in views])
-        col.send(torch.tensor([total], dtype=torch.int64, device=dev), dst, group)
-        if len(views) == 1:
-            payload = views[0].to(dev)
-        else:  # many tensors: one transfer (per-transfer overhead dominates small ones)
-            payload = torch.empty(total, dtype=torch.uint8, device=dev)
-            for v, o in zip(views, offs):
-                payload[o:o + v.numel()].copy_(v)
-        if total:
+        sizes = [v.numel() for v in views]
+        col.send(torch.tensor([sum(sizes)], dtype=torch.int64, device=dev), dst, group)
+        for idx in plan(sizes):
+            offs, total = layout([sizes[i] for i in idx])
+            if not total:
+                continue
+            if len(idx) == 1:  # a big range (or the only one): sent as it is
+                payload = views[idx[0]].to(dev)
+            else:  # small ranges: one message (per-message overhead dominates them)
+                payload = torch.empty(total, dtype=torch.uint8, device=dev)
+                for i, o in zip(idx, offs):
+                    payload[o:o + sizes[i]].copy_(views[i])
             col.send(payload, dst, group)
 
-    def recv_op(self, seq: int, src: int, ticket: int, total: int) -> None:
-        """Operation ``seq``: receive ``total`` bytes from rank ``src`` for ``ticket``."""
-        self.thread.submit(seq, lambda: self._recv(src, ticket, total))
+    def recv_op(self, seq: int, src: int, ticket: int, sizes: list[int]) -> None:
+        """Operation ``seq``: receive ranges of ``sizes`` bytes from rank ``src`` for
+        ``ticket``."""
+        self.thread.submit(seq, lambda: self._recv(src, ticket, sizes))
 
-    def _recv(self, src: int, ticket: int, total: int) -> None:
+    def _recv(self, src: int, ticket: int, sizes: list[int]) -> None:
         import ray.util.collective as col
         import torch
 
@@ -314,11 +331,17 @@ class Runtime:
             sent = int(head.item())
             if sent < 0:
                 raise KeyError("the holder no longer holds some of these tensors")
-            if sent != total:
-                raise RuntimeError(f"RDT transfer out of step: {sent} bytes sent, {total} expected")
-            buf = torch.empty(total, dtype=torch.uint8, device=dev)
-            if total:
-                col.recv(buf, src, self.group.name)
+            if sent != sum(sizes):
+                raise RuntimeError(f"RDT transfer out of step: {sent} bytes sent, "
+                                   f"{sum(sizes)} expected")
+            out: list[Any] = [None] * len(sizes)
+            for idx in plan(sizes):
+                offs, total = layout([sizes[i] for i in idx])
+                buf = torch.empty(total, dtype=torch.uint8, device=dev)
+                if total:
+                    col.recv(buf, src, self.group.name)
+                for i, o in zip(idx, offs):
+                    out[i] = buf[o:o + sizes[i]]
         except BaseException as e:  # noqa: BLE001 - handed to the reader
             if fut is not None and not fut.done():
                 try:
@@ -328,13 +351,14 @@ class Runtime:
             return
         if fut is not None and not fut.done():
             try:
-                fut.set_result(buf)
+                fut.set_result(out)
             except concurrent.futures.InvalidStateError:  # the reader gave up meanwhile
                 pass
 
-    async def pull(self, rank: int, ranges: list, total: int, holder: Any = None) -> Any:
-        """Have the group's coordinator move ``ranges`` of the tensors rank ``rank`` holds
-        here (``total`` bytes, packed as :func:`layout` says); the buffer they land in.
+    async def pull(self, rank: int, ranges: list, holder: Any = None) -> list[Any]:
+        """Have the group's coordinator move ``ranges`` (``(key, offset, nbytes)``) of the
+        tensors rank ``rank`` holds here, in the messages :func:`plan` says; a flat uint8
+        tensor per range (views of the buffers received).
         Awaits the transfer thread without blocking the event loop. (``holder``: the
         holder's client, used only by the tests' naive design.)
 
@@ -342,16 +366,17 @@ class Runtime:
             HolderGone: the coordinator knows the holder is gone.
             KeyError: the holder no longer holds some of the tensors.
         """
+        sizes = [int(n) for _, _, n in ranges]
         ticket = next(self._ticket_ids)
         fut: concurrent.futures.Future = concurrent.futures.Future()
         self._tickets[ticket] = fut
         if _BYPASS_TRANSFER_THREAD and holder is not None:  # the naive design (tests only)
-            self.thread.submit(0, lambda: self._recv(rank, ticket, total))
+            self.thread.submit(0, lambda: self._recv(rank, ticket, sizes))
             await holder.call("op", 0, "send", self.group.rank, list(ranges))
             return await asyncio.wrap_future(fut)
         try:
             await self._coordinator.call("transfer", rank, self.group.rank, ticket,
-                                         list(ranges), total)
+                                         list(ranges), sizes)
         except BaseException:
             # the receive, if it was issued, still runs (the thread keeps its order) and
             # its bytes are dropped
