@@ -133,3 +133,7 @@ async def make_queue(transport, storage):
             pass
         finally:
             await q.shutdown()
+    if transport == "rdt" and made:  # held tensors do not outlive their queue
+        from streamrl.transport.rdt import holder_stats
+
+        assert holder_stats() == {"tensors": 0, "bytes": 0}

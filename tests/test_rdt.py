@@ -49,8 +49,12 @@ class Producer:
             x = torch.randn(n, width, generator=gen)
             cols = {"x": x, "uid": uid}
             if ragged:
-                v = [torch.randn(int(torch.randint(1, 20000, (1,), generator=gen)), generator=gen)
-                     for _ in range(n)]
+                # mostly small rows (packed into one message), a few of over 1 MiB
+                # (messages of their own)
+                v = [torch.randn(300_000 if (i % 4 == 0 and r == 0) else
+                                 int(torch.randint(1, 20000, (1,), generator=gen)),
+                                 generator=gen)
+                     for r in range(n)]
                 cols["v"] = v
             for r in range(n):
                 sums[int(uid[r])] = (digest(x[r]), digest(cols["v"][r]) if ragged else None)

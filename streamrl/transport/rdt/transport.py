@@ -5,6 +5,8 @@ plane (:class:`.data.RdtDataPlane`) and storage units that free held tensors
 
 from __future__ import annotations
 
+import asyncio
+import logging
 from typing import Any
 
 from ...config import QueueConfig
@@ -14,6 +16,8 @@ from .data import RdtPlaneSpec
 from .unit import RdtStorageActor
 
 __all__ = ["RdtTransport", "create", "rdt_options"]
+
+log = logging.getLogger("streamrl")
 
 #: the options of the RDT data path (the rest go to the Ray transport)
 OPTIONS = ("rdt_fields", "rdt_hold_anywhere")
@@ -25,6 +29,18 @@ class RdtTransport(RayTransport):
 
     name = "rdt"
     storage_actor: Any = RdtStorageActor
+
+    async def shutdown(self) -> None:
+        """As the Ray transport's, after the storage units had the holders free what their
+        rows refer to (held tensors do not outlive their queue)."""
+        if self._owner:
+            try:
+                await asyncio.wait_for(asyncio.gather(
+                    *[u.release_held.remote() for u in self._units], return_exceptions=True),
+                    15)
+            except Exception as e:  # noqa: BLE001 - shutting down regardless
+                log.warning("streamrl: storage units could not free held tensors (%r)", e)
+        await super().shutdown()
 
 
 def rdt_options(options: dict, *, all_fields: bool) -> tuple[RdtPlaneSpec, dict]:

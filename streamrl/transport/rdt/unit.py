@@ -67,6 +67,25 @@ class RdtStorageActorImpl(StorageActorImpl):
         super()._unstored(t)
         self._held_gone(t)
 
+    def release_held(self) -> int:
+        """The queue shuts down: every holder frees what rows of this unit refer to.
+        Waits (up to 10 s) for the holders' answers; the number of tensors freed."""
+        with self.lock:
+            held, self._held = self._held, set()
+        by_endpoint: dict[Endpoint, list[int]] = {}
+        for endpoint, key in held:
+            by_endpoint.setdefault(endpoint, []).append(key)
+        loop = self._rpc_loop
+        if loop is None or not by_endpoint:
+            return 0
+        async def free_all() -> None:
+            await asyncio.gather(*[self._free(ep, keys) for ep, keys in by_endpoint.items()],
+                                 return_exceptions=True)
+
+        fut = asyncio.run_coroutine_threadsafe(free_all(), loop)
+        fut.result(10)
+        return len(held)
+
     def _held_gone(self, t: Any) -> None:
         if not (isinstance(t, WireTensor) and isinstance(t.ref, HeldRef)):
             return
