@@ -206,6 +206,35 @@ class SyncConsumer:
         return got
 
 
+def test_reads_plan_few_messages_and_no_copies_of_big_ranges():
+    """One read of a holder: touching ranges of a tensor merge; ranges of 1 MiB or more
+    are messages of their own, the small ones share one packed message."""
+    from streamrl.transport.rdt.data import coalesce
+    from streamrl.transport.rdt.runtime import ALIGN, BIG, layout, plan
+
+    merged, where = coalesce([(1, 100, 50), (1, 0, 100), (2, 0, 10), (1, 200, 5)])
+    assert merged == [(1, 0, 150), (1, 200, 5), (2, 0, 10)]
+    assert where == [(0, 100), (0, 0), (2, 0), (1, 0)]
+    sizes = [10, BIG, 3, 2 * BIG, 0]
+    assert plan(sizes) == [[1], [3], [0, 2, 4]]
+    offs, total = layout([10, 3, 0])
+    assert offs == [0, ALIGN, 2 * ALIGN] and total == 2 * ALIGN
+    assert layout([BIG + 1]) == ([0], BIG + 1)  # alone: not padded, not copied
+
+
+def test_rdt_options_are_checked_up_front():
+    from streamrl.errors import InvalidArgument
+    from streamrl.transport.rdt.transport import rdt_options
+
+    spec, rest = rdt_options({"rdt_fields": ["logits"], "namespace": "n"}, all_fields=False)
+    assert spec.fields == ("logits",) and not spec.hold_anywhere and rest == {"namespace": "n"}
+    assert rdt_options({}, all_fields=True)[0].fields is None
+    for bad in ({"rdt_fields": "logits"}, {"rdt_fields": [1]}, {"rdt_hold_anywhere": 1},
+                {"rdt_fields": ["x"], "direct_calls": False}):
+        with pytest.raises(InvalidArgument):
+            rdt_options(bad, all_fields=False)
+
+
 @pytest.fixture(scope="module")
 def group(ray_session):
     """One RDT group: 4 producers, an async consumer, a sync consumer, a victim producer."""
