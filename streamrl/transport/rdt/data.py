@@ -289,10 +289,15 @@ def _from_wire(pieces: Mapping[str, list], arrays: dict, fetched: dict) -> dict[
         buf = fetched[(t.ref.key, t.offset, t.nbytes, t.ref.holder)]
         if isinstance(buf, np.ndarray):
             return codec.tensor_from_raw(t.dtype, shape, buf)
-        if buf.device.type == "cpu":
-            return codec.tensor_from_raw(t.dtype, shape, buf.numpy())
         dt = codec._TORCH_DTYPES[t.dtype]
-        return buf.view(dt).view(tuple(shape)) if buf.numel() else buf.new_empty(shape, dtype=dt)
+        if not buf.numel():
+            return buf.new_empty(tuple(shape), dtype=dt)
+        try:  # a view of the received buffer (same storage: adjacent pieces join for free)
+            return buf.view(dt).view(tuple(shape))
+        except RuntimeError:  # misaligned for the dtype
+            if buf.device.type != "cpu":
+                raise
+            return codec.tensor_from_raw(t.dtype, shape, buf.numpy())
 
     def held(x):
         return isinstance(x, WireTensor) and isinstance(x.ref, HeldRef)

@@ -221,6 +221,12 @@ class Runtime:
 
             if not torch.cuda.is_available():
                 raise RuntimeError("an nccl RDT group needs a GPU in every member")
+        if info.backend == "nixl":
+            import importlib.util
+
+            if importlib.util.find_spec("nixl") is None:
+                raise RuntimeError("a nixl RDT group needs the nixl package in every member "
+                                   "(pip install nixl); use gloo or nccl otherwise")
         endpoint = self.start()
         if self.thread is None:
             self.thread = TransferThread()
@@ -335,7 +341,20 @@ class Runtime:
                 raise RuntimeError(f"RDT transfer out of step: {sent} bytes sent, "
                                    f"{sum(sizes)} expected")
             out: list[Any] = [None] * len(sizes)
-            for idx in plan(sizes):
+            groups = plan(sizes)
+            # the big ranges land side by side in one buffer, in their order: rows of one
+            # column read through several storage units are then adjacent views, which
+            # materialize joins without copying
+            bigs = [g[0] for g in groups if len(g) == 1 and sizes[g[0]] >= BIG]
+            boffs, btotal = layout([sizes[i] for i in bigs]) if bigs else ([], 0)
+            if len(bigs) > 1:
+                big = torch.empty(btotal, dtype=torch.uint8, device=dev)
+                for i, o in zip(bigs, boffs):
+                    out[i] = big[o:o + sizes[i]]
+            for idx in groups:
+                if out[idx[0]] is not None:  # a big range, in the shared buffer
+                    col.recv(out[idx[0]], src, self.group.name)
+                    continue
                 offs, total = layout([sizes[i] for i in idx])
                 buf = torch.empty(total, dtype=torch.uint8, device=dev)
                 if total:
