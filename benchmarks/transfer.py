@@ -24,7 +24,8 @@ Systems:
 Time = from the producer starting its put to the consumer holding the data, measured by
 the driver around both calls. GB/s = payload bytes / median time.
 
-RDT (``--rdt``: these two systems only, on their own cases):
+RDT (``--rdt``: these two only, on their own cases, in one process and Ray session,
+repetitions alternating between them):
 
   streamrl-rdt  ``transport="rdt"``: an async producer actor puts (its tensors stay in
                 its holder), an async consumer actor ``get``s + ``materialize``s (one
@@ -475,14 +476,21 @@ def _rdt_data(case: dict):
     return [torch.randn(case["rows"], case["width"]) for _ in range(case["tensors"])]
 
 
-def worker_ray_rdt(reps: int) -> dict:
-    """Raw Ray Direct Transport, gloo, sync actor -> sync actor (the only pairing that
-    Ray 2.60 moves right under concurrency)."""
+def worker_rdt(reps: int) -> dict:
+    """streamrl ``transport="rdt"`` between two async actors of one gloo RDT group, and raw
+    Ray Direct Transport between two sync actors (the only pairing that Ray 2.60 moves
+    right under concurrency) of another gloo group, on the same tensors. Repetitions
+    alternate between the two, so that both see the same machine (it is shared)."""
+    import asyncio
+
     ray = _ray_init()
     from ray.experimental.collective import create_collective_group
 
+    import streamrl
+    from streamrl.transport.rdt import create_group
+
     @ray.remote(num_cpus=0, enable_tensor_transport=True)
-    class Producer:
+    class RawProducer:
         def __init__(self, case):
             self.data = _rdt_data(case)
 
@@ -491,38 +499,9 @@ def worker_ray_rdt(reps: int) -> dict:
             return self.data[i]
 
     @ray.remote(num_cpus=0, enable_tensor_transport=True)
-    class Consumer:
+    class RawConsumer:
         def take(self, *ts):
             return sum(t.nbytes for t in ts)
-
-    out: dict = {"cases": {}}
-    for name, case in RDT_CASES.items():
-        prod, cons = Producer.remote(case), Consumer.remote()
-        create_collective_group([prod, cons], backend="torch_gloo")
-        nbytes = case["tensors"] * case["rows"] * case["width"] * 4
-        times = []
-        for r in range(reps + 1):
-            t0 = time.perf_counter()
-            refs = [prod.get.remote(i) for i in range(case["tensors"])]
-            got = ray.get(cons.take.remote(*refs))
-            if r:
-                times.append(time.perf_counter() - t0)
-            assert got == nbytes, (got, nbytes)
-            del refs
-        out["cases"][name] = {"read": med(times), "bytes": nbytes, "transfers": case["tensors"]}
-        ray.kill(prod)
-        ray.kill(cons)
-    ray.shutdown()
-    return out
-
-
-def worker_streamrl_rdt(reps: int) -> dict:
-    """streamrl ``transport="rdt"`` between two async actors of one gloo RDT group."""
-    import asyncio
-
-    ray = _ray_init()
-    import streamrl
-    from streamrl.transport.rdt import create_group
 
     @ray.remote(num_cpus=0, enable_tensor_transport=True)
     class Producer:
@@ -549,68 +528,82 @@ def worker_streamrl_rdt(reps: int) -> dict:
             mb = await q.get("bench", ["x"], n, partition=part, timeout=120)
             td = await mb.materialize()
             self.last = mb
-            return td["x"].nbytes
+            # one storage means the rows read through both storage units were joined
+            # without a copy
+            return td["x"].nbytes, td["x"].untyped_storage().nbytes() == td["x"].nbytes
 
         async def drop(self):
             await self.last.drop()
 
     out: dict = {"cases": {}}
     for name, case in RDT_CASES.items():
+        rp, rc = RawProducer.remote(case), RawConsumer.remote()
+        create_collective_group([rp, rc], backend="torch_gloo")
         q = streamrl.StreamQueue(transport="rdt", capacity=8192, num_shards=2)
         prod, cons = Producer.remote(case), Consumer.remote()
         g = create_group([prod, cons], "gloo")
         n = case["tensors"] * case["rows"]
         nbytes = n * case["width"] * 4
-        puts, reads = [], []
+        raw, puts, reads, views = [], [], [], []
         for r in range(reps + 1):
-            part = f"{name}-{r}"
             t0 = time.perf_counter()
-            ray.get(prod.put.remote(q, part))
+            refs = [rp.get.remote(i) for i in range(case["tensors"])]
+            got = ray.get(rc.take.remote(*refs))
             t1 = time.perf_counter()
-            got = ray.get(cons.get.remote(q, part, n))
+            assert got == nbytes, (got, nbytes)
+            del refs
+            part = f"{name}-{r}"
+            ray.get(prod.put.remote(q, part))
             t2 = time.perf_counter()
+            got, view = ray.get(cons.get.remote(q, part, n))
+            t3 = time.perf_counter()
             assert got == nbytes, (got, nbytes)
             ray.get(cons.drop.remote())
             if r:
-                puts.append(t1 - t0)
-                reads.append(t2 - t1)
+                raw.append(t1 - t0)
+                puts.append(t2 - t1)
+                reads.append(t3 - t2)
+                views.append(view)
         st = asyncio.run(q.stats())
         t_end = time.time() + 10
         while ray.get(prod.held.remote())["bytes"] and time.time() < t_end:
             time.sleep(0.1)
-        out["cases"][name] = {"put": med(puts), "read": med(reads), "bytes": nbytes,
+        out["cases"][name] = {"raw": med(raw), "put": med(puts), "read": med(reads),
+                              "bytes": nbytes, "one_buffer": all(views),
                               "bytes_by_path": st.bytes_by_path,
-                              "held_after": ray.get(prod.held.remote())}
+                              "held_after": ray.get(prod.held.remote()),
+                              "raw_all": raw, "read_all": reads}
         asyncio.run(q.shutdown())
         g.destroy()
-        ray.kill(prod)
-        ray.kill(cons)
+        for a in (rp, rc, prod, cons):
+            ray.kill(a)
     ray.shutdown()
     return out
 
 
 def rdt_report(res: dict) -> None:
     """The RDT table: streamrl ``transport="rdt"`` against raw Ray RDT, same tensors."""
-    s, r = res.get("streamrl-rdt", {}), res.get("ray-rdt", {})
-    for name, d in (("streamrl-rdt", s), ("ray-rdt", r)):
-        if "cases" not in d:
-            print(f"  {name}: failed: {d.get('error', '?')[-800:]}")
-    if "cases" not in s or "cases" not in r:
+    d = res.get("rdt", {})
+    if "cases" not in d:
+        print(f"  rdt: failed: {d.get('error', '?')[-800:]}")
         return
     labels = {"L": "(L) 256 x 1 MiB, 1 tensor", "S": "(S) 1024 x 64 KiB"}
-    print("\nRDT, gloo, actor -> actor: read = consumer asks -> holds the data")
+    print("\nRDT, gloo, actor -> actor (medians; repetitions alternate between the two)")
+    print("  raw: producer calls + consumer holds the tensors; streamrl read: consumer's "
+          "get + materialize")
     print(f"{'case':<28}{'raw RDT GB/s':>14}{'streamrl GB/s':>15}{'ratio':>8}"
           f"{'streamrl put ms':>17}{'put+read GB/s':>15}")
     for k, label in labels.items():
-        sc, rc = s["cases"][k], r["cases"][k]
-        raw, mine = rc["bytes"] / rc["read"] / 1e9, sc["bytes"] / sc["read"] / 1e9
-        both = sc["bytes"] / (sc["put"] + sc["read"]) / 1e9
+        c = d["cases"][k]
+        raw, mine = c["bytes"] / c["raw"] / 1e9, c["bytes"] / c["read"] / 1e9
+        both = c["bytes"] / (c["put"] + c["read"]) / 1e9
         print(f"{label:<28}{raw:>14.2f}{mine:>15.2f}{mine / raw:>7.2f}x"
-              f"{sc['put'] * 1e3:>17.1f}{both:>15.2f}")
+              f"{c['put'] * 1e3:>17.1f}{both:>15.2f}")
     for k in labels:
-        sc = s["cases"][k]
-        print(f"  streamrl ({k}) bytes_by_path {sc['bytes_by_path']}; producer holds "
-              f"{sc['held_after']} after the rows were dropped")
+        c = d["cases"][k]
+        print(f"  ({k}) raw s {[round(x, 3) for x in c['raw_all']]}, streamrl s "
+              f"{[round(x, 3) for x in c['read_all']]}; one receive buffer: {c['one_buffer']}; "
+              f"bytes_by_path {c['bytes_by_path']}; producer holds {c['held_after']} after")
 
 
 # ------------------------------------------------------------------ driver
@@ -654,8 +647,7 @@ def main() -> None:
               "shm": lambda: worker_shm(a.reps),
               "xnode": lambda: worker_xnode(a.reps),
               "memory": lambda: worker_memory(a.memory_gib),
-              "streamrl-rdt": lambda: worker_streamrl_rdt(a.reps),
-              "ray-rdt": lambda: worker_ray_rdt(a.reps)}[a.worker]
+              "rdt": lambda: worker_rdt(a.reps)}[a.worker]
         print(json.dumps(fn()))
         return
     reps = 2 if a.quick else a.reps
@@ -663,9 +655,8 @@ def main() -> None:
     print(f"machine: {os.cpu_count()} cores, load {os.getloadavg()[0]:.1f}; reps={reps}")
     res = {}
     if a.rdt:
-        for s in ("ray-rdt", "streamrl-rdt"):
-            print(f"  running {s} ...", flush=True)
-            res[s] = run_worker(s, reps, [])
+        print("  running rdt ...", flush=True)
+        res["rdt"] = run_worker("rdt", reps, [])
         rdt_report(res)
         if a.json:
             with open(a.json, "w") as f:
