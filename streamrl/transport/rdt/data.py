@@ -35,8 +35,8 @@ import numpy as np
 from ...errors import RowsDropped, RowsLost, TransportError, rows_preview
 from ...wire import WireTensor
 from ..base import Column
-from ..ray.data import RayDataPlane
 from ..ray.calls import send
+from ..ray.data import RayDataPlane
 from ..ray.wire import tensors_in, to_wire
 from ..rpc import Endpoint, RpcClient
 from .runtime import HeldRef, HolderGone, _bypassed, current, layout, runtime
@@ -64,7 +64,7 @@ class RdtPlaneSpec(NamedTuple):
     hold_anywhere: bool = False
 
     def __call__(self, units: Sequence[Any], endpoints: Sequence[Endpoint | None] | None = None,
-                 on_lost: Callable | None = None) -> "RdtDataPlane":
+                 on_lost: Callable | None = None) -> RdtDataPlane:
         return RdtDataPlane(units, endpoints, on_lost, spec=self)
 
 

@@ -35,8 +35,8 @@ import threading
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
-from ..rpc import Endpoint, RpcServer
 from ..ray.calls import new_loop
+from ..rpc import Endpoint, RpcServer
 
 __all__ = ["HeldRef", "GroupInfo", "Runtime", "TransferThread", "runtime", "current",
            "layout", "plan", "HolderGone", "BACKENDS"]

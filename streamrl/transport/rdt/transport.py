@@ -38,7 +38,7 @@ class RdtTransport(RayTransport):
                 await asyncio.wait_for(asyncio.gather(
                     *[u.release_held.remote() for u in self._units], return_exceptions=True),
                     15)
-            except Exception as e:  # noqa: BLE001 - shutting down regardless
+            except Exception as e:
                 log.warning("streamrl: storage units could not free held tensors (%r)", e)
         await super().shutdown()
 

@@ -19,10 +19,10 @@ from typing import Any
 import ray
 
 from ...wire import WireTensor
-from ..rpc import Endpoint, RpcClient
 from ..ray.calls import spawn
 from ..ray.unit import StorageActorImpl
 from ..ray.wire import tensors_in
+from ..rpc import Endpoint, RpcClient
 from .runtime import HeldRef
 
 __all__ = ["RdtStorageActorImpl", "RdtStorageActor"]
