@@ -1,6 +1,7 @@
 """Transfer benchmark: streamrl on Ray against Ray's own paths, TransferQueue and shared memory.
 
 Run:  python benchmarks/transfer.py            (add --quick for a short smoke run)
+      python benchmarks/transfer.py --rdt      (streamrl transport="rdt" vs raw Ray RDT)
 
 Every system runs in its own subprocess (one Ray cluster per process, ``num_cpus=2``),
 one after the other, in one invocation; the table prints medians and ratios. Cases:
@@ -25,6 +26,20 @@ Systems:
 
 Time = from the producer starting its put to the consumer holding the data, measured by
 the driver around both calls. GB/s = payload bytes / median time.
+
+RDT (``--rdt``: these two only, on their own cases, in one process and Ray session,
+repetitions alternating between them):
+
+  streamrl-rdt  ``transport="rdt"``: an async producer actor puts (its tensors stay in
+                its holder), an async consumer actor ``get``s + ``materialize``s (one
+                transfer per holder per micro-batch, through each process's transfer
+                thread); both in one gloo RDT group
+  ray-rdt       raw Ray Direct Transport: a sync producer actor's
+                ``@ray.method(tensor_transport="gloo")`` method returns each tensor, a sync
+                consumer actor takes the refs as arguments (one transfer per tensor)
+
+  (L) 256 rows x 1 MiB float32, put as one tensor, read whole (256 MiB)
+  (S) 1024 tensors of 64 KiB float32: 1024 one-row puts, read as one micro-batch
 
 Also: case (c) read from a consumer on a second Ray node (``ray.cluster_utils``, loopback),
 where reads move bytes; write-to-consumer wake-up latency on Ray (a consumer blocked in ``get`` resumes
@@ -461,6 +476,149 @@ def worker_memory(total_gib: float) -> dict:
             "units": unit_mem}
 
 
+RDT_CASES = {
+    "L": {"tensors": 1, "rows": 256, "width": MiB // 4},
+    "S": {"tensors": 1024, "rows": 1, "width": 64 * KiB // 4},
+}
+
+
+def _rdt_data(case: dict):
+    import torch
+
+    torch.set_num_threads(1)
+    return [torch.randn(case["rows"], case["width"]) for _ in range(case["tensors"])]
+
+
+def worker_rdt(reps: int) -> dict:
+    """streamrl ``transport="rdt"`` between two async actors of one gloo RDT group, and raw
+    Ray Direct Transport between two sync actors (the only pairing that Ray 2.60 moves
+    right under concurrency) of another gloo group, on the same tensors. Repetitions
+    alternate between the two, so that both see the same machine (it is shared)."""
+    import asyncio
+
+    ray = _ray_init()
+    from ray.experimental.collective import create_collective_group
+
+    import streamrl
+    from streamrl.transport.rdt import create_group
+
+    @ray.remote(num_cpus=0, enable_tensor_transport=True)
+    class RawProducer:
+        def __init__(self, case):
+            self.data = _rdt_data(case)
+
+        @ray.method(tensor_transport="gloo")
+        def get(self, i):
+            return self.data[i]
+
+    @ray.remote(num_cpus=0, enable_tensor_transport=True)
+    class RawConsumer:
+        def take(self, *ts):
+            return sum(t.nbytes for t in ts)
+
+    @ray.remote(num_cpus=0, enable_tensor_transport=True)
+    class Producer:
+        def __init__(self, case):
+            self.data = _rdt_data(case)
+
+        async def put(self, q, part):
+            sem = asyncio.Semaphore(64)  # many puts in flight, as a rollout worker's
+
+            async def one(t):
+                async with sem:
+                    await q.put({"x": t}, partition=part)
+
+            await asyncio.gather(*[one(t) for t in self.data])
+
+        def held(self):
+            from streamrl.transport.rdt import holder_stats
+
+            return holder_stats()
+
+    @ray.remote(num_cpus=0, enable_tensor_transport=True)
+    class Consumer:
+        async def get(self, q, part, n):
+            mb = await q.get("bench", ["x"], n, partition=part, timeout=120)
+            td = await mb.materialize()
+            self.last = mb
+            # one storage means the rows read through both storage units were joined
+            # without a copy
+            return td["x"].nbytes, td["x"].untyped_storage().nbytes() == td["x"].nbytes
+
+        async def drop(self):
+            await self.last.drop()
+
+    out: dict = {"cases": {}}
+    for name, case in RDT_CASES.items():
+        rp, rc = RawProducer.remote(case), RawConsumer.remote()
+        create_collective_group([rp, rc], backend="torch_gloo")
+        q = streamrl.StreamQueue(transport="rdt", capacity=8192, num_shards=2)
+        prod, cons = Producer.remote(case), Consumer.remote()
+        g = create_group([prod, cons], "gloo")
+        n = case["tensors"] * case["rows"]
+        nbytes = n * case["width"] * 4
+        raw, puts, reads, views = [], [], [], []
+        for r in range(reps + 1):
+            t0 = time.perf_counter()
+            refs = [rp.get.remote(i) for i in range(case["tensors"])]
+            got = ray.get(rc.take.remote(*refs))
+            t1 = time.perf_counter()
+            assert got == nbytes, (got, nbytes)
+            del refs
+            part = f"{name}-{r}"
+            ray.get(prod.put.remote(q, part))
+            t2 = time.perf_counter()
+            got, view = ray.get(cons.get.remote(q, part, n))
+            t3 = time.perf_counter()
+            assert got == nbytes, (got, nbytes)
+            ray.get(cons.drop.remote())
+            if r:
+                raw.append(t1 - t0)
+                puts.append(t2 - t1)
+                reads.append(t3 - t2)
+                views.append(view)
+        st = asyncio.run(q.stats())
+        t_end = time.time() + 10
+        while ray.get(prod.held.remote())["bytes"] and time.time() < t_end:
+            time.sleep(0.1)
+        out["cases"][name] = {"raw": med(raw), "put": med(puts), "read": med(reads),
+                              "bytes": nbytes, "one_buffer": all(views),
+                              "bytes_by_path": st.bytes_by_path,
+                              "held_after": ray.get(prod.held.remote()),
+                              "raw_all": raw, "read_all": reads}
+        asyncio.run(q.shutdown())
+        g.destroy()
+        for a in (rp, rc, prod, cons):
+            ray.kill(a)
+    ray.shutdown()
+    return out
+
+
+def rdt_report(res: dict) -> None:
+    """The RDT table: streamrl ``transport="rdt"`` against raw Ray RDT, same tensors."""
+    d = res.get("rdt", {})
+    if "cases" not in d:
+        print(f"  rdt: failed: {d.get('error', '?')[-800:]}")
+        return
+    labels = {"L": "(L) 256 x 1 MiB, 1 tensor", "S": "(S) 1024 x 64 KiB"}
+    print("\nRDT, gloo, actor -> actor (medians; repetitions alternate between the two)")
+    print("  raw: producer calls + consumer holds the tensors; streamrl read: consumer's "
+          "get + materialize")
+    print(f"{'case':<28}{'raw RDT GB/s':>14}{'streamrl GB/s':>15}{'ratio':>8}"
+          f"{'streamrl put ms':>17}{'put+read GB/s':>15}")
+    for k, label in labels.items():
+        c = d["cases"][k]
+        raw, mine = c["bytes"] / c["raw"] / 1e9, c["bytes"] / c["read"] / 1e9
+        both = c["bytes"] / (c["put"] + c["read"]) / 1e9
+        print(f"{label:<28}{raw:>14.2f}{mine:>15.2f}{mine / raw:>7.2f}x"
+              f"{c['put'] * 1e3:>17.1f}{both:>15.2f}")
+    for k in labels:
+        c = d["cases"][k]
+        print(f"  ({k}) raw s {[round(x, 3) for x in c['raw_all']]}, streamrl s "
+              f"{[round(x, 3) for x in c['read_all']]}; one receive buffer: {c['one_buffer']}; "
+              f"bytes_by_path {c['bytes_by_path']}; producer holds {c['held_after']} after")
+
+
 # ------------------------------------------------------------------ driver
 
 
@@ -490,6 +648,8 @@ def main() -> None:
     ap.add_argument("--systems", default=",".join(SYSTEMS))
     ap.add_argument("--memory-gib", type=float, default=4.0)
     ap.add_argument("--json", default=None)
+    ap.add_argument("--rdt", action="store_true",
+                    help="only the RDT comparison: streamrl transport='rdt' vs raw Ray RDT")
     ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.worker:
@@ -501,13 +661,22 @@ def main() -> None:
               "tq-compat-nocopy": lambda: worker_tq(a.reps, compat=True, copy=False),
               "shm": lambda: worker_shm(a.reps),
               "xnode": lambda: worker_xnode(a.reps),
-              "memory": lambda: worker_memory(a.memory_gib)}[a.worker]
+              "memory": lambda: worker_memory(a.memory_gib),
+              "rdt": lambda: worker_rdt(a.reps)}[a.worker]
         print(json.dumps(fn()))
         return
     reps = 2 if a.quick else a.reps
     mem_gib = 1.0 if a.quick else a.memory_gib
     print(f"machine: {os.cpu_count()} cores, load {os.getloadavg()[0]:.1f}; reps={reps}")
     res = {}
+    if a.rdt:
+        print("  running rdt ...", flush=True)
+        res["rdt"] = run_worker("rdt", reps, [])
+        rdt_report(res)
+        if a.json:
+            with open(a.json, "w") as f:
+                json.dump(res, f, indent=1)
+        return
     for s in a.systems.split(","):
         print(f"  running {s} ...", flush=True)
         res[s] = run_worker(s, reps, [])

@@ -71,12 +71,16 @@ class RowsDropped(StreamRLError):
 
 
 class RowsLost(StreamRLError):
-    """The storage unit that held the rows is gone (its process died); their data is lost."""
+    """The storage unit that held the rows is gone (its process died), or (RDT) the
+    process that held some of their tensor fields is; that data is lost. ``.rows`` names
+    the rows, ``.unit`` the storage unit or ``.holder`` the holding process."""
 
-    def __init__(self, message: str, rows: Iterable[int] = (), unit: int | None = None):
+    def __init__(self, message: str, rows: Iterable[int] = (), unit: int | None = None,
+                 holder: str | None = None):
         super().__init__(message)
         self.rows = list(rows)
         self.unit = unit
+        self.holder = holder
 
 
 class SchemaError(StreamRLError, ValueError):

@@ -113,6 +113,11 @@ def families(st: Stats, queue: str, reads: dict[str, list] | None = None) -> Ite
     for name, n in sorted(st.filtered_by.items()):
         c.add_metric([queue, name], n)
     yield c
+    c = counter("bytes_moved", "Bytes moved between processes, per path (rdt, shm, socket, "
+                "inline, local; Ray transports).", ["path"])
+    for path, n in sorted(getattr(st, "bytes_by_path", {}).items()):
+        c.add_metric([queue, path], n)
+    yield c
     g = gauge("rows", "Rows held now, per partition and state.", ["partition", "state"])
     for part, states in sorted(st.partitions.items()):
         for state in ("waiting", "ready", "leased", "consumed"):

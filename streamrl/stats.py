@@ -148,6 +148,14 @@ class Stats:
             (used or free; its high-water mark). Empty for the embedded transport.
         unit_pinned_bytes: Ray transport: bytes of each arena that readers still view
             (blocks not reused until those tensors are gone).
+        bytes_by_path: Ray transports: bytes moved between processes so far, per path:
+            ``"shm"`` (through a storage unit's shared-memory arena), ``"inline"``
+            (inside calls to storage units), ``"rdt"`` (tensors moved from the process
+            that holds them by Ray Direct Transport: gloo, nccl or nixl), ``"socket"``
+            (held tensors served over the holder's socket when RDT cannot serve the
+            read), ``"local"`` (held tensors read by the process holding them). Reported
+            by each client without waiting: eventually consistent. Empty for the
+            embedded transport.
         closed: whether the queue is closed.
         last_filter_errors: messages of the last filter failures.
 
@@ -196,6 +204,7 @@ class Stats:
     unit_bytes: list[int] = field(default_factory=list)
     unit_shared_bytes: list[int] = field(default_factory=list)
     unit_pinned_bytes: list[int] = field(default_factory=list)
+    bytes_by_path: dict[str, int] = field(default_factory=dict)
     closed: bool = False
     last_filter_errors: list[str] = field(default_factory=list)
 

@@ -80,8 +80,9 @@ class WireTensor:
 
     def inlined(self) -> "WireTensor":
         """The rows' bytes inline (a view of the local array; the reference must come
-        with one, see :meth:`pinned`)."""
-        if self.ref is None:
+        with one, see :meth:`pinned`). A reference without a local view (the entry of a
+        tensor another process holds, see :mod:`streamrl.transport.rdt`) stays as it is."""
+        if self.ref is None or self.buf is None:
             return self
         if self.buf is None:
             raise ValueError(

@@ -21,6 +21,8 @@ try:  # the Ray transport joins when Ray and the transport are importable
         TRANSPORTS.append("ray")
 except ImportError:
     pass
+#: the RDT transport runs the tests of RDT_SUITE (where Ray runs)
+RDT = "ray" in TRANSPORTS
 
 
 @pytest.fixture(scope="session")
@@ -61,6 +63,13 @@ RAY_SPILL = {
     "test_a_cancelled_overwrite_leaves_old_or_new_values",
     "test_grpo_zero_variance_filter_ends_with_nothing_held",
 }
+#: The tests of the suite that also run on "rdt" (each Ray test costs ~10 s here): the
+#: data-path tests above (three of them cancel puts). Their queues hold tensor fields in
+#: the test's own process (``rdt_hold_anywhere=True``: the driver is in no RDT group),
+#: so puts keep tensors in its holder, its reads are local, and the filters' reads in
+#: the controller actor take the fallback path (the holder's socket). Transfers between
+#: the actors of an RDT group are tests/test_rdt.py's.
+RDT_SUITE = RAY_SPILL
 #: 256 bytes of tensors per unit: most puts of the suite go to disk at once, the last
 #: small ones stay in memory
 SPILL = {"backend": "spill", "memory_bytes": 256}
@@ -73,6 +82,8 @@ def pytest_generate_tests(metafunc):
             "transport" in m.args[0] for m in metafunc.definition.iter_markers("parametrize")):
         return
     params = list(TRANSPORTS)
+    if RDT and metafunc.function.__name__ in RDT_SUITE:
+        params.append("rdt")
     if metafunc.module.__name__ in SPILL_SUITE and "make_queue" in metafunc.fixturenames:
         params += [f"{t}-spill" for t in TRANSPORTS
                    if t != "ray" or metafunc.function.__name__ in RAY_SPILL]
@@ -84,7 +95,7 @@ def transport(request):
     """The transport name: the parametrised ``"<transport>"`` or ``"<transport>-spill"``
     (see SPILL_SUITE) without its storage part."""
     name = request.param.split("-")[0]
-    if name == "ray":
+    if name in ("ray", "rdt"):
         request.getfixturevalue("ray_session")
     return name
 
@@ -108,6 +119,8 @@ async def make_queue(transport, storage):
         kw.setdefault("capacity", 1024)
         kw.setdefault("num_shards", 2)
         kw.setdefault("storage", storage)
+        if transport == "rdt":
+            kw.setdefault("rdt_hold_anywhere", True)
         q = streamrl.StreamQueue(transport=transport, **kw)
         made.append(q)
         return q
@@ -120,3 +133,7 @@ async def make_queue(transport, storage):
             pass
         finally:
             await q.shutdown()
+    if transport == "rdt" and made:  # held tensors do not outlive their queue
+        from streamrl.transport.rdt import holder_stats
+
+        assert holder_stats() == {"tensors": 0, "bytes": 0}

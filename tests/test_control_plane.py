@@ -49,7 +49,7 @@ def test_the_controller_actor_serves_the_control_plane_by_generated_methods():
     # the actor's own methods are not control calls (and do not shadow any)
     own = {n for n, v in vars(impl).items() if not n.startswith("_") and callable(v)}
     assert own - set(CONTROL_METHODS) == {"endpoints", "handles", "cancellable", "cancel",
-                                          "ping", "event_loop", "serve_metrics"}
+                                          "ping", "event_loop", "serve_metrics", "path_bytes"}
 
 
 class _Lacking:

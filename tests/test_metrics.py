@@ -68,3 +68,13 @@ def test_a_bad_metrics_spec_is_refused():
     for bad in ("x", -1, 70000, 1.5, "host:port"):
         with pytest.raises(InvalidArgument, match="metrics"):
             streamrl.StreamQueue(metrics=bad)
+
+
+def test_bytes_by_path_is_a_counter_per_path():
+    from streamrl.metrics import families
+    from streamrl.stats import Stats
+
+    st = Stats(bytes_by_path={"rdt": 5, "shm": 7})
+    fam = next(f for f in families(st, "q") if f.name == "streamrl_bytes_moved")
+    got = {s.labels["path"]: s.value for s in fam.samples if s.name.endswith("_total")}
+    assert got == {"rdt": 5, "shm": 7}

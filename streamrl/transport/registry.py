@@ -44,6 +44,7 @@ Factory = Callable[["QueueConfig"], "Transport"]
 _BUILTIN = {
     "embedded": "streamrl.transport.embedded:create",
     "ray": "streamrl.transport.ray:create",
+    "rdt": "streamrl.transport.rdt:create",
 }
 _registry: dict[str, Factory | str] = dict(_BUILTIN)
 _scanned = False

@@ -76,8 +76,20 @@ class ActorService(ControllerService):
 
     data: RayDataPlane
 
+    def __init__(self, *args: Any, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        #: bytes the queue's clients moved, per path (see :meth:`add_moved`)
+        self.bytes_by_path: dict[str, int] = {}
+
+    def add_moved(self, by_path: dict[str, int]) -> bool:
+        """Add bytes some client moved, per path (``stats().bytes_by_path``)."""
+        for path, n in by_path.items():
+            self.bytes_by_path[path] = self.bytes_by_path.get(path, 0) + int(n)
+        return True
+
     async def stats(self, with_units: bool = True) -> Stats:
         st = await super().stats(with_units)
+        st.bytes_by_path = dict(self.bytes_by_path)
         if with_units:
             arenas = await self.data.arena_stats()
             st.unit_shared_bytes = [a.get("size", 0) for a in arenas]
@@ -101,6 +113,7 @@ class ControllerActorImpl:
         self._units = units
         self._data = data_plane(units, on_lost=self._lost)
         self._svc = ActorService(Controller.from_config(config), self._data)
+        self._data.report_moved = self._svc.add_moved  # what the filters' reads move
         self._inflight: dict[str, asyncio.Task] = {}  # calls a client may cancel, running
         self._recent: OrderedDict[str, tuple | None] = OrderedDict()  # their undo, once done
         self._rpc = RpcServer(self, ray.util.get_node_ip_address())
@@ -153,6 +166,11 @@ class ControllerActorImpl:
             method, args = undo
             await getattr(self._svc, method)(*args)
 
+    def path_bytes(self, by_path: dict[str, int]) -> None:
+        """A client moved these bytes, per path (summed into ``stats().bytes_by_path``;
+        sent without waiting for an answer)."""
+        self._svc.add_moved(by_path)
+
     async def _lost(self, shard: int) -> None:
         """This actor found storage unit ``shard`` dead (see :class:`RayDataPlane`)."""
         await self._svc.report_lost(shard)
@@ -162,7 +180,7 @@ class ControllerActorImpl:
     def handles(self) -> tuple[list, Endpoints | None, type[RayDataPlane]]:
         """What a client needs to attach: the storage-unit actors, the socket endpoints
         (see :meth:`endpoints`) and the data-plane class."""
-        return self._units, self._endpoints, type(self._data)
+        return self._units, self._endpoints, getattr(self._data, "spec", type(self._data))
 
     async def endpoints(self) -> Endpoints:
         """Start serving this actor's methods, and each storage unit's, over sockets

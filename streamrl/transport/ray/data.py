@@ -37,7 +37,7 @@ from ...wire import WireTensor
 from ..base import Column, DataCaps, DataPlane
 from ..rpc import ConnectFailed, Endpoint, RpcClient
 from .calls import send, undone, unwrap
-from .wire import SHM_MIN, from_wire, map_col, refs_in, tensors_in, to_wire
+from .wire import SHM_MIN, bytes_by_path, from_wire, map_col, refs_in, tensors_in, to_wire
 
 __all__ = ["RayDataPlane", "FAST_MAX"]
 
@@ -73,6 +73,13 @@ class RayDataPlane(DataPlane):
         self._unreachable: set[int] = set()  # units put_rows could not connect to
         self._unit_nodes: dict[int, str] = {}  # unit -> its Ray node id (asked once)
         self._node: str | None = None  # this process's Ray node id
+        #: bytes this process moved, per path (``"shm"``, ``"inline"``; subclasses add theirs)
+        self.moved: collections.Counter = collections.Counter()
+        self._unreported: collections.Counter = collections.Counter()
+        #: called with ``{path: bytes}`` moved since the last call (the transport sends it
+        #: to the controller, which sums it into ``stats().bytes_by_path``); returns whether
+        #: it was taken (else it is offered again with the next move)
+        self.report_moved: Callable[[dict[str, int]], bool] | None = None
         if endpoints is not None:
             self.use_endpoints(endpoints)
 
@@ -119,6 +126,27 @@ class RayDataPlane(DataPlane):
             await self.on_lost(shard)
         except Exception as e:  # noqa: BLE001 - the caller hears of the loss regardless
             log.warning("streamrl: could not report the loss of storage unit %d (%r)", shard, e)
+
+    # -- bytes by path
+
+    def count_moved(self, by_path: Mapping[str, int]) -> None:
+        """Record bytes moved per path, and report them (without waiting)."""
+        for path, n in by_path.items():
+            if n:
+                self.moved[path] += n
+                self._unreported[path] += n
+        if self._unreported and self.report_moved is not None:
+            try:
+                taken = self.report_moved(dict(self._unreported))
+            except Exception:  # noqa: BLE001 - statistics never fail a put or a read
+                taken = False
+            if taken:
+                self._unreported.clear()
+
+    def _wire(self, cols: Mapping[str, Column]) -> dict[str, Any]:
+        """A put's columns in wire form (:func:`.wire.to_wire`); a data path that keeps
+        some tensors elsewhere replaces them by references here."""
+        return to_wire(cols)
 
     # -- shared memory
 
@@ -172,14 +200,15 @@ class RayDataPlane(DataPlane):
                   write: int = 0) -> None:
         by_shard: dict[int, list] = {}
         for shard, rows, cols in parts:
-            by_shard.setdefault(shard, []).append((list(rows), to_wire(cols)))
+            by_shard.setdefault(shard, []).append((list(rows), self._wire(cols)))
         await asyncio.gather(*[self._put(s, p, write) for s, p in by_shard.items()])
 
     async def _put(self, shard: int, parts: list, write: int = 0) -> None:
         """Store wire-form ``parts`` on unit ``shard``: big tensors through its arena when
         this process maps it, everything else inline in the call."""
         rows = [r for rs, _ in parts for r in rs]
-        big = [t for _, cols in parts for t in tensors_in(cols) if t.nbytes >= SHM_MIN]
+        big = [t for _, cols in parts for t in tensors_in(cols)
+               if t.nbytes >= SHM_MIN and t.ref is None]  # (a reference stays one)
         pid = await self._pid(shard, rows) if big else None
         got = None
         if pid is not None:  # None back: no shared memory left on the unit's node
@@ -187,6 +216,7 @@ class RayDataPlane(DataPlane):
                                    rows=rows)
         if got is None:
             await self._call(shard, "put", parts, write, rows=rows)
+            self.count_moved(_sum_paths(cols for _, cols in parts))
             return
         assert pid is not None  # (blocks are reserved only for a process that maps them)
         refs, where = got
@@ -209,6 +239,7 @@ class RayDataPlane(DataPlane):
         except BaseException:
             self._unreserve(shard, refs)
             raise
+        self.count_moved(_sum_paths(cols for _, cols in parts))
         if not by_id:  # sent inline: the reserved blocks are not used
             self._unreserve(shard, refs)
 
@@ -237,7 +268,7 @@ class RayDataPlane(DataPlane):
         if (not live or n < 1 or time.monotonic() < self._busy_until or sum(sizes) > FAST_MAX
                 or max(sizes, default=0) >= SHM_MIN):  # big tensors go through the arena
             return None
-        wire = to_wire(cols)
+        wire = self._wire(cols)
         pool = await self._on_this_node(live) or live
         self._next_unit = (self._next_unit + 1) % len(pool)
         shard = pool[self._next_unit]
@@ -267,6 +298,7 @@ class RayDataPlane(DataPlane):
         if ans.status is not PutStatus.OK:
             raise ans.error
         rows, res = ans.rows, ans.result
+        self.count_moved(bytes_by_path(wire))
         return rows, [shard] * n, res
 
     async def _on_this_node(self, shards: list[int]) -> list[int]:
@@ -292,6 +324,13 @@ class RayDataPlane(DataPlane):
                                            for s, rows, fields in parts]))
 
     async def _read(self, shard: int, rows: list[int], fields: list[str]) -> dict[str, list[Column]]:
+        pieces, arrays = await self._read_raw(shard, rows, fields)
+        return from_wire(pieces, arrays)
+
+    async def _read_raw(self, shard: int, rows: list[int], fields: list[str]
+                        ) -> tuple[dict[str, list], dict]:
+        """Read ``fields`` of ``rows`` from unit ``shard`` in wire form: the pieces, and
+        the local views of the arena blocks they refer to (see :func:`.wire.from_wire`)."""
         pid = await self._pid(shard, rows)
         pieces, pin, where = await self._call(shard, "read", rows, fields,
                                               os.getpid() if pid else None, rows=rows)
@@ -311,7 +350,7 @@ class RayDataPlane(DataPlane):
             except OSError as e:  # this process may not map the unit's memory
                 self._no_shm(shard, e)
                 self._unpin_later(shard, pin)
-                return await self._read(shard, rows, fields)
+                return await self._read_raw(shard, rows, fields)
             left = [len(bases)]
 
             def gone(shard=shard, pin=pin, left=left):
@@ -321,7 +360,8 @@ class RayDataPlane(DataPlane):
 
             for base in bases.values():
                 weakref.finalize(base, gone)
-        return from_wire(pieces, arrays)
+        self.count_moved(bytes_by_path(pieces))
+        return pieces, arrays
 
     async def delete(self, parts: Mapping[int, Sequence[int]]) -> None:
         await self._forget(parts, "delete")
@@ -394,3 +434,11 @@ class RayDataPlane(DataPlane):
         res = await asyncio.gather(*[self._call(s, "arena_stats") for s in range(self.num_shards)],
                                    return_exceptions=True)
         return [{} if isinstance(r, BaseException) else r for r in res]
+
+
+def _sum_paths(cols_list) -> dict[str, int]:
+    """:func:`.wire.bytes_by_path` of several wire-form column sets, summed."""
+    out: collections.Counter = collections.Counter()
+    for cols in cols_list:
+        out.update(bytes_by_path(cols))
+    return dict(out)

@@ -21,7 +21,7 @@ import ray
 from ...config import QueueConfig
 from ...errors import InvalidArgument, TransportError
 from ..base import Transport
-from .calls import Endpoints
+from .calls import Endpoints, send
 from .control import RayControl
 from .controller import ControllerActor
 from .data import RayDataPlane
@@ -75,6 +75,11 @@ class RayTransport(Transport):
             control = self.control_plane(controller, endpoints[0] if endpoints else None)
             data = self._data_plane(units, endpoints[1] if endpoints else None,
                                     on_lost=control.report_lost)
+            rpc = control.rpc
+            # bytes moved per path go to the controller without waiting (over this event
+            # loop's connection to it; without one yet, with the next move)
+            data.report_moved = (lambda d: rpc.notify("path_bytes", d)) if rpc is not None \
+                else (lambda d: send(None, controller, "path_bytes", d) or True)
             shared = _clients[(self._key, self._data_plane)] = (control, data)
         self._control, self._data = shared
         self._owner = owner
@@ -245,7 +250,14 @@ class RayTransport(Transport):
 
 
 def create(config: QueueConfig) -> RayTransport:
-    """The registered factory of ``transport="ray"``."""
+    """The registered factory of ``transport="ray"``. With the option ``rdt_fields``
+    (field names), those fields stay with their producers and move by Ray Direct
+    Transport (see :mod:`streamrl.transport.rdt`); the others take this transport's path."""
+    if "rdt_fields" in config.options or "rdt_hold_anywhere" in config.options:
+        from ..rdt.transport import RdtTransport, rdt_options
+
+        spec, rest = rdt_options(dict(config.options), all_fields=False)
+        return RdtTransport.create(config.replace(options=rest), data_plane=spec)
     return RayTransport.create(config)
 
 

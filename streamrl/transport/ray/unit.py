@@ -81,6 +81,7 @@ class StorageActorImpl:
         self._ids = [0, 0]  # [next, end) of the row ids leased for put_rows (socket thread)
         self._ids_lock: asyncio.Lock | None = None
         self._puts: OrderedDict[str, asyncio.Task] = OrderedDict()  # put_rows by request id
+        self._rpc_loop: asyncio.AbstractEventLoop | None = None  # its socket channel's loop
 
     def endpoint(self, controller: Endpoint | None = None) -> Endpoint:
         """Start serving this unit's methods over a socket (see :mod:`streamrl.transport.rpc`), from an
@@ -90,7 +91,7 @@ class StorageActorImpl:
             # (its methods are generated: the type checker sees the protocol's, abstract)
             self._controller = RayControl(None, controller)  # type: ignore[abstract]
         if self._endpoint is None:
-            loop = new_loop()
+            loop = self._rpc_loop = new_loop()
             threading.Thread(target=loop.run_forever, name="streamrl-unit-rpc",
                              daemon=True).start()
             server = RpcServer(self, ray.util.get_node_ip_address())
@@ -148,6 +149,12 @@ class StorageActorImpl:
             b.stored = False
             self._maybe_free(t.ref, b)
 
+    def _unstored(self, t: Any) -> None:
+        """``t`` came with a put whose rows were forgotten: it is not stored (its arena
+        block is given back; a data path that keeps tensors elsewhere frees them here)."""
+        if isinstance(t.ref, ShmRef):
+            self._give_back(t.ref)
+
     def _unpin(self, pin: int) -> None:
         entry = self.pins.pop(pin, None)
         if entry is None:
@@ -199,8 +206,7 @@ class StorageActorImpl:
                     keep.append(p)
                     continue
                 for t in tensors_in(p[1]):  # aborted while its data was on its way
-                    if isinstance(t.ref, ShmRef):
-                        self._give_back(t.ref)
+                    self._unstored(t)
             parts = keep
             refs = [t.ref for _, cols in parts for t in tensors_in(cols)
                     if isinstance(t.ref, ShmRef)]
@@ -218,6 +224,11 @@ class StorageActorImpl:
 
             for rows, cols in parts:
                 self.unit.put(rows, {f: map_col(c, stored) for f, c in cols.items()}, write)
+            self._stored(parts)
+
+    def _stored(self, parts: list) -> None:
+        """``parts`` were stored (called under the lock; a data path that keeps tensors
+        elsewhere records their references here)."""
 
     def put_rows(self, n: int, cols: dict, partition: str, fields: list[str], nbytes: dict,
                  tags: dict, version: int | None, rid: str | None = None,

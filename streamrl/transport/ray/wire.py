@@ -19,7 +19,7 @@ from ...wire import WireTensor
 from ..base import Column
 
 __all__ = ["SHM_MIN", "to_wire", "from_wire", "tensors_in", "refs_in", "map_col",
-           "map_pieces"]
+           "map_pieces", "bytes_by_path"]
 
 #: Tensors of at least this many bytes go through the shared-memory arena when the
 #: producer or reader is on the unit's node; smaller ones travel inline in the call.
@@ -61,7 +61,26 @@ def tensors_in(pieces: Mapping[str, Any]) -> list[WireTensor]:
 
 def refs_in(pieces: Mapping[str, Any]) -> list[ShmRef]:
     """The arena blocks the pieces of a read point at (each once, in a fixed order)."""
-    return list({t.ref: None for t in tensors_in(pieces) if t.ref is not None})
+    return list({t.ref: None for t in tensors_in(pieces) if isinstance(t.ref, ShmRef)})
+
+
+def bytes_by_path(pieces: Mapping[str, Any]) -> dict[str, int]:
+    """Bytes of the columns of a put (or the pieces of a read) per path: ``"shm"`` for
+    tensors in arena blocks, ``"inline"`` for tensors and encoded objects carried in the
+    call. Entries of tensors held elsewhere (another reference) are not counted here: the
+    data path that moves them counts them."""
+    out = {"shm": 0, "inline": 0}
+    for col in pieces.values():
+        for p in (col if isinstance(col, list) else (col,)):
+            for x in (p if isinstance(p, list) else (p,)):
+                if isinstance(x, WireTensor):
+                    if x.ref is None:
+                        out["inline"] += x.nbytes
+                    elif isinstance(x.ref, ShmRef):
+                        out["shm"] += x.nbytes
+                elif isinstance(x, (bytes, bytearray, memoryview)):
+                    out["inline"] += len(x)
+    return {k: v for k, v in out.items() if v}
 
 
 def map_col(col: Any, fn: Callable) -> Any:
