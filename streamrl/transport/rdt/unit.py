@@ -33,8 +33,8 @@ log = logging.getLogger("streamrl")
 class RdtStorageActorImpl(StorageActorImpl):
     """A storage unit that frees held tensors in their holders (see the module docstring)."""
 
-    def __init__(self, index: int, storage: Any = "memory"):
-        super().__init__(index, storage)
+    def __init__(self, index: int, storage: Any = "memory", arena: dict | None = None):
+        super().__init__(index, storage, arena)
         self._frees: dict[Endpoint, list[int]] = {}
         self._frees_lock = threading.Lock()
         self._flushing = False
