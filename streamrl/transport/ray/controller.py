@@ -38,7 +38,7 @@ from ...service import ControllerService
 from ...stats import Stats
 from ..rpc import RpcServer
 from .calls import Endpoints, spawn
-from .data import RayDataPlane
+from .data import DataPlaneFactory, RayDataPlane
 
 log = logging.getLogger("streamrl")
 
@@ -105,11 +105,11 @@ class ControllerActorImpl:
         units: the storage-unit actors.
         data_plane: the data-plane class the service reaches the units with (deletes,
             the fields filters read, inventories): :class:`RayDataPlane` or a subclass
-            with another tensor path.
+            with another tensor path, or a factory of one.
     """
 
     def __init__(self, config: QueueConfig, units: list,
-                 data_plane: type[RayDataPlane] = RayDataPlane):
+                 data_plane: DataPlaneFactory = RayDataPlane):
         self._units = units
         self._data = data_plane(units, on_lost=self._lost)
         self._svc = ActorService(Controller.from_config(config), self._data)
@@ -177,7 +177,7 @@ class ControllerActorImpl:
 
     # -- the actor's own
 
-    def handles(self) -> tuple[list, Endpoints | None, type[RayDataPlane]]:
+    def handles(self) -> tuple[list, Endpoints | None, DataPlaneFactory]:
         """What a client needs to attach: the storage-unit actors, the socket endpoints
         (see :meth:`endpoints`) and the data-plane class."""
         return self._units, self._endpoints, getattr(self._data, "spec", type(self._data))

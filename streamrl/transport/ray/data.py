@@ -25,7 +25,7 @@ import time
 import uuid
 import weakref
 from collections.abc import Awaitable, Callable, Mapping, Sequence
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 import ray
@@ -39,12 +39,21 @@ from ..rpc import ConnectFailed, Endpoint, RpcClient
 from .calls import send, undone, unwrap
 from .wire import SHM_MIN, bytes_by_path, from_wire, map_col, refs_in, tensors_in, to_wire
 
-__all__ = ["RayDataPlane", "FAST_MAX"]
+__all__ = ["RayDataPlane", "DataPlaneFactory", "FAST_MAX"]
 
 log = logging.getLogger("streamrl")
 
 FAST_MAX = 1 << 20  # puts up to this many bytes may be admitted by a unit (put_rows)
 _BUSY_PAUSE = 0.02  # seconds without put_rows after a unit found the queue full
+
+
+class DataPlaneFactory(Protocol):
+    """What makes a queue's data-plane client: :class:`RayDataPlane` or a subclass, or a
+    hashable, picklable factory that returns one (such as
+    :class:`~streamrl.transport.rdt.RdtPlaneSpec`). It travels with the queue's handle."""
+
+    def __call__(self, units: Sequence[Any], endpoints: Sequence[Endpoint | None] | None = None,
+                 on_lost: Callable[[int], Awaitable[Any]] | None = None) -> RayDataPlane: ...
 
 
 class RayDataPlane(DataPlane):

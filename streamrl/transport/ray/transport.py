@@ -14,7 +14,7 @@ process attached to a queue uses the same one.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, Self
 
 import ray
 
@@ -24,7 +24,7 @@ from ..base import Transport
 from .calls import Endpoints, send
 from .control import RayControl
 from .controller import ControllerActor
-from .data import RayDataPlane
+from .data import DataPlaneFactory, RayDataPlane
 from .unit import StorageActor
 
 __all__ = ["RayTransport", "create"]
@@ -32,7 +32,7 @@ __all__ = ["RayTransport", "create"]
 #: This process's clients of each queue (by controller actor id and data-plane class),
 #: shared by every handle of it that arrives here (a queue passed to an actor method is a
 #: new handle per call): their connections and arena mappings are made once.
-_clients: dict[tuple[str, type], tuple[RayControl, RayDataPlane]] = {}
+_clients: dict[tuple[str, DataPlaneFactory], tuple[RayControl, RayDataPlane]] = {}
 
 
 class RayTransport(Transport):
@@ -49,7 +49,8 @@ class RayTransport(Transport):
     Keyword Args:
         owner: this process started the actors (:meth:`shutdown` kills them).
         endpoints: the actors' socket endpoints (``None``: Ray actor calls only).
-        data_plane: the data-plane client class (default :attr:`data_plane`).
+        data_plane: the data-plane client class, or a factory of one (default
+            :attr:`data_plane`).
     """
 
     name = "ray"
@@ -64,7 +65,7 @@ class RayTransport(Transport):
 
     def __init__(self, controller: Any, units: list, *, owner: bool,
                  endpoints: Endpoints | None = None,
-                 data_plane: type[RayDataPlane] | None = None):
+                 data_plane: DataPlaneFactory | None = None):
         self._controller = controller
         self._units = units
         self._endpoints = endpoints
@@ -78,8 +79,14 @@ class RayTransport(Transport):
             rpc = control.rpc
             # bytes moved per path go to the controller without waiting (over this event
             # loop's connection to it; without one yet, with the next move)
-            data.report_moved = (lambda d: rpc.notify("path_bytes", d)) if rpc is not None \
-                else (lambda d: send(None, controller, "path_bytes", d) or True)
+            if rpc is not None:
+                data.report_moved = lambda d: rpc.notify("path_bytes", d)
+            else:
+                def report_moved(d: dict[str, int]) -> bool:
+                    send(None, controller, "path_bytes", d)
+                    return True
+
+                data.report_moved = report_moved
             shared = _clients[(self._key, self._data_plane)] = (control, data)
         self._control, self._data = shared
         self._owner = owner
@@ -87,8 +94,8 @@ class RayTransport(Transport):
         self.metrics_url: str | None = None
 
     @classmethod
-    def create(cls, config: QueueConfig, *, data_plane: type[RayDataPlane] | None = None
-               ) -> "RayTransport":
+    def create(cls, config: QueueConfig, *, data_plane: DataPlaneFactory | None = None
+               ) -> Self:
         """Start the actors of a queue configured by ``config`` (``data_plane``: the
         data-plane client class of the controller and of this client, default
         :attr:`data_plane`). Its ``options``:
@@ -173,7 +180,7 @@ class RayTransport(Transport):
         return self
 
     @classmethod
-    def connect(cls, name: str, namespace: str | None = None) -> "RayTransport":
+    def connect(cls, name: str, namespace: str | None = None) -> Self:
         """The named queue ``name`` of this Ray cluster (not owned).
 
         Raises:
@@ -188,7 +195,7 @@ class RayTransport(Transport):
                 + "; create it with StreamQueue(transport='ray', name=...) first") from None
         units: list
         endpoints: Endpoints | None
-        data_plane: type[RayDataPlane]
+        data_plane: DataPlaneFactory
         units, endpoints, data_plane = ray.get(controller.handles.remote())
         return cls(controller, units, owner=False, endpoints=endpoints, data_plane=data_plane)
 
@@ -205,7 +212,7 @@ class RayTransport(Transport):
                 self.metrics_url)
 
     @classmethod
-    def attach(cls, handle: tuple) -> "RayTransport":
+    def attach(cls, handle: tuple) -> Self:
         """The queue in this process, from :attr:`handle` (not owned)."""
         controller, units, endpoints, data_plane, *rest = handle
         self = cls(controller, units, owner=False, endpoints=endpoints, data_plane=data_plane)

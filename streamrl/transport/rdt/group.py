@@ -211,7 +211,8 @@ def create_group(actors: Sequence[Any], backend: str = "gloo", *, name: str | No
 
         create_collective_group(actors, backend="torch_gloo" if backend == "gloo" else "nccl",
                                 name=name)
-    coordinator = Coordinator.options(**(coordinator_options or {})).remote(name, backend)
+    # (Any: Ray's annotations type a handle's methods as the class's, without .remote)
+    coordinator: Any = Coordinator.options(**(coordinator_options or {})).remote(name, backend)
     cep = ray.get(coordinator.endpoint.remote())
     joined = ray.get([a.__ray_call__.remote(_join, GroupInfo(name, r, len(actors), backend, cep))
                       for r, a in enumerate(actors)])

@@ -35,6 +35,7 @@ import threading
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
+from ...errors import TransportError
 from ..ray.calls import new_loop
 from ..rpc import Endpoint, RpcServer
 
@@ -284,6 +285,32 @@ class Runtime:
 
     # -- transfers (the coordinator's operations, run on the transfer thread)
 
+    def _member(self) -> GroupInfo:
+        """This process's RDT group. Transfers inside a group (the coordinator's
+        operations, :meth:`pull`) only come once the process joined one.
+
+        Raises:
+            TransportError: the process is not in an RDT group.
+        """
+        if self.group is None:
+            raise TransportError(
+                f"process {self.id} is not in an RDT group, so it cannot move held tensors "
+                "inside one; make the group over its actors with "
+                "streamrl.transport.rdt.create_group first")
+        return self.group
+
+    def _transfers(self) -> TransferThread:
+        """This process's transfer thread (started when the process joins an RDT group).
+
+        Raises:
+            TransportError: it is not started (the process never joined a group).
+        """
+        if self.thread is None:
+            raise TransportError(
+                f"the RDT transfer thread of process {self.id} is not started: it starts when "
+                "the process joins an RDT group (streamrl.transport.rdt.create_group)")
+        return self.thread
+
     def _device(self) -> Any:
         import torch
 
@@ -295,13 +322,13 @@ class Runtime:
         """Operation ``seq``: send ``ranges`` of held tensors to rank ``dst`` (views taken
         now, so a free that arrives meanwhile does not take them away)."""
         views = self.views(ranges)
-        self.thread.submit(seq, lambda: self._send(dst, views))
+        self._transfers().submit(seq, lambda: self._send(dst, views))
 
     def _send(self, dst: int, views: list | None) -> None:
         import ray.util.collective as col
         import torch
 
-        group = self.group.name
+        group = self._member().name
         dev = self._device()
         if views is None:  # a tensor is gone: say so instead of sending garbage
             col.send(torch.tensor([-1], dtype=torch.int64, device=dev), dst, group)
@@ -323,7 +350,7 @@ class Runtime:
     def recv_op(self, seq: int, src: int, ticket: int, sizes: list[int]) -> None:
         """Operation ``seq``: receive ranges of ``sizes`` bytes from rank ``src`` for
         ``ticket``."""
-        self.thread.submit(seq, lambda: self._recv(src, ticket, sizes))
+        self._transfers().submit(seq, lambda: self._recv(src, ticket, sizes))
 
     def _recv(self, src: int, ticket: int, sizes: list[int]) -> None:
         import ray.util.collective as col
@@ -331,9 +358,10 @@ class Runtime:
 
         fut = self._tickets.pop(ticket, None)
         try:
+            group = self._member().name
             dev = self._device()
             head = torch.zeros(1, dtype=torch.int64, device=dev)
-            col.recv(head, src, self.group.name)
+            col.recv(head, src, group)
             sent = int(head.item())
             if sent < 0:
                 raise KeyError("the holder no longer holds some of these tensors")
@@ -353,12 +381,12 @@ class Runtime:
                     out[i] = big[o:o + sizes[i]]
             for idx in groups:
                 if out[idx[0]] is not None:  # a big range, in the shared buffer
-                    col.recv(out[idx[0]], src, self.group.name)
+                    col.recv(out[idx[0]], src, group)
                     continue
                 offs, total = layout([sizes[i] for i in idx])
                 buf = torch.empty(total, dtype=torch.uint8, device=dev)
                 if total:
-                    col.recv(buf, src, self.group.name)
+                    col.recv(buf, src, group)
                 for i, o in zip(idx, offs):
                     out[i] = buf[o:o + sizes[i]]
         except BaseException as e:  # noqa: BLE001 - handed to the reader
@@ -384,17 +412,19 @@ class Runtime:
         Raises:
             HolderGone: the coordinator knows the holder is gone.
             KeyError: the holder no longer holds some of the tensors.
+            TransportError: this process is not in an RDT group.
         """
+        me = self._member().rank
         sizes = [int(n) for _, _, n in ranges]
         ticket = next(self._ticket_ids)
         fut: concurrent.futures.Future = concurrent.futures.Future()
         self._tickets[ticket] = fut
         if _BYPASS_TRANSFER_THREAD and holder is not None:  # the naive design (tests only)
-            self.thread.submit(0, lambda: self._recv(rank, ticket, sizes))
-            await holder.call("op", 0, "send", self.group.rank, list(ranges))
+            self._transfers().submit(0, lambda: self._recv(rank, ticket, sizes))
+            await holder.call("op", 0, "send", me, list(ranges))
             return await asyncio.wrap_future(fut)
         try:
-            await self._coordinator.call("transfer", rank, self.group.rank, ticket,
+            await self._coordinator.call("transfer", rank, me, ticket,
                                          list(ranges), sizes)
         except BaseException:
             # the receive, if it was issued, still runs (the thread keeps its order) and

@@ -14,7 +14,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
-from typing import Any
+from typing import Any, cast
 
 import ray
 
@@ -33,8 +33,8 @@ log = logging.getLogger("streamrl")
 class RdtStorageActorImpl(StorageActorImpl):
     """A storage unit that frees held tensors in their holders (see the module docstring)."""
 
-    def __init__(self, index: int, storage: Any = "memory"):
-        super().__init__(index, storage)
+    def __init__(self, index: int, storage: Any = "memory", arena: dict | None = None):
+        super().__init__(index, storage, arena)
         self._frees: dict[Endpoint, list[int]] = {}
         self._frees_lock = threading.Lock()
         self._flushing = False
@@ -53,7 +53,7 @@ class RdtStorageActorImpl(StorageActorImpl):
         cancelled, after its call to this unit (same channel, so that call was served
         first): the holder frees those that no row of this unit refers to. (A cancelled
         overwrite may have landed: its tensors stay, referred to by the rows.)"""
-        endpoint = tuple(endpoint)
+        endpoint = cast(Endpoint, tuple(endpoint))  # it may arrive as a list (over the wire)
         with self.lock:
             gone = [k for k in keys if (endpoint, k) not in self._held]
         for k in gone:
@@ -125,4 +125,6 @@ class RdtStorageActorImpl(StorageActorImpl):
 
 
 #: the RDT storage unit as a Ray actor class (threaded; its socket channel has its own loop)
-RdtStorageActor = ray.remote(num_cpus=0, max_concurrency=4)(RdtStorageActorImpl)
+# (Ray's annotations of ray.remote list task options only: max_concurrency is an actor's)
+RdtStorageActor = ray.remote(  # type: ignore[call-overload]
+    num_cpus=0, max_concurrency=4)(RdtStorageActorImpl)
