@@ -37,13 +37,12 @@ See ``docs/sampling.md`` for a recipe to write your own.
 from __future__ import annotations
 
 import heapq
-import importlib
 import math
 from collections import deque
 from collections.abc import Callable, Hashable, Iterable, Iterator, Mapping, Sequence
-from importlib.metadata import entry_points
 from typing import Any
 
+from ._registry import Registry
 from .errors import InvalidArgument
 
 __all__ = ["Sampler", "BalancedSampler", "FifoSampler", "PrioritySampler", "Ready", "VERSION",
@@ -348,9 +347,9 @@ def imbalance(loads: Sequence[float]) -> float:
 Factory = Callable[..., Sampler]
 
 _BUILTIN: dict[str, Factory | str] = {"fifo": FifoSampler, "priority": PrioritySampler}
-_registry: dict[str, Factory | str] = dict(_BUILTIN)
 _cache: dict[Hashable, Sampler] = {}
-_scanned = False
+_REG: Registry[Factory] = Registry("sampler", ENTRY_POINT_GROUP, _BUILTIN,
+                                   "**options -> Sampler", on_change=_cache.clear)
 
 
 def register(name: str, factory: Factory | str, *, replace: bool = False) -> None:
@@ -375,33 +374,17 @@ def register(name: str, factory: Factory | str, *, replace: bool = False) -> Non
         PrioritySampler('@version', order='desc', reduce='max')
         >>> unregister("newest")
     """
-    if not isinstance(name, str) or not name:
-        raise InvalidArgument(f"a sampler name must be a non-empty str, got {name!r}")
-    if not (callable(factory) or (isinstance(factory, str) and ":" in factory)):
-        raise InvalidArgument(
-            f"factory must be callable (**options -> Sampler) or 'module:attribute', got "
-            f"{factory!r}")
-    _scan()
-    if name in _registry and not replace and _registry[name] is not factory:
-        raise InvalidArgument(
-            f"a sampler named {name!r} is registered already; pass replace=True to replace "
-            "it, or pick another name")
-    _registry[name] = factory
-    _cache.clear()
+    _REG.register(name, factory, replace=replace)
 
 
 def unregister(name: str) -> None:
     """Forget a registered sampler (built-ins come back with their default)."""
-    _registry.pop(name, None)
-    if name in _BUILTIN:
-        _registry[name] = _BUILTIN[name]
-    _cache.clear()
+    _REG.unregister(name)
 
 
 def available() -> list[str]:
     """The names of the registered samplers (entry points included)."""
-    _scan()
-    return sorted(_registry)
+    return _REG.available()
 
 
 def resolve(spec: Any) -> Sampler:
@@ -444,16 +427,13 @@ def resolve(spec: Any) -> Sampler:
 
 
 def _make(name: str, options: dict[str, Any]) -> Sampler:
-    _scan()
-    f = _registry.get(name)
+    f = _REG.get(name)
     if f is None:
         raise InvalidArgument(
             f"unknown sampler {name!r}; registered samplers: {', '.join(available())}. "
             "Register yours with streamrl.sampling.register(name, factory) (in every process "
             "that resolves it: on Ray, the controller's) or the "
             f"{ENTRY_POINT_GROUP!r} entry-point group, or pass a Sampler instance")
-    if isinstance(f, str):
-        f = _registry[name] = _load(f, name)
     try:
         sampler = f(**options)
     except TypeError as e:
@@ -463,25 +443,3 @@ def _make(name: str, options: dict[str, Any]) -> Sampler:
             f"the factory of sampler {name!r} returned {type(sampler).__name__}, not a "
             "streamrl.sampling.Sampler")
     return sampler
-
-
-def _load(spec: str, name: str) -> Factory:
-    mod, _, attr = spec.partition(":")
-    try:
-        obj = getattr(importlib.import_module(mod), attr)
-    except (ImportError, AttributeError) as e:
-        raise InvalidArgument(
-            f"sampler {name!r} cannot be loaded from {spec!r} ({type(e).__name__}: {e})") from e
-    if not callable(obj):
-        raise InvalidArgument(f"sampler {name!r}: {spec!r} is not callable")
-    return obj
-
-
-def _scan() -> None:
-    """Register the samplers of the entry-point group (once)."""
-    global _scanned
-    if _scanned:
-        return
-    _scanned = True
-    for ep in entry_points(group=ENTRY_POINT_GROUP):
-        _registry.setdefault(ep.name, ep.value)

@@ -32,12 +32,11 @@ name: ``storage={"backend": "my_package.storage:make"}``.
 from __future__ import annotations
 
 import difflib
-import importlib
 import inspect
 from collections.abc import Callable, Mapping
-from importlib.metadata import entry_points
 from typing import Any
 
+from .._registry import Registry
 from ..errors import InvalidArgument
 from .base import StorageBackend
 
@@ -54,8 +53,10 @@ _BUILTIN = {
     "memory": "streamrl.storage.memory:create",
     "spill": "streamrl.storage.spill:create",
 }
-_registry: dict[str, Factory | str] = dict(_BUILTIN)
-_scanned = False
+_REG: Registry[Factory] = Registry(
+    "storage backend", ENTRY_POINT_GROUP, _BUILTIN,
+    "(index, *, on_release=None, **options) -> StorageBackend", colon_names=False,
+    load_hint="install the package that provides it")
 
 
 def register(name: str, factory: Factory | str, *, replace: bool = False) -> None:
@@ -82,32 +83,17 @@ def register(name: str, factory: Factory | str, *, replace: bool = False) -> Non
         (0, 0)
         >>> storage.unregister("memory2")
     """
-    if not isinstance(name, str) or not name or ":" in name:
-        raise InvalidArgument(
-            f"a storage backend name must be a non-empty str without ':', got {name!r}")
-    if not (callable(factory) or (isinstance(factory, str) and ":" in factory)):
-        raise InvalidArgument(
-            "factory must be callable ((index, *, on_release=None, **options) -> "
-            f"StorageBackend) or 'module:attribute', got {factory!r}")
-    _scan()
-    if name in _registry and not replace and _registry[name] is not factory:
-        raise InvalidArgument(
-            f"a storage backend named {name!r} is registered already; pass replace=True to "
-            "replace it, or pick another name")
-    _registry[name] = factory
+    _REG.register(name, factory, replace=replace)
 
 
 def unregister(name: str) -> None:
     """Forget a registered backend (built-ins come back with their default)."""
-    _registry.pop(name, None)
-    if name in _BUILTIN:
-        _registry[name] = _BUILTIN[name]
+    _REG.unregister(name)
 
 
 def available() -> list[str]:
     """The names of the registered backends (entry points included)."""
-    _scan()
-    return sorted(_registry)
+    return _REG.available()
 
 
 def resolve(name: str) -> Factory:
@@ -116,17 +102,14 @@ def resolve(name: str) -> Factory:
     Raises:
         InvalidArgument: no backend of that name (the message lists those there are).
     """
-    _scan()
-    f = _registry.get(name)
+    f = _REG.get(name)
     if f is None:
         if isinstance(name, str) and ":" in name:
-            return _load(name, name)
+            return _REG.load(name, name)
         raise InvalidArgument(
             f"unknown storage backend {name!r}; registered backends: {', '.join(available())}. "
             "Register yours with streamrl.storage.register(name, factory) or the "
             f"{ENTRY_POINT_GROUP!r} entry-point group")
-    if isinstance(f, str):
-        f = _registry[name] = _load(f, name)
     return f
 
 
@@ -200,26 +183,3 @@ def create_unit(spec: Any, index: int, *, on_release: Callable[[Any], None] | No
             f"storage backend {name!r}'s factory returned {type(unit).__name__}, not a "
             "streamrl.storage.StorageBackend")
     return unit
-
-
-def _load(spec: str, name: str) -> Factory:
-    mod, _, attr = spec.partition(":")
-    try:
-        obj = getattr(importlib.import_module(mod), attr)
-    except (ImportError, AttributeError) as e:
-        raise InvalidArgument(
-            f"storage backend {name!r} cannot be loaded from {spec!r} ({type(e).__name__}: "
-            f"{e}); install the package that provides it") from e
-    if not callable(obj):
-        raise InvalidArgument(f"storage backend {name!r}: {spec!r} is not callable")
-    return obj
-
-
-def _scan() -> None:
-    """Register the backends of the entry-point group (once)."""
-    global _scanned
-    if _scanned:
-        return
-    _scanned = True
-    for ep in entry_points(group=ENTRY_POINT_GROUP):
-        _registry.setdefault(ep.name, ep.value)

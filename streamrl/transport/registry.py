@@ -23,11 +23,10 @@ too, so that Ray is imported only by queues that use it.
 
 from __future__ import annotations
 
-import importlib
 from collections.abc import Callable
-from importlib.metadata import entry_points
 from typing import TYPE_CHECKING
 
+from .._registry import Registry
 from ..errors import InvalidArgument
 
 if TYPE_CHECKING:
@@ -46,8 +45,9 @@ _BUILTIN = {
     "ray": "streamrl.transport.ray:create",
     "rdt": "streamrl.transport.rdt:create",
 }
-_registry: dict[str, Factory | str] = dict(_BUILTIN)
-_scanned = False
+_REG: Registry[Factory] = Registry(
+    "transport", ENTRY_POINT_GROUP, _BUILTIN, "config -> Transport",
+    load_hint="install what it needs (for 'ray': pip install 'streamrl[ray]')")
 
 
 def register(name: str, factory: Factory | str, *, replace: bool = False) -> None:
@@ -74,31 +74,17 @@ def register(name: str, factory: Factory | str, *, replace: bool = False) -> Non
         'embedded'
         >>> unregister("in-process")
     """
-    if not isinstance(name, str) or not name:
-        raise InvalidArgument(f"a transport name must be a non-empty str, got {name!r}")
-    if not (callable(factory) or (isinstance(factory, str) and ":" in factory)):
-        raise InvalidArgument(
-            f"factory must be callable (config -> Transport) or 'module:attribute', got "
-            f"{factory!r}")
-    _scan()
-    if name in _registry and not replace and _registry[name] is not factory:
-        raise InvalidArgument(
-            f"a transport named {name!r} is registered already; pass replace=True to "
-            "replace it, or pick another name")
-    _registry[name] = factory
+    _REG.register(name, factory, replace=replace)
 
 
 def unregister(name: str) -> None:
     """Forget a registered transport (built-ins come back with their default)."""
-    _registry.pop(name, None)
-    if name in _BUILTIN:
-        _registry[name] = _BUILTIN[name]
+    _REG.unregister(name)
 
 
 def available() -> list[str]:
     """The names of the registered transports (entry points included)."""
-    _scan()
-    return sorted(_registry)
+    return _REG.available()
 
 
 def resolve(name: str) -> Factory:
@@ -107,36 +93,10 @@ def resolve(name: str) -> Factory:
     Raises:
         InvalidArgument: no transport of that name (the message lists those there are).
     """
-    _scan()
-    f = _registry.get(name)
+    f = _REG.get(name)
     if f is None:
         raise InvalidArgument(
             f"unknown transport {name!r}; registered transports: {', '.join(available())}. "
             "Register yours with streamrl.transport.register(name, factory) or the "
             f"{ENTRY_POINT_GROUP!r} entry-point group")
-    if isinstance(f, str):
-        f = _registry[name] = _load(f, name)
     return f
-
-
-def _load(spec: str, name: str) -> Factory:
-    mod, _, attr = spec.partition(":")
-    try:
-        obj = getattr(importlib.import_module(mod), attr)
-    except (ImportError, AttributeError) as e:
-        raise InvalidArgument(
-            f"transport {name!r} cannot be loaded from {spec!r} ({type(e).__name__}: {e}); "
-            "install what it needs (for 'ray': pip install 'streamrl[ray]')") from e
-    if not callable(obj):
-        raise InvalidArgument(f"transport {name!r}: {spec!r} is not callable")
-    return obj
-
-
-def _scan() -> None:
-    """Register the transports of the entry-point group (once)."""
-    global _scanned
-    if _scanned:
-        return
-    _scanned = True
-    for ep in entry_points(group=ENTRY_POINT_GROUP):
-        _registry.setdefault(ep.name, ep.value)
