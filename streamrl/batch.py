@@ -33,7 +33,7 @@ from tensordict import TensorDict, TensorDictBase
 from ._aio import shielded
 from .timing import counted as _timed
 from .columns import Column, settle, take_rows, to_columns, to_tensordict
-from .errors import InvalidArgument, RowsDropped, SchemaError, UnknownField, rows_preview
+from .errors import InvalidArgument, LeaseExpired, RowsDropped, SchemaError, UnknownField, rows_preview
 
 if TYPE_CHECKING:
     from typing_extensions import TypeIs  # (typing.TypeIs is Python >= 3.13)
@@ -126,18 +126,20 @@ class _Cache:
 class _BatchLease:
     """Acknowledgement state shared by the views of one delivered batch."""
 
-    __slots__ = ("ids", "open", "dropped", "parts")
+    __slots__ = ("ids", "open", "released", "dropped", "parts")
 
     def __init__(self, ids: tuple[int, ...], parts: Sequence["_BatchLease"] = ()):
         self.ids = ids
         self.open = bool(ids)
+        self.released = False  # given back unacknowledged: its rows go out again
         self.dropped: set[int] = set()
         self.parts = tuple(parts)  # the source leases of a concat (closed with it)
 
-    def close(self) -> None:
+    def close(self, released: bool = False) -> None:
         self.open = False
+        self.released = released
         for p in self.parts:
-            p.close()
+            p.close(released)
 
 
 class RemoteBatch(abc.ABC):
@@ -562,9 +564,17 @@ class RowRemoteBatch(RemoteBatch):
         cancellation goes on after it), so a lease is never left half-acknowledged.
 
         Raises:
-            LeaseExpired: the lease had expired and the rows went to another consumer.
+            LeaseExpired: the lease had expired and the rows went to another consumer,
+                or the batch was given back before (``release()``, or its stream let it
+                go when the task iterating it failed): its rows are delivered again.
         """
         if not self._lease.open:
+            if self._lease.released:
+                raise LeaseExpired(
+                    f"this batch ({len(self)} rows) was given back unacknowledged before "
+                    "this ack (by release(), or by its stream when the task iterating it "
+                    "raised or was cancelled): its rows are delivered again. Ack a batch "
+                    "before giving it up")
             return
         self._lease.close()
         await _timed(shielded(self._s.ack(self._lease.ids)))
@@ -574,7 +584,7 @@ class RowRemoteBatch(RemoteBatch):
         the task. Idempotent; runs to the end even if the awaiting task is cancelled."""
         if not self._lease.open:
             return
-        self._lease.close()
+        self._lease.close(released=True)
         await _timed(shielded(self._s.release(self._lease.ids)))
 
     def release_nowait(self) -> None:
@@ -583,7 +593,7 @@ class RowRemoteBatch(RemoteBatch):
         Best effort: if the queue is gone, the lease timeout applies."""
         if not self._lease.open:
             return
-        self._lease.close()
+        self._lease.close(released=True)
         try:
             self._s.release_nowait(self._lease.ids)
         except Exception:  # interpreter shutdown, loop gone: the lease timeout applies
@@ -612,7 +622,7 @@ class RowRemoteBatch(RemoteBatch):
     def __getstate__(self):
         return {"q": self._s.queue, "rows": self._rows, "shards": self._shards,
                 "versions": self._versions, "fields": self._fields, "known": self._known, "leases": self._lease.ids,
-                "open": self._lease.open, "nbytes": self.nbytes, "task": self._task, "partition": self._partition,
+                "open": self._lease.open, "released": self._lease.released, "nbytes": self.nbytes, "task": self._task, "partition": self._partition,
                 "scalar": self._scalar, "probe": self._cache.probe}
 
     def __setstate__(self, st):
@@ -623,6 +633,7 @@ class RowRemoteBatch(RemoteBatch):
         self._cache = _Cache(probe=st.get("probe"))
         self._lease = _BatchLease(st["leases"])
         self._lease.open = st["open"]
+        self._lease.released = st.get("released", False)
         self._task, self._partition, self._scalar = st["task"], st["partition"], st["scalar"]
         self.nbytes = st.get("nbytes")
 

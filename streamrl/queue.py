@@ -878,11 +878,16 @@ class Stream:
         return self._current
 
     def _watch(self) -> None:
-        """Give the current batch back when the task iterating this stream ends while it
-        is unacknowledged (its body raised, was cancelled, or returned after ``break``).
-        A stream kept in a variable (``s = q.stream(...)``; ``async for mb in s``) then
-        releases its lease at once even when the exception, and with it the stream, is
-        kept alive (``gather(..., return_exceptions=True)``), where no finalizer runs."""
+        """Give the current batch back when the task iterating this stream fails while it
+        is unacknowledged (its body raised or it was cancelled). A stream kept in a
+        variable (``s = q.stream(...)``; ``async for mb in s``) then releases its lease
+        at once even when the exception, and with it the stream, is kept alive
+        (``gather(..., return_exceptions=True)``), where no finalizer runs.
+
+        A task that ends normally keeps nothing from being acknowledged: the batch may
+        be held by another task (``asyncio.wait_for(anext(s), t)`` and a prefetching
+        ``create_task(anext(s))`` fetch it in a short task of their own that ends at
+        once, and the caller acks it), so only a failure gives it back."""
         if not self.watch_task:
             return
         task = asyncio.current_task()
@@ -895,6 +900,8 @@ class Stream:
             stream = ref()
             if stream is not None and stream._watched is _task:
                 stream._watched = None
+                if not _task.cancelled() and _failure(_task) is None:
+                    return  # ended normally: the batch is someone's to ack
                 cur, stream._current = stream._current, None
                 if cur is not None and cur.leased:
                     cur.release_nowait()
@@ -925,6 +932,16 @@ class Stream:
         cur = self._current
         if cur is not None and cur.leased:
             cur.release_nowait()
+
+
+def _failure(task: asyncio.Task) -> BaseException | None:
+    """The exception a finished, not cancelled task raised, without marking it
+    retrieved (``Task.exception()`` would: asyncio's "exception was never retrieved"
+    report of a consumer task that failed must stay)."""
+    try:
+        return task._exception  # type: ignore[attr-defined]  # (CPython's Task and Future)
+    except AttributeError:  # another loop's task class
+        return task.exception()
 
 
 def _row_ids(rows: Any) -> list[int]:

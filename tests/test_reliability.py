@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from streamrl.errors import InvalidArgument, SchemaError, StreamTimeout
+from streamrl.errors import InvalidArgument, LeaseExpired, SchemaError, StreamTimeout
 
 pytestmark = [pytest.mark.timeout(120),
               pytest.mark.filterwarnings("ignore:torch.quantize_per_tensor:UserWarning")]
@@ -150,6 +150,54 @@ async def test_a_stream_iterated_across_calls_of_one_task_keeps_its_lease(make_q
     await asyncio.sleep(0.05)
     assert mb.leased and (await q.stats()).leases == 1
     await mb.ack()
+
+
+@pytest.mark.parametrize("shape", ["wait_for", "prefetch"])
+async def test_a_batch_fetched_in_a_short_task_is_acked_once_and_never_redelivered(
+        make_queue, shape):
+    """``asyncio.wait_for(anext(s), t)`` and a prefetching ``create_task(anext(s))``
+    fetch each batch in a task of their own that ends at once; the caller acks the
+    batch. It must count as acked (not given back when that short task ended), every
+    row must come exactly once, and the stream must end."""
+    q = make_queue(capacity=16)
+    await q.put({"x": torch.arange(8)}, partition="p")
+    await q.seal("p")
+    s = q.stream("t", ["x"], 2, partition="p")
+    seen = []
+
+    async def fetch():
+        if shape == "wait_for":
+            return await asyncio.wait_for(anext(s), 10)
+        return await asyncio.create_task(anext(s))
+
+    while True:
+        try:
+            mb = await fetch()
+        except StopAsyncIteration:
+            break
+        seen += (await mb.materialize())["x"].tolist()
+        await asyncio.sleep(0.01)  # (the short task is long done by now)
+        await mb.ack()
+        assert len(seen) <= 8, f"rows delivered again: {seen}"
+    st = await q.stats()
+    assert sorted(seen) == list(range(8))
+    assert st.tasks["t"].acked == 8 and st.tasks["t"].redelivered == 0
+
+
+async def test_ack_of_a_batch_given_back_raises(make_queue):
+    """A batch released (by release(), or by its stream when the iterating task
+    failed) cannot be acknowledged after: its rows go out again, and the ack says so."""
+    q = make_queue(capacity=16)
+    await q.put({"x": torch.arange(4)}, partition="p")
+    mb = await q.get("t", ["x"], 4, partition="p", timeout=5)
+    await mb.release()
+    await mb.release()  # idempotent
+    with pytest.raises(LeaseExpired, match="given back"):
+        await mb.ack()
+    again = await q.get("t", ["x"], 4, partition="p", timeout=5)
+    await again.ack()
+    await again.ack()  # idempotent
+    assert (await q.stats()).tasks["t"].acked == 4
 
 
 # ---------------------------------------------------------------- 13: bad durations and input
