@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Any
 
 import anyio
 
-from ._aio import shielded
+from ._aio import shielded, to_thread_whole
 from .controller import Controller
 from .messages import (END, CommitResult, Delivery, DropReason, FilterJob, FilterSpec, PutAnswer,
                        PutStatus, Request, WriteToken)
@@ -685,7 +685,8 @@ class ControllerService:
         self._hold, self._hold_ended = hold, anyio.Event()
         filters = {n: filter_ref(fn) for n, fn in self._filters.items()}
         try:
-            entry, plans, rows, summary = await anyio.to_thread.run_sync(
+            # (waited for even when cancelled: the caller removes the directory after)
+            entry, plans, rows, summary = await to_thread_whole(
                 write_state, directory, cut, ctl.num_shards)
         except BaseException:
             await shielded(self._end_hold(hold))

@@ -211,8 +211,9 @@ async def test_a_checkpoint_of_a_running_queue_is_consistent(make_queue, restore
     async def produce(k):
         i = k
         while not stop.is_set():
-            await q.put(_rows([i, i + 1000], width=1024), partition="p", timeout=30)
-            put_done[i] = put_done[i + 1000] = loop.time()
+            # (sids unique however many puts: producer k puts k, k+2, ... and those plus 10**6)
+            await q.put(_rows([i, i + 10**6], width=1024), partition="p", timeout=30)
+            put_done[i] = put_done[i + 10**6] = loop.time()
             i += 2
             await asyncio.sleep(0)
 
@@ -301,6 +302,56 @@ async def test_a_cancelled_checkpoint_leaves_the_previous_one_and_the_queue_whol
     assert st.rows == 0 and sum(st.unit_rows) == 0  # the hold ended: deleted
     r = await restored(await streamrl.StreamQueue.restore(tmp_path / "ck"))
     assert (await r.stats()).rows in (8, 40)  # the previous one, or the new one whole
+
+
+@pytest.mark.parametrize("cancels", [1, 3])
+async def test_a_checkpoint_cancelled_while_it_is_published_is_whole(
+        make_queue, restored, tmp_path, monkeypatch, cancels):
+    """Cancelled (once or again and again) while the finished checkpoint is renamed into
+    place: the renames run to their end before the cancellation goes on, nothing is
+    removed beside them, and the new checkpoint is the one at the path, whole."""
+    import threading
+
+    q = make_queue(capacity=64)
+    await q.put(_rows(range(8)), partition="p")
+    await q.checkpoint(tmp_path / "ck")
+    await q.put(_rows(range(8, 24)), partition="p")
+    entered, go = threading.Event(), threading.Event()
+    real = ckpt_client._publish
+
+    def slow_publish(*a):
+        entered.set()
+        go.wait(10)
+        return real(*a)
+
+    monkeypatch.setattr(ckpt_client, "_publish", slow_publish)
+    task = asyncio.create_task(q.checkpoint(tmp_path / "ck"))
+    await asyncio.to_thread(entered.wait, 10)
+    for _ in range(cancels):
+        task.cancel()
+        await asyncio.sleep(0.01)
+    go.set()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert os.listdir(tmp_path) == ["ck"]  # no temporary, nothing set aside
+    r = await restored(await streamrl.StreamQueue.restore(tmp_path / "ck"))
+    assert (await r.stats()).rows == 24  # published: the new one, whole
+    await r.seal("p")
+    assert sorted(await _drain(r, "t", ["sid", "x", "chat", "ragged"])) == list(range(24))
+
+
+def test_stale_temporaries_of_a_dashed_name_are_cleaned(tmp_path):
+    """A crashed writer's temporary of a checkpoint whose name has dashes (periodic
+    ``ckpt-00000001``) is removed by the next checkpoint to that name."""
+    host = ckpt_client._host()
+    dead = 2**22 + 12345  # (beyond pid_max's default: no such process)
+    mine = tmp_path / f".ckpt-00000001.tmp-{host}-{os.getpid()}-abc"
+    stale = tmp_path / f".ckpt-00000001.tmp-{host}-{dead}-abc"
+    other = tmp_path / f".ckpt-00000002.tmp-{host}-{dead}-abc"
+    for d in (mine, stale, other):
+        d.mkdir()
+    ckpt_client._clean_stale(str(tmp_path), "ckpt-00000001")
+    assert sorted(os.listdir(tmp_path)) == sorted([mine.name, other.name])
 
 
 # ------------------------------------------------------------------ damaged checkpoints

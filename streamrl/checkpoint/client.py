@@ -39,10 +39,9 @@ from dataclasses import dataclass
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
-import anyio
 import msgpack
 
-from .._aio import shielded
+from .._aio import shielded, to_thread_whole, wait_whole
 from ..errors import CheckpointError, InvalidArgument
 from .cut import STATE_FILE
 from .files import fsync_dir, read_file, write_msgpack
@@ -186,9 +185,9 @@ def _clean_stale(parent: str, name: str) -> None:
     for d in entries:
         if not d.startswith(f".{name}.tmp-{host}-"):
             continue
-        try:
-            pid = int(d.split("-")[2])
-        except (IndexError, ValueError):
+        try:  # .<name>.tmp-<host>-<pid>-<id> (the name may hold dashes, the host none)
+            pid = int(d[len(f".{name}.tmp-{host}-"):].split("-")[0])
+        except ValueError:
             continue
         if pid != os.getpid() and not os.path.exists(f"/proc/{pid}"):
             shutil.rmtree(os.path.join(parent, d), ignore_errors=True)
@@ -282,11 +281,12 @@ async def checkpoint(q: "StreamQueue", path: str | os.PathLike, *,
         os.makedirs(units_dir)
 
     try:
-        await anyio.to_thread.run_sync(prepare)
+        await to_thread_whole(prepare)
     except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)  # (made just now: empty)
+        await to_thread_whole(shutil.rmtree, tmp, True)  # (made just now: empty)
         raise
     hold = timeout if timeout is not None else max(600.0, _lease_timeout(q))
+    published = False
     try:
         cut = await q._control.checkpoint_begin(tmp, hold)
         try:
@@ -307,17 +307,21 @@ async def checkpoint(q: "StreamQueue", path: str | os.PathLike, *,
         }
 
         def finish() -> None:  # file system calls that may take long: not in the loop
+            nonlocal published
             _check_visible(tmp, cut, units)
             _write_manifest(tmp, manifest)
             fsync_dir(units_dir)
             fsync_dir(tmp)
             _publish(tmp, path, nonce)
+            published = True
             _clean_prev(parent, name)
 
-        await anyio.to_thread.run_sync(finish)
+        # (waited for to its end even when cancelled: the cleanup below must never run
+        # beside a rename of tmp into place)
+        await to_thread_whole(finish)
     except BaseException:
-        await shielded(anyio.to_thread.run_sync(
-            lambda: shutil.rmtree(tmp, ignore_errors=True)))
+        if not published:  # once published, the checkpoint stays, cancelled or not
+            await to_thread_whole(shutil.rmtree, tmp, True)
         raise
     files = 2 + sum(u["files"] for u in units)
     nbytes = cut.state["bytes"] + sum(u["bytes"] + u["index"]["bytes"] for u in units)
@@ -399,12 +403,14 @@ async def restore(cls: Any, path: str | os.PathLike, *,
         got = await q._control.checkpoint_load(directory, manifest["controller"], shards, fns)
         q._tags_any = frozenset(got.get("tag_fields", ()))
     except BaseException:
-        with anyio.CancelScope(shield=True):
+        async def stop() -> None:
             try:
                 await q.close()
             except Exception:  # noqa: BLE001 - the error that matters is the one below
                 pass
             await q.shutdown()
+
+        await wait_whole(stop())  # (a native cancellation included: nothing half made)
         raise
     return q
 
@@ -465,7 +471,7 @@ class Periodic:
                 continue
             finally:
                 del q
-            await anyio.to_thread.run_sync(self._prune)
+            await to_thread_whole(self._prune)
             self.last = info  # (once the older ones are pruned)
 
     def _prune(self) -> None:

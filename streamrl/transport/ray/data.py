@@ -30,6 +30,7 @@ from typing import Any, Protocol
 import numpy as np
 import ray
 
+from ..._aio import wait_whole
 from ...arena import ShmRef, map_segment
 from ...errors import RowsLost, TransportError, rows_preview
 from ...messages import PutStatus
@@ -412,7 +413,9 @@ class RayDataPlane(DataPlane):
         try:
             return list(await asyncio.gather(*calls))
         except BaseException:
-            await asyncio.shield(self._stop_writes(directory, calls))
+            # (to its end, however often this is cancelled: the caller removes the
+            # directory once this raises, and no unit may still write into it then)
+            await wait_whole(self._stop_writes(directory, calls))
             raise
 
     async def _stop_writes(self, directory: str, calls: Sequence[asyncio.Future]) -> None:
