@@ -754,13 +754,10 @@ def _transports() -> list[tuple[str, str]]:
 
     out: list = [("embedded", "embedded")]
     if "ray" in conftest.TRANSPORTS:
-        out += [("ray", "embedded"), pytest.param("ray", "ray", marks=ALL),
-                pytest.param("embedded", "ray", marks=ALL)]
+        out += [("ray", "embedded"), ("ray", "ray"), pytest.param("embedded", "ray", marks=ALL)]
     return out
 
 
-@pytest.mark.slow
-@pytest.mark.timeout(600)
 def _ray_address(request, *transports: str) -> str | None:
     if not any("ray" in t for t in transports):
         return None
@@ -768,6 +765,8 @@ def _ray_address(request, *transports: str) -> str | None:
     return ray.get_runtime_context().gcs_address
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(600)
 @pytest.mark.parametrize("first,second", _transports())
 def test_a_killed_process_is_resumed_by_another(first, second, tmp_path, request):
     path = str(tmp_path / "ck")
