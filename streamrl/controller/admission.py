@@ -154,6 +154,7 @@ class Admission(ControllerBase):
             p.rows[rid] = row
         self.reserved_bytes += nbytes
         self.c_put += n
+        p.put += n
         tok = WriteToken(self._new_token_id(), ids, shards, tuple(fields), nbytes, True)
         self._track(tok)
         if self.max_staleness is not None and version < self.version - self.max_staleness:
@@ -262,6 +263,8 @@ class Admission(ControllerBase):
         if tok.new_rows:  # never put: neither counted as put nor as dropped
             self._drop_rows(live, None)
             self.c_put -= len(live)  # (rows that left meanwhile were counted as dropped)
+            for r in live:
+                r.part.put -= 1
             return None
         return self._undo(tok, live)
 
@@ -365,6 +368,7 @@ class Admission(ControllerBase):
         zeros = [0] * len(tok.rows)
         sizes = [(f, [int(b) for b in nbytes[f]] if f in nbytes else zeros) for f in tok.fields]
         rows = self.rows
+        part, part_added = None, 0  # bytes added per run of rows of one partition
         for i, (rid, s) in enumerate(zip(tok.rows, tok.shards)):
             row = rows.get(rid)
             if row is None:
@@ -379,9 +383,16 @@ class Admission(ControllerBase):
                 have[f] = b
             row.nbytes += delta
             added += delta
+            if row.part is not part:
+                if part is not None and part_added > 0:
+                    part.bytes_put += part_added
+                part, part_added = row.part, 0
+            part_added += delta
             for f, vals in tags.items():
                 self._set_tag(row, f, vals[i])
             touched.append(row)
+        if part is not None and part_added > 0:
+            part.bytes_put += part_added
         self.bytes_held += added
         self.c_bytes_put += max(added, 0)
         if tok.reserved_bytes:

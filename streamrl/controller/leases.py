@@ -70,22 +70,26 @@ class Leases(ControllerBase):
         if hist is None:
             hist = self.h_delivery[task] = Histogram()
         now = self.clock()
-        nbytes = 0
+        nbytes = again = 0
         fields = lease.fields
         for rid in lease.rows:
             row = self.rows[rid]
+            have = row.fields
+            b = 0
+            for f in fields:
+                b += have.get(f, 0)
+            nbytes += b
             if row.delivered & bit:
                 redelivered += 1
+                again += b
             else:
                 hist.observe(now - row.born)
             row.delivered |= bit
-            have = row.fields
-            for f in fields:
-                nbytes += have.get(f, 0)
         self.c_delivered[task] = self.c_delivered.get(task, 0) + len(lease.rows)
         self.c_bytes_delivered[task] = self.c_bytes_delivered.get(task, 0) + nbytes
         if redelivered:
             self.c_redelivered[task] = self.c_redelivered.get(task, 0) + redelivered
+            self.c_bytes_redelivered[task] = self.c_bytes_redelivered.get(task, 0) + again
 
     def ack(self, lease_ids: Iterable[int]) -> None:
         """The consumer is done with these leases: their rows count as consumed by the
@@ -110,17 +114,23 @@ class Leases(ControllerBase):
             task = lease.task
             bit = self._bit(self._tbits, task)
             done = []
+            fields = lease.fields
+            nbytes = 0
             for rid in lease.rows:
                 row = self.rows.get(rid)
                 if row is None or row.leased.get(task) != lid:
                     continue
                 del row.leased[task]
+                have = row.fields
+                for f in fields:
+                    nbytes += have.get(f, 0)
                 row.acked |= bit
                 p = row.part
                 p.acked[task] = p.acked.get(task, 0) + 1
                 if p.cmask and row.acked & p.cmask == p.cmask and not row.leased:
                     done.append(row)
             self.c_acked[task] = self.c_acked.get(task, 0) + len(lease.rows)
+            self.c_bytes_acked[task] = self.c_bytes_acked.get(task, 0) + nbytes
             self._drop_rows(done, DropReason.CONSUMED)
             self._lease_changed(lease)
         if expired:
