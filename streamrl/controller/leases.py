@@ -70,21 +70,20 @@ class Leases(ControllerBase):
         if hist is None:
             hist = self.h_delivery[task] = Histogram()
         now = self.clock()
-        nbytes = again = 0
+        nbytes = 0
+        again = 0  # bytes of the rows redelivered
         fields = lease.fields
         for rid in lease.rows:
             row = self.rows[rid]
-            have = row.fields
-            b = 0
-            for f in fields:
-                b += have.get(f, 0)
-            nbytes += b
             if row.delivered & bit:
                 redelivered += 1
-                again += b
+                again += sum(row.fields.get(f, 0) for f in fields)
             else:
                 hist.observe(now - row.born)
             row.delivered |= bit
+            have = row.fields
+            for f in fields:
+                nbytes += have.get(f, 0)
         self.c_delivered[task] = self.c_delivered.get(task, 0) + len(lease.rows)
         self.c_bytes_delivered[task] = self.c_bytes_delivered.get(task, 0) + nbytes
         if redelivered:
@@ -113,17 +112,15 @@ class Leases(ControllerBase):
             withdrawn.extend(lease.withdrawn)
             task = lease.task
             bit = self._bit(self._tbits, task)
+            fields, nbytes = lease.fields, 0  # (bytes of the asked-for fields acked)
             done = []
-            fields = lease.fields
-            nbytes = 0
             for rid in lease.rows:
                 row = self.rows.get(rid)
                 if row is None or row.leased.get(task) != lid:
                     continue
                 del row.leased[task]
-                have = row.fields
                 for f in fields:
-                    nbytes += have.get(f, 0)
+                    nbytes += row.fields.get(f, 0)
                 row.acked |= bit
                 p = row.part
                 p.acked[task] = p.acked.get(task, 0) + 1
