@@ -290,7 +290,7 @@ class RayMirror:
     one, and each histogram gets one observation per new one of the snapshot's (at a
     value inside its bucket, 3/4 of the bucket's upper bound), at most
     :attr:`MAX_OBSERVATIONS` per update: beyond that the rest waits for the next update
-    (Ray's histograms take one value per call, about 2 us each).
+    (Ray's histograms take one value per call, a few us each).
 
     Args:
         metrics: the ``ray.util.metrics`` module (or a stand-in; ``None``: imported at the
