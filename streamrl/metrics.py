@@ -6,34 +6,44 @@ it has none) and, where they apply, ``partition``, ``task``, ``reason``, ``filte
 snapshot (nothing is counted twice on the hot paths, and nothing is computed when
 nobody scrapes):
 
-==========================================  =====================================================
-series                                      what
-==========================================  =====================================================
-``streamrl_rows_put_total``                 rows admitted
-``streamrl_bytes_put_total``                bytes written
-``streamrl_rows_delivered_total``           rows handed out, per task (redeliveries included)
-``streamrl_bytes_delivered_total``          bytes of the asked-for fields handed out, per task
-``streamrl_rows_acked_total``               rows acknowledged, per task
-``streamrl_rows_redelivered_total``         rows handed out again, per task
-``streamrl_rows_expired_total``             rows whose lease timed out, per task
-``streamrl_rows_dropped_total``             rows that left, per reason (consumed, filtered, ...)
-``streamrl_rows_filtered_total``            rows rejected, per filter
-``streamrl_rows``                           rows held now, per partition and state
-``streamrl_rows_held`` / ``streamrl_bytes_held``  rows and bytes held now
-``streamrl_capacity_rows`` / ``_bytes``     the bounds
-``streamrl_producers_waiting``              producers waiting for room or pacing
-``streamrl_leases``                         open leases
-``streamrl_delivery_latency_seconds``       histogram: a row's put to its first delivery, per task
-``streamrl_wait_seconds``                   histogram: how long takes waited, per task
-``streamrl_unit_rows`` / ``_bytes``         what each storage unit holds
-``streamrl_materialize_seconds``            histogram: this process's materialize calls, per task
-``streamrl_materialize_bytes_total``        tensor bytes this process read, per task
-==========================================  =====================================================
+===========================================  ====================================================
+series                                       what
+===========================================  ====================================================
+``streamrl_rows_put_total``                  rows admitted
+``streamrl_bytes_put_total``                 bytes written
+``streamrl_partition_rows_put_total``        rows admitted, per partition held now
+``streamrl_partition_bytes_put_total``       bytes written, per partition held now
+``streamrl_rows_delivered_total``            rows handed out, per task (redeliveries included)
+``streamrl_bytes_delivered_total``           bytes of the asked-for fields handed out, per task
+``streamrl_rows_acked_total``                rows acknowledged, per task
+``streamrl_bytes_acked_total``               bytes of the asked-for fields acknowledged, per task
+``streamrl_rows_redelivered_total``          rows handed out again, per task
+``streamrl_bytes_redelivered_total``         bytes of the asked-for fields handed out again
+``streamrl_rows_expired_total``              rows whose lease timed out, per task
+``streamrl_rows_dropped_total``              rows that left, per reason (consumed, filtered, ...)
+``streamrl_bytes_dropped_total``             bytes of those rows, per reason
+``streamrl_rows_filtered_total``             rows rejected, per filter
+``streamrl_bytes_filtered_total``            bytes of those rows, per filter
+``streamrl_bytes_moved_total``               bytes moved between processes, per path
+``streamrl_rows``                            rows held now, per partition and state
+``streamrl_partition_bytes_held``            bytes held now, per partition
+``streamrl_rows_held`` / ``_bytes_held``     rows and bytes held now
+``streamrl_capacity_rows`` / ``_bytes``      the bounds
+``streamrl_producers_waiting``               producers waiting for room or pacing
+``streamrl_leases``                          open leases
+``streamrl_delivery_latency_seconds``        histogram: a row's put to its first delivery, per task
+``streamrl_wait_seconds``                    histogram: how long takes waited, per task
+``streamrl_unit_rows`` / ``_bytes``          what each storage unit holds
+``streamrl_materialize_seconds``             histogram: this process's materialize calls, per
+                                             task and path
+``streamrl_materialize_bytes_total``         bytes this process read, per task and path
+===========================================  ====================================================
 
-On the Ray transport the controller actor serves the queue-wide series on its node, and
-also records them as Ray metrics (``ray.util.metrics``), so the Ray dashboard and its
-Prometheus/Grafana show them with no extra setup; each client process adds its own
-``streamrl_materialize_*`` series to the Ray metrics.
+On the Ray transport with ``metrics=`` the controller actor serves the queue-wide series
+on its node, and also records them as Ray metrics (``ray.util.metrics``, see
+:class:`RayMirror`), so the Ray dashboard and its Prometheus/Grafana show them; each
+client process adds its own ``streamrl_materialize_*`` series to the Ray metrics
+(:class:`RayReads`). Without ``metrics=`` nothing is recorded.
 """
 
 from __future__ import annotations
@@ -48,6 +58,9 @@ from .stats import Histogram, Stats
 
 if TYPE_CHECKING:
     from wsgiref.simple_server import WSGIServer
+
+#: a process's reads (``Session.reads``): ``(task, path) -> [rows, bytes, Histogram]``
+Reads = dict[tuple[str, str], list]
 
 log = logging.getLogger("streamrl")
 
@@ -74,7 +87,7 @@ def parse_spec(spec: Any) -> tuple[str, int] | None:
         f"None, got {spec!r}")
 
 
-def families(st: Stats, queue: str, reads: dict[str, list] | None = None) -> Iterator[Any]:
+def families(st: Stats, queue: str, reads: Reads | None = None) -> Iterator[Any]:
     """The metric families of one stats snapshot (and of this process's reads)."""
     from prometheus_client.core import (CounterMetricFamily, GaugeMetricFamily,
                                         HistogramMetricFamily)
@@ -91,10 +104,20 @@ def families(st: Stats, queue: str, reads: dict[str, list] | None = None) -> Ite
     c = counter("bytes_put", "Bytes written.")
     c.add_metric([queue], st.bytes_put)
     yield c
+    per_part = [("partition_rows_put", "put", "Rows ever put into the partition."),
+                ("partition_bytes_put", "bytes_put", "Bytes ever written into the partition.")]
+    for name, key, doc in per_part:
+        c = counter(name, doc, ["partition"])
+        for part, states in sorted(st.partitions.items()):
+            c.add_metric([queue, part], states.get(key, 0))
+        yield c
     per_task = [("rows_delivered", "delivered", "Rows handed out (redeliveries included)."),
                 ("bytes_delivered", "bytes", "Bytes of the asked-for fields handed out."),
                 ("rows_acked", "acked", "Rows acknowledged."),
+                ("bytes_acked", "bytes_acked", "Bytes of the asked-for fields of rows acked."),
                 ("rows_redelivered", "redelivered", "Rows handed out again."),
+                ("bytes_redelivered", "bytes_redelivered",
+                 "Bytes of the asked-for fields of rows handed out again."),
                 ("rows_expired", "expired", "Rows whose lease timed out.")]
     for name, attr, doc in per_task:
         c = counter(name, doc, ["task"])
@@ -113,6 +136,10 @@ def families(st: Stats, queue: str, reads: dict[str, list] | None = None) -> Ite
     for name, n in sorted(st.filtered_by.items()):
         c.add_metric([queue, name], n)
     yield c
+    c = counter("bytes_filtered", "Bytes of the rows rejected, per filter.", ["filter"])
+    for name, n in sorted(st.bytes_filtered_by.items()):
+        c.add_metric([queue, name], n)
+    yield c
     c = counter("bytes_moved", "Bytes moved between processes, per path (rdt, shm, socket, "
                 "inline, local; Ray transports).", ["path"])
     for path, n in sorted(getattr(st, "bytes_by_path", {}).items()):
@@ -122,6 +149,11 @@ def families(st: Stats, queue: str, reads: dict[str, list] | None = None) -> Ite
     for part, states in sorted(st.partitions.items()):
         for state in ("waiting", "ready", "leased", "consumed"):
             g.add_metric([queue, part, state], states.get(state, 0))
+    yield g
+    g = gauge("partition_bytes_held", "Bytes written and held now, per partition.",
+              ["partition"])
+    for part, states in sorted(st.partitions.items()):
+        g.add_metric([queue, part], states.get("bytes", 0))
     yield g
     for name, value, doc in [
             ("rows_held", st.rows, "Rows held now."),
@@ -151,12 +183,15 @@ def families(st: Stats, queue: str, reads: dict[str, list] | None = None) -> Ite
         yield g
     if reads:
         h = HistogramMetricFamily("streamrl_materialize_seconds",
-                                  "Seconds a materialize call of this process took.",
-                                  labels=["queue", "task"])
-        c = counter("materialize_bytes", "Tensor bytes this process read.", ["task"])
-        for task, (_rows, nbytes, hist) in sorted(reads.items()):
-            h.add_metric([queue, task], _buckets(hist), hist.sum)
-            c.add_metric([queue, task], nbytes)
+                                  "Seconds a materialize call of this process took, per task "
+                                  "and the path that carried most of its bytes.",
+                                  labels=["queue", "task", "path"])
+        c = counter("materialize_bytes", "Bytes this process's materialize calls read, per "
+                    "task and path.", ["task", "path"])
+        for (task, path), (_rows, nbytes, hist) in sorted(reads.items()):
+            if hist.count:
+                h.add_metric([queue, task, path], _buckets(hist), hist.sum)
+            c.add_metric([queue, task, path], nbytes)
         yield h
         yield c
 
@@ -196,7 +231,7 @@ class MetricsServer:
     def __init__(self, stats: Callable[[], Any],
                  loop: asyncio.AbstractEventLoop | Callable[[], asyncio.AbstractEventLoop | None],
                  queue: str,
-                 addr: tuple[str, int], reads: dict[str, list] | None = None,
+                 addr: tuple[str, int], reads: Reads | None = None,
                  timeout: float = 10.0):
         try:
             from prometheus_client import CollectorRegistry, start_http_server
@@ -247,33 +282,55 @@ class MetricsServer:
 
 
 class RayMirror:
-    """Records the counters and gauges of :func:`families` as Ray metrics
-    (``ray.util.metrics``), so the Ray dashboard, and the Prometheus it feeds, show them.
-    Histograms are left to the HTTP endpoint. Call :meth:`update` with each snapshot."""
+    """Records the series of :func:`families` as Ray metrics (``ray.util.metrics``), so
+    the Ray dashboard, and the Prometheus it feeds, show them: counters as
+    ``Counter`` (named without ``_total``: Ray adds it), gauges as ``Gauge`` and
+    histograms as ``Histogram`` with the same power-of-two bucket bounds. Call
+    :meth:`update` with each snapshot: counters grow by what they grew since the last
+    one, and each histogram gets one observation per new one of the snapshot's (at a
+    value inside its bucket, 3/4 of the bucket's upper bound), at most
+    :attr:`MAX_OBSERVATIONS` per update: beyond that the rest waits for the next update
+    (Ray's histograms take one value per call, a few us each).
 
-    def __init__(self) -> None:
+    Args:
+        metrics: the ``ray.util.metrics`` module (or a stand-in; ``None``: imported at the
+            first update).
+    """
+
+    MAX_OBSERVATIONS = 20_000
+    BOUNDARIES = [Histogram.bound(i) for i in range(Histogram.NBUCKETS - 1)]
+
+    def __init__(self, metrics: Any = None) -> None:
+        self._rm = metrics
         self._metrics: dict[str, Any] = {}
         self._last: dict[tuple, float] = {}
+        self._seen: dict[tuple, dict[str, int]] = {}  # histogram series -> le -> observed
 
-    def update(self, st: Stats, queue: str, reads: dict[str, list] | None = None) -> None:
-        from ray.util import metrics as rm
+    def update(self, st: Stats, queue: str, reads: Reads | None = None) -> None:
+        if self._rm is None:
+            import importlib
 
+            self._rm = importlib.import_module("ray.util.metrics")
+        rm = self._rm
+        budget = self.MAX_OBSERVATIONS
         for fam in families(st, queue, reads):
+            if fam.type == "histogram":
+                budget = self._histogram(rm, fam, budget)
+                continue
             if fam.type not in ("counter", "gauge"):
                 continue
             for sample in fam.samples:
                 if sample.name.endswith("_created"):
                     continue
-                keys = tuple(sorted(sample.labels))
-                # a Counter or a Gauge, as fam.type says
-                m: Any = self._metrics.get(sample.name)
+                name = fam.name if fam.type == "counter" else sample.name
+                m: Any = self._metrics.get(name)
                 if m is None:
                     kind = rm.Counter if fam.type == "counter" else rm.Gauge
-                    m = self._metrics[sample.name] = kind(
-                        sample.name, description=fam.documentation, tag_keys=keys)
+                    m = self._metrics[name] = kind(
+                        name, description=fam.documentation, tag_keys=tuple(sorted(sample.labels)))
                 tags = dict(sample.labels)
                 if fam.type == "counter":
-                    key = (sample.name, tuple(sorted(tags.items())))
+                    key = (name, tuple(sorted(tags.items())))
                     delta = sample.value - self._last.get(key, 0.0)
                     self._last[key] = sample.value
                     if delta > 0:
@@ -281,34 +338,77 @@ class RayMirror:
                 else:
                     m.set(sample.value, tags=tags)
 
+    def _histogram(self, rm: Any, fam: Any, budget: int) -> int:
+        """Observe what each series of histogram family ``fam`` gained; the budget left."""
+        series: dict[tuple, list[tuple[float, str, float]]] = {}
+        for sample in fam.samples:
+            if not sample.name.endswith("_bucket"):
+                continue
+            labels = tuple(sorted((k, v) for k, v in sample.labels.items() if k != "le"))
+            le = sample.labels["le"]
+            series.setdefault(labels, []).append((float(le), le, sample.value))
+        for labels, buckets in sorted(series.items()):
+            m: Any = self._metrics.get(fam.name)
+            if m is None:
+                m = self._metrics[fam.name] = rm.Histogram(
+                    fam.name, description=fam.documentation, boundaries=self.BOUNDARIES,
+                    tag_keys=tuple(k for k, _ in labels))
+            seen = self._seen.setdefault((fam.name, labels), {})
+            tags = dict(labels)
+            below, last_bound = 0.0, 0.0
+            for bound, le, cumulative in sorted(buckets):
+                count, below = cumulative - below, cumulative
+                value = 0.75 * bound if bound != float("inf") else 2 * last_bound
+                last_bound = bound if bound != float("inf") else last_bound
+                todo = min(int(count) - seen.get(le, 0), budget)
+                if todo <= 0:
+                    continue
+                for _ in range(todo):
+                    m.observe(value, tags=tags)
+                seen[le] = seen.get(le, 0) + todo
+                budget -= todo
+        return budget
+
 
 class RayReads:
     """This process's ``materialize`` reads as Ray metrics (``ray.util.metrics``): the
     ``streamrl_materialize_seconds`` histogram and ``streamrl_materialize_bytes`` counter,
-    labelled by queue and task, recorded where the reads happen (any Ray worker) so the
-    Ray dashboard sums them over the cluster. Made lazily, on the first read."""
+    labelled by queue, task and path (see :class:`streamrl.session.Session`), recorded
+    where the reads happen (any Ray worker) so the Ray dashboard sums them over the
+    cluster. Made lazily, on the first read.
+
+    Args:
+        queue: the ``queue`` label.
+        metrics: the ``ray.util.metrics`` module (or a stand-in; ``None``: imported at the
+            first read).
+    """
 
     BOUNDARIES = [Histogram.bound(i) for i in range(4, 36, 2)]  # 16 us .. ~2 min
 
-    def __init__(self, queue: str) -> None:
+    def __init__(self, queue: str, metrics: Any = None) -> None:
         self._queue = queue
+        self._rm = metrics
         self._m: tuple[Any, Any] | None = None
 
-    def __call__(self, task: str, rows: int, nbytes: int, seconds: float) -> None:
+    def __call__(self, task: str, path: str, rows: int, by_path: dict[str, int],
+                 seconds: float) -> None:
         try:
             if self._m is None:
-                from ray.util import metrics as rm
+                if self._rm is None:
+                    import importlib
 
+                    self._rm = importlib.import_module("ray.util.metrics")
+                rm = self._rm
+                keys = ("queue", "task", "path")
                 self._m = (
                     rm.Histogram("streamrl_materialize_seconds",
                                  description="Seconds a materialize call took.",
-                                 boundaries=self.BOUNDARIES, tag_keys=("queue", "task")),
+                                 boundaries=self.BOUNDARIES, tag_keys=keys),
                     rm.Counter("streamrl_materialize_bytes",
-                               description="Tensor bytes read by materialize.",
-                               tag_keys=("queue", "task")))
-            tags = {"queue": self._queue, "task": task}
-            self._m[0].observe(seconds, tags=tags)
-            if nbytes:
-                self._m[1].inc(nbytes, tags=tags)
+                               description="Bytes read by materialize.", tag_keys=keys))
+            self._m[0].observe(seconds, tags={"queue": self._queue, "task": task, "path": path})
+            for p, n in by_path.items():
+                if n:
+                    self._m[1].inc(n, tags={"queue": self._queue, "task": task, "path": p})
         except Exception as e:  # noqa: BLE001 - metrics never break a read
             log.debug("streamrl: Ray read metrics failed: %r", e)

@@ -672,7 +672,9 @@ class StreamQueue:
         """Record how long ``role`` waits on this queue against how long it computes:
         ``with q.timed("actor_update"): ...`` (or ``async with``) around the role's work;
         queue calls inside it (in this task and tasks it starts) count as queue time.
-        Read the totals with :meth:`timings`. See :mod:`streamrl.timing`.
+        For a consumer, open it around the ``async for`` over a stream, not inside it, so
+        the wait for each next batch counts. Read the totals with :meth:`timings`. See
+        :mod:`streamrl.timing`.
 
         Examples:
             >>> import asyncio, torch, streamrl
@@ -939,7 +941,7 @@ def _failure(task: asyncio.Task) -> BaseException | None:
     retrieved (``Task.exception()`` would: asyncio's "exception was never retrieved"
     report of a consumer task that failed must stay)."""
     try:
-        return task._exception  # type: ignore[attr-defined]  # (CPython's Task and Future)
+        return task._exception  # (CPython's Task and Future)
     except AttributeError:  # another loop's task class
         return task.exception()
 

@@ -7,10 +7,10 @@ Views never reach into the queue, its transport or the storage units themselves.
 
 from __future__ import annotations
 
+import contextvars
+import time
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
-
-import time
 
 import numpy as np
 import torch
@@ -24,7 +24,21 @@ if TYPE_CHECKING:
     from .queue import StreamQueue
     from .transport.base import DataPlane, Transport
 
-__all__ = ["Session"]
+__all__ = ["Session", "note_moved"]
+
+#: the bytes per path of the read in progress in this task (see :func:`note_moved`)
+_moving: contextvars.ContextVar[dict[str, int] | None] = contextvars.ContextVar(
+    "streamrl_read_paths", default=None)
+
+
+def note_moved(by_path: Mapping[str, int]) -> None:
+    """A data plane moved these bytes, per path (``"shm"``, ``"inline"``, ``"rdt"``,
+    ``"socket"``, ``"local"``): counted in the read in progress in this task, if any (so
+    :meth:`Session.fetch` knows which paths its read took)."""
+    acc = _moving.get()
+    if acc is not None:
+        for path, n in by_path.items():
+            acc[path] = acc.get(path, 0) + n
 
 
 class Session:
@@ -38,10 +52,15 @@ class Session:
     def __init__(self, queue: "StreamQueue", transport: "Transport"):
         self.queue = queue
         self._transport = transport
-        #: what this process read through the queue, per task: ``[rows, bytes,
-        #: Histogram of seconds per materialize]`` (``"-"``: batches not from a task)
-        self.reads: dict[str, list] = {}
-        #: called after each read with ``(task, rows, bytes, seconds)`` (Ray metrics)
+        #: what this process read through the queue, per task (``"-"``: batches not
+        #: from a task) and path: ``{(task, path): [rows, bytes, Histogram of seconds
+        #: per read]}``. The bytes are split by the path that moved them; each read's
+        #: rows and seconds count under the path that moved most of its bytes. Paths:
+        #: those of ``stats().bytes_by_path``, and ``"local"`` for a read that moved
+        #: nothing between processes (the embedded transport: its tensor bytes).
+        self.reads: dict[tuple[str, str], list] = {}
+        #: called after each read with ``(task, path, rows, {path: bytes}, seconds)``
+        #: (Ray metrics)
         self.on_read: Any = None
 
     @property
@@ -62,19 +81,30 @@ class Session:
         """Read ``fields`` of ``rows`` from their storage units: one request per unit, all
         units concurrently; columns come back in ``rows`` order (views where the rows
         are one run of one unit's piece, one copy otherwise). Counted in :attr:`reads`
-        under ``task`` (tensor bytes only)."""
+        under ``task`` and the paths the bytes took."""
         t0 = time.perf_counter()
-        out = await self._fetch(rows, shards, fields)
-        entry = self.reads.get(task or "-")
-        if entry is None:
-            entry = self.reads[task or "-"] = [0, 0, Histogram()]
-        nbytes = sum(_tensor_bytes(c) for c in out.values())
+        moved: dict[str, int] = {}
+        token = _moving.set(moved)
+        try:
+            out = await self._fetch(rows, shards, fields)
+        finally:
+            _moving.reset(token)
         dt = time.perf_counter() - t0
-        entry[0] += len(rows)
-        entry[1] += nbytes
-        entry[2].observe(dt)
+        by_path = {p: n for p, n in moved.items() if n}
+        if not by_path:  # nothing crossed a process boundary: the tensors read here
+            by_path = {"local": sum(_tensor_bytes(c) for c in out.values())}
+        path = max(by_path, key=lambda p: by_path[p])
+        name = task or "-"
+        for p, n in by_path.items():
+            entry = self.reads.get((name, p))
+            if entry is None:
+                entry = self.reads[(name, p)] = [0, 0, Histogram()]
+            entry[1] += n
+            if p == path:
+                entry[0] += len(rows)
+                entry[2].observe(dt)
         if self.on_read is not None:
-            self.on_read(task or "-", len(rows), nbytes, dt)
+            self.on_read(name, path, len(rows), by_path, dt)
         return out
 
     async def _fetch(self, rows: np.ndarray, shards: np.ndarray, fields: list[str]

@@ -9,9 +9,11 @@ __all__ = ["Stats", "TaskStats", "Histogram"]
 
 
 class Histogram:
-    """A latency histogram with power-of-two buckets (1 us to about 18 hours): constant
-    memory, O(1) to record, quantiles within a factor of 2 (the upper bound of their
-    bucket). Bucket ``i`` counts values in ``[2**(i-1), 2**i)`` microseconds."""
+    """A latency histogram with power-of-two buckets: constant memory, O(1) to record,
+    quantiles within a factor of 2 (the upper bound of their bucket). Bucket ``i`` counts
+    values in ``[2**(i-1), 2**i)`` microseconds (bucket 0: under 1 us); the last of the
+    37 buckets, from ``2**35`` us (about 9.5 hours) up, also takes every longer value, and
+    its upper bound, ``2**36`` us, is about 19 hours."""
 
     __slots__ = ("counts", "count", "sum")
 
@@ -78,6 +80,8 @@ class TaskStats:
         expired: rows whose lease timed out.
         leased: rows held right now.
         bytes: bytes of the asked-for fields of the rows handed out (as put).
+        bytes_acked: the same bytes, of the rows acknowledged.
+        bytes_redelivered: the same bytes, of the rows handed out again.
         ready: rows held now that the task could take at once.
         waiting: rows held now that the task has not consumed and cannot take yet
             (fields missing, a filter pending).
@@ -93,6 +97,8 @@ class TaskStats:
     expired: int = 0
     leased: int = 0
     bytes: int = 0
+    bytes_acked: int = 0
+    bytes_redelivered: int = 0
     ready: int = 0
     waiting: int = 0
     delivery_p50: float | None = None
@@ -125,6 +131,7 @@ class Stats:
         bytes_dropped_by: bytes of those rows, per the same reasons.
         filtered: rows rejected by filters.
         filtered_by: rows rejected, per filter name.
+        bytes_filtered_by: bytes of those rows, per filter name.
         filter_errors: rows dropped because their filter raised.
         filter_pending: per filter, rows it has not judged yet (a filter over a field that
             is never written shows its rows here).
@@ -132,8 +139,11 @@ class Stats:
         consumed: rows dropped because every declared consumer acknowledged them.
         delivered: rows handed out, over all tasks (redeliveries included).
         tasks: per-task :class:`TaskStats`.
-        partitions: per partition, rows held by state (``waiting``, ``ready``, ``leased``,
-            ``consumed``) and whether it is ``sealed``.
+        partitions: per partition held now (a sealed partition is forgotten once its
+            last row left): ``rows`` held, and by state (``waiting``, ``ready``,
+            ``leased``, ``consumed``); ``bytes`` written and held (without the bytes
+            reserved by puts in flight); ``put`` and ``bytes_put``, rows and bytes ever
+            put into it; whether it is ``sealed`` (0 or 1).
         leaked: rows held in sealed partitions that no task will take any more (should be
             0 at the end of a run).
         leases: open leases.
@@ -187,6 +197,7 @@ class Stats:
     bytes_dropped_by: dict[str, int] = field(default_factory=dict)
     filtered: int = 0
     filtered_by: dict[str, int] = field(default_factory=dict)
+    bytes_filtered_by: dict[str, int] = field(default_factory=dict)
     filter_errors: int = 0
     filter_pending: dict[str, int] = field(default_factory=dict)
     stale: int = 0
@@ -236,12 +247,14 @@ class Stats:
                     f"{_dur(t.wait_p50) + ' / ' + _dur(t.wait_p99):>16}")
         if self.partitions:
             lines.append(f"{'partition':<16}{'rows':>8}{'waiting':>9}{'ready':>7}"
-                         f"{'leased':>8}{'consumed':>10}  sealed")
+                         f"{'leased':>8}{'consumed':>10}{'put':>9}{'MB':>9}  sealed")
             for name in sorted(self.partitions):
                 p = self.partitions[name]
                 lines.append(f"{name[:15]:<16}{p.get('rows', 0):>8}{p.get('waiting', 0):>9}"
                              f"{p.get('ready', 0):>7}{p.get('leased', 0):>8}"
-                             f"{p.get('consumed', 0):>10}  {'yes' if p.get('sealed') else 'no'}")
+                             f"{p.get('consumed', 0):>10}{p.get('put', 0):>9}"
+                             f"{p.get('bytes', 0) / 1e6:>9.1f}"
+                             f"  {'yes' if p.get('sealed') else 'no'}")
         return "\n".join(lines)
 
 

@@ -7,10 +7,14 @@ call made inside it (``put``, ``get``, the next batch of a ``stream``, ``materia
 duration to the role's queue time. ``q.timings()`` then gives, per role, the seconds
 spent in its blocks, the part spent in queue calls, and the rest (compute)::
 
-    async for mb in q.stream("actor_update", fields, 32):
-        with q.timed("actor_update"):
+    with q.timed("actor_update"):
+        async for mb in q.stream("actor_update", fields, 32):  # the wait: queue time
             td = await mb.materialize()     # queue time
             loss = train_step(td)           # compute time
+
+Open the block around the ``async for``: the wait for the next batch happens in the
+``async for`` statement, before the body runs, so a block opened inside the loop misses
+it (usually the largest part of a consumer's queue time).
 
 Outside any ``timed`` block the bookkeeping costs one context-variable lookup per call.
 A queue call that makes other queue calls (``write`` puts) is counted once.

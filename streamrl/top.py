@@ -5,7 +5,8 @@ Attaches to the queue (``StreamQueue.connect``) and redraws, every ``--interval`
 seconds: the queue's holdings against its capacity; its partitions with rows by state;
 each task with its rates, lag, leases and latencies; the filters and what they dropped;
 the storage units and their memory. ``--once`` prints one snapshot and exits; ``--json``
-prints it as JSON (for scripts).
+(with ``--once``) prints it as JSON (for scripts). A checkpoint directory is read without
+Ray (always one snapshot).
 
 Examples:
     python -m streamrl top rollouts --address auto --namespace rl
@@ -18,6 +19,7 @@ import argparse
 import asyncio
 import json
 import logging
+import os
 import sys
 import time
 from typing import Any
@@ -54,17 +56,19 @@ def render(snap: dict[str, Any], name: str) -> Any:
     head.add_row(
         f"[bold]streamrl queue {name}[/bold]",
         f"rows {snap['rows']}/{snap['capacity']}",
-        f"bytes {_mb(snap['bytes'])}" + (f"/{_mb(cap_b)}" if cap_b else ""),
+        f"bytes {_size(snap['bytes'])}" + (f"/{_size(cap_b)}" if cap_b else ""),
         f"version {snap['version']}", f"leases {snap['leases']}",
         f"producers waiting {snap['waiting_puts']}",
         f"put {snap['put']}" + (f" ({snap['rate_put']:.0f}/s)" if snap["rate_put"] else ""),
         f"leaked {snap['leaked']}", "closed" if snap["closed"] else "open")
     parts = Table(title="partitions", title_justify="left", expand=False)
-    for col in ("partition", "rows", "waiting", "ready", "leased", "consumed", "sealed"):
+    for col in ("partition", "rows", "waiting", "ready", "leased", "consumed", "bytes", "put",
+                "sealed"):
         parts.add_column(col, justify="left" if col == "partition" else "right")
     for p, s in sorted(snap["partitions"].items()):
         parts.add_row(p, str(s.get("rows", 0)), str(s.get("waiting", 0)), str(s.get("ready", 0)),
                       str(s.get("leased", 0)), str(s.get("consumed", 0)),
+                      _size(s.get("bytes", 0)), str(s.get("put", 0)),
                       "yes" if s.get("sealed") else "no")
     tasks = Table(title="tasks", title_justify="left")
     for col in ("task", "delivered", "acked", "rows/s", "lag", "ready", "waiting", "leased",
@@ -81,23 +85,31 @@ def render(snap: dict[str, Any], name: str) -> Any:
     drops = Table(title="dropped and filtered", title_justify="left")
     drops.add_column("reason or filter")
     drops.add_column("rows", justify="right")
+    drops.add_column("bytes", justify="right")
     drops.add_column("pending", justify="right")
     for reason, n in sorted(snap["dropped_by"].items()):
-        drops.add_row(reason, str(n), "")
+        drops.add_row(reason, str(n), _size(snap["bytes_dropped_by"].get(reason, 0)), "")
     for f, n in sorted(snap["filtered_by"].items()):
-        drops.add_row(f"filter {f}", str(n), str(snap["filter_pending"].get(f, 0)))
+        drops.add_row(f"filter {f}", str(n), _size(snap["bytes_filtered_by"].get(f, 0)),
+                      str(snap["filter_pending"].get(f, 0)))
     units = Table(title="storage units", title_justify="left")
     for col in ("unit", "rows", "bytes", "shared memory", "pinned"):
         units.add_column(col, justify="right")
     shared, pinned = snap["unit_shared_bytes"], snap["unit_pinned_bytes"]
     for i, (r, b) in enumerate(zip(snap["unit_rows"], snap["unit_bytes"])):
-        units.add_row(str(i), str(r), _mb(b), _mb(shared[i]) if i < len(shared) else "-",
-                      _mb(pinned[i]) if i < len(pinned) else "-")
+        units.add_row(str(i), str(r), _size(b), _size(shared[i]) if i < len(shared) else "-",
+                      _size(pinned[i]) if i < len(pinned) else "-")
     return Group(head, parts, tasks, drops, units)
 
 
-def _mb(n: int | None) -> str:
-    return "-" if n is None else f"{n / 1e6:.1f}MB"
+def _size(n: int | None) -> str:
+    """Bytes, readable: ``"240B"``, ``"12.3KB"``, ``"1.5MB"``, ``"2.0GB"``."""
+    if n is None:
+        return "-"
+    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("KB", 1e3)):
+        if n >= scale:
+            return f"{n / scale:.1f}{unit}"
+    return f"{n}B"
 
 
 def _keep(td: Any) -> bool:
@@ -133,14 +145,10 @@ async def _from_checkpoint(args: argparse.Namespace) -> int:
 
 
 async def _run(args: argparse.Namespace) -> int:
-    import os
-
-    import ray
+    import ray  # (not for a checkpoint directory: see main)
 
     from .queue import StreamQueue
 
-    if os.path.isdir(args.name):
-        return await _from_checkpoint(args)
     if not ray.is_initialized():
         ray.init(address=args.address, namespace=args.namespace, log_to_driver=False,
                  logging_level=logging.ERROR)
@@ -182,6 +190,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--once", action="store_true", help="print one snapshot and exit")
     p.add_argument("--json", action="store_true", help="with --once: print JSON")
     args = p.parse_args(argv)
+    checkpoint = os.path.isdir(args.name)  # before anything imports Ray: none needed
+    if args.json and not args.once and not checkpoint:
+        print("python -m streamrl top: --json prints one snapshot; add --once "
+              f"(python -m streamrl top {args.name} --once --json)", file=sys.stderr)
+        return 2
     if not args.json:
         try:
             import rich  # noqa: F401
@@ -190,7 +203,7 @@ def main(argv: list[str] | None = None) -> int:
                   "(or use --once --json)", file=sys.stderr)
             return 2
     try:
-        return asyncio.run(_run(args))
+        return asyncio.run(_from_checkpoint(args) if checkpoint else _run(args))
     except KeyboardInterrupt:
         return 0
 

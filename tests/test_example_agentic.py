@@ -73,3 +73,33 @@ def test_each_run_gets_its_own_output_directory(tmp_path, monkeypatch):
     assert a != b and a.is_dir() and b.is_dir()
     assert a.parent == b.parent == Path("runs/agentic") and a.name.endswith("-ray")
     assert train.output_dir(train.parse_args(["--out", "mine"])) == Path("mine")
+
+
+async def test_progress_in_a_log_is_plain_lines(capsys, monkeypatch):
+    """``python train.py > log`` from a terminal: stdout is no terminal (stderr is), so the
+    run prints plain lines, never the bar's carriage-return redraws."""
+    import re
+
+    import streamrl
+
+    train = load_train()
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: True)
+    assert not sys.stdout.isatty()
+    async with streamrl.StreamQueue(capacity=8) as q:
+        with monkeypatch.context() as mp:
+            mp.setattr(train, "LOG_EVERY", 0.0)  # a line per step
+            m = train.Metrics(q, 3, quiet=False)
+            for step in range(3):
+                await m.end_step(step, trained=4)
+            m.close()
+        m = train.Metrics(q, 3, quiet=False)  # LOG_EVERY (10 s) apart: the last step's only
+        for step in range(3):
+            await m.end_step(step, trained=4)
+        m.close()
+    out, err = capsys.readouterr()
+    assert "\r" not in out + err and not err.strip(), (out, err)
+    line = r"agentic GRPO: step {}/3 \(\d+ s\): reward=\S+ rows/s=\d+ KB/s=[\d.]+"
+    lines = out.splitlines()
+    assert len(lines) == 4, lines
+    for got, n in zip(lines, [1, 2, 3, 3]):
+        assert re.fullmatch(line.format(n), got), got

@@ -68,3 +68,25 @@ async def test_vlm_example_runs_and_moves_only_what_each_role_needs(transport, t
     assert _per_row(lazy, "rollout") >= vlm.IMAGE_BYTES
     assert _per_row(lazy, "trainer") >= vlm.IMAGE_BYTES
     assert lazy["updates"] > 0
+
+
+def test_progress_in_a_log_is_plain_lines(capsys, monkeypatch):
+    """``python train.py > log`` from a terminal: stdout is no terminal (stderr is), so the
+    run prints plain lines (every LOG_EVERY seconds and at the last step), never the bar's
+    carriage-return redraws."""
+    import re
+
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: True)
+    assert not sys.stdout.isatty()
+    for every, want in ((0.0, [1, 2, 3]), (None, [3])):  # None: LOG_EVERY (10 s) apart
+        progress = vlm.Progress(3, "vlm lazy", every=every)
+        for step in range(3):
+            progress.update(f"reward=0.{step}0 held=1MiB")
+        progress.close()
+        out, err = capsys.readouterr()
+        assert "\r" not in out + err and not err.strip(), (out, err)
+        lines = out.splitlines()
+        assert len(lines) == len(want), lines
+        for got, n in zip(lines, want):
+            assert re.fullmatch(rf"vlm lazy: step {n}/3 \(\d+ s\): reward=0\.{n - 1}0 held=1MiB",
+                                got), got

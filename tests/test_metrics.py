@@ -34,32 +34,95 @@ async def test_metrics_agree_with_stats(make_queue):
     mb = await q.get("train", ["x", "y"], 6, partition="p", timeout=10)
     await mb.materialize()
     await mb.ack()
-    await q.get("train", ["x"], 3, partition="p", timeout=10)  # held
+    held = await q.get("train", ["x"], 3, partition="p", timeout=10)
+    await held.release()
+    await q.get("train", ["x"], 6, partition="p", timeout=10)  # held: 3 of them again
+    await q.put({"x": torch.arange(1, 3), "y": torch.zeros(2, 8)}, partition="other")
     st = await q.stats()
     m = await asyncio.to_thread(_scrape, q.metrics_url)
-    assert m["streamrl_rows_put_total{}"] == st.put == 16
-    assert m["streamrl_rows_filtered_total{filter=no4}"] == st.filtered_by["no4"] == 4
-    assert m["streamrl_rows_dropped_total{reason=consumed}"] == st.dropped_by["consumed"]
     row_bytes = 8 + 8 * 4
+    assert m["streamrl_rows_put_total{}"] == st.put == 18
+    assert m["streamrl_bytes_put_total{}"] == st.bytes_put == 18 * row_bytes
+    # per partition: put (ever) and held (now)
+    assert m["streamrl_partition_rows_put_total{partition=p}"] == st.partitions["p"]["put"] == 16
+    assert m["streamrl_partition_rows_put_total{partition=other}"] == 2
+    assert m["streamrl_partition_bytes_put_total{partition=p}"] == 16 * row_bytes
+    assert m["streamrl_partition_bytes_put_total{partition=other}"] == 2 * row_bytes
+    assert m["streamrl_partition_bytes_held{partition=p}"] == st.partitions["p"]["bytes"] \
+        == 6 * row_bytes
+    assert m["streamrl_partition_bytes_held{partition=other}"] == 2 * row_bytes
+    assert m["streamrl_rows_filtered_total{filter=no4}"] == st.filtered_by["no4"] == 4
+    assert m["streamrl_bytes_filtered_total{filter=no4}"] == st.bytes_filtered_by["no4"] \
+        == 4 * row_bytes
+    assert m["streamrl_rows_dropped_total{reason=consumed}"] == st.dropped_by["consumed"]
     assert m["streamrl_bytes_dropped_total{reason=filtered}"] == 4 * row_bytes
     assert st.bytes_dropped_by == {"filtered": 4 * row_bytes, "consumed": 6 * row_bytes}
-    assert m["streamrl_rows_delivered_total{task=train}"] == st.tasks["train"].delivered == 9
+    t = st.tasks["train"]
+    assert m["streamrl_rows_delivered_total{task=train}"] == t.delivered == 6 + 3 + 6
     assert m["streamrl_rows_acked_total{task=train}"] == 6
-    assert m["streamrl_bytes_delivered_total{task=train}"] == st.tasks["train"].bytes > 0
-    assert m["streamrl_rows_held{}"] == st.rows == 6
-    assert m["streamrl_rows{partition=p,state=leased}"] == 3
+    assert m["streamrl_bytes_delivered_total{task=train}"] == t.bytes == 6 * row_bytes + 9 * 8
+    assert m["streamrl_bytes_acked_total{task=train}"] == t.bytes_acked == 6 * row_bytes
+    assert m["streamrl_rows_redelivered_total{task=train}"] == t.redelivered == 3
+    assert m["streamrl_bytes_redelivered_total{task=train}"] == t.bytes_redelivered == 3 * 8
+    assert m["streamrl_rows_held{}"] == st.rows == 8
+    assert m["streamrl_rows{partition=p,state=leased}"] == 6
     assert m["streamrl_capacity_rows{}"] == 64 and m["streamrl_leases{}"] == 1
-    assert m["streamrl_delivery_latency_seconds_count{task=train}"] == 9
-    assert m["streamrl_wait_seconds_count{task=train}"] == 2
+    assert m["streamrl_delivery_latency_seconds_count{task=train}"] == 12  # first deliveries
+    assert m["streamrl_wait_seconds_count{task=train}"] == 3
     if q.transport == "embedded":  # this process's reads (on Ray: the Ray metrics)
-        assert m["streamrl_materialize_seconds_count{task=train}"] == 1
-        assert m["streamrl_materialize_bytes_total{task=train}"] == 6 * (8 + 8 * 4)
+        assert m["streamrl_materialize_seconds_count{path=local,task=train}"] == 1
+        assert m["streamrl_materialize_bytes_total{path=local,task=train}"] == 6 * row_bytes
     else:  # the controller serves the queue; each client records its reads as Ray metrics
         import pickle
 
         assert q._session.on_read is not None and q._session.on_read._m is not None
         twin = pickle.loads(pickle.dumps(q))  # what a worker gets
         assert twin.metrics_url == q.metrics_url and twin._session.on_read is not None
+        # and the Ray node exports them, as the Ray dashboard's Prometheus reads them:
+        # the controller's mirror (every 5 s), and this process's reads
+        want = {"ray_streamrl_rows_put_total": 18,
+                "ray_streamrl_partition_rows_put_total": 16,  # (partition p)
+                "ray_streamrl_delivery_latency_seconds_count": 12,
+                "ray_streamrl_materialize_seconds_count": 1}
+        got = await asyncio.to_thread(_ray_exported, want, {"queue": "mq"})
+        assert got == want, got
+
+
+def _ray_exported(want: dict[str, float], labels: dict[str, str],
+                  deadline: float = 60.0) -> dict[str, float]:
+    """The values of ``want``'s series (with ``labels``, and ``partition="p"`` and
+    ``task="train"`` where they have those labels) that this Ray node exports, once they
+    equal ``want`` or after ``deadline`` seconds (Ray exports every few seconds)."""
+    import re
+    import time
+
+    import ray
+
+    node = next(n for n in ray.nodes() if n["Alive"])
+    url = f"http://{node['NodeManagerAddress']}:{node['MetricsExportPort']}/metrics"
+    line = re.compile(r"^(\w+)\{(.*)\} (\S+)$")
+    pair = re.compile(r'(\w+)="((?:[^"\\]|\\.)*)"')
+    got: dict[str, float] = {}
+    end = time.monotonic() + deadline
+    while True:
+        try:
+            text = urllib.request.urlopen(url, timeout=10).read().decode()
+        except OSError as e:
+            pytest.skip(f"this Ray node exports no metrics ({url}: {e})")
+        got = {}
+        for raw in text.splitlines():
+            m = line.match(raw)
+            if m is None or m.group(1) not in want:
+                continue
+            lab = dict(pair.findall(m.group(2)))
+            if any(lab.get(k) != v for k, v in labels.items()):
+                continue
+            if lab.get("partition", "p") != "p" or lab.get("task", "train") != "train":
+                continue
+            got[m.group(1)] = got.get(m.group(1), 0.0) + float(m.group(3))
+        if got == want or time.monotonic() > end:
+            return got
+        time.sleep(1.0)
 
 
 def test_a_bad_metrics_spec_is_refused():
@@ -78,3 +141,117 @@ def test_bytes_by_path_is_a_counter_per_path():
     fam = next(f for f in families(st, "q") if f.name == "streamrl_bytes_moved")
     got = {s.labels["path"]: s.value for s in fam.samples if s.name.endswith("_total")}
     assert got == {"rdt": 5, "shm": 7}
+
+
+class _FakeMetric:
+    """A stand-in for a ``ray.util.metrics`` metric that remembers what it was given, and
+    checks its tags as Ray does (every tag key given, nothing else)."""
+
+    def __init__(self, registry, kind, name, description="", boundaries=None, tag_keys=()):
+        assert isinstance(tag_keys, tuple) and name not in registry
+        self.kind, self.name, self.tag_keys, self.boundaries = kind, name, tag_keys, boundaries
+        self.calls: list[tuple[str, float, dict]] = []
+        registry[name] = self
+
+    def _record(self, op, value, tags):
+        assert set(tags) == set(self.tag_keys), (self.name, tags, self.tag_keys)
+        assert all(isinstance(v, str) for v in tags.values())
+        self.calls.append((op, value, dict(tags)))
+
+    def inc(self, value=1.0, tags=None):
+        assert value > 0
+        self._record("inc", value, tags)
+
+    def set(self, value, tags=None):
+        self._record("set", value, tags)
+
+    def observe(self, value, tags=None):
+        self._record("observe", value, tags)
+
+
+def _fake_ray_metrics():
+    import types
+
+    registry: dict[str, _FakeMetric] = {}
+    mod = types.SimpleNamespace(registry=registry)
+    for kind in ("Counter", "Gauge", "Histogram"):
+        setattr(mod, kind, lambda name, _k=kind, **kw: _FakeMetric(registry, _k, name, **kw))
+    return mod
+
+
+def _stats(put: int, latencies: list[float]):
+    from streamrl.stats import Histogram, Stats, TaskStats
+
+    h = Histogram()
+    for s in latencies:
+        h.observe(s)
+    return Stats(put=put, rows=put, capacity=100,
+                 partitions={"p": {"rows": put, "ready": put, "put": put, "bytes_put": 8 * put,
+                                   "bytes": 8 * put, "sealed": 0}},
+                 tasks={"train": TaskStats(delivered=len(latencies), delivery_latency=h)})
+
+
+def test_the_ray_mirror_records_counters_gauges_and_histograms():
+    import bisect
+
+    from streamrl.metrics import RayMirror
+    from streamrl.stats import Histogram
+
+    rm = _fake_ray_metrics()
+    mirror = RayMirror(rm)
+    first = [0.3, 0.3, 1e-5]
+    mirror.update(_stats(5, first), "q")
+    reg = rm.registry
+    # a counter is named as Prometheus names it without _total (Ray adds it)
+    assert "streamrl_rows_put" in reg and not any(n.endswith("_total") for n in reg)
+    assert reg["streamrl_rows_put"].kind == "Counter"
+    assert reg["streamrl_rows_put"].calls == [("inc", 5, {"queue": "q"})]
+    assert reg["streamrl_partition_rows_put"].calls == [("inc", 5, {"queue": "q",
+                                                                     "partition": "p"})]
+    assert reg["streamrl_rows_held"].kind == "Gauge"
+    assert reg["streamrl_rows_held"].calls == [("set", 5, {"queue": "q"})]
+    hist = reg["streamrl_delivery_latency_seconds"]
+    assert hist.kind == "Histogram"
+    tags = {"queue": "q", "task": "train"}
+    assert [c[2] for c in hist.calls] == [tags] * 3
+
+    def buckets(values):  # the Ray histogram's bucket of each value (upper bound inclusive)
+        return sorted(bisect.bisect_left(hist.boundaries, v) for v in values)
+
+    # each observation lands in the Ray bucket of the same bounds as the original's
+    assert hist.boundaries == [Histogram.bound(i) for i in range(Histogram.NBUCKETS - 1)]
+    assert buckets([c[1] for c in hist.calls]) == buckets(first)
+    assert buckets([c[1] for c in hist.calls]) == [4, 19, 19]  # 8-16 us, 0.26-0.52 s
+    # the next snapshot: counters grow by the difference, histograms get the new ones
+    mirror.update(_stats(8, first + [2.0, 2.0]), "q")
+    assert reg["streamrl_rows_put"].calls[1:] == [("inc", 3, {"queue": "q"})]
+    assert reg["streamrl_rows_held"].calls[1:] == [("set", 8, {"queue": "q"})]
+    assert buckets([c[1] for c in hist.calls[3:]]) == [21, 21]
+    # nothing new: nothing recorded (gauges set again)
+    mirror.update(_stats(8, first + [2.0, 2.0]), "q")
+    assert len(hist.calls) == 5 and len(reg["streamrl_rows_put"].calls) == 2
+
+
+def test_the_ray_mirror_spreads_a_burst_of_observations_over_updates():
+    from streamrl.metrics import RayMirror
+
+    rm = _fake_ray_metrics()
+    mirror = RayMirror(rm)
+    mirror.MAX_OBSERVATIONS = 4
+    st = _stats(10, [0.01] * 10)
+    counts = []
+    for _ in range(4):
+        mirror.update(st, "q")
+        counts.append(len(rm.registry["streamrl_delivery_latency_seconds"].calls))
+    assert counts == [4, 8, 10, 10]  # late, but every one, once
+
+
+def test_ray_reads_record_time_and_bytes_per_path():
+    from streamrl.metrics import RayReads
+
+    rm = _fake_ray_metrics()
+    reads = RayReads("q", rm)
+    reads("train", "shm", 4, {"shm": 4096, "inline": 40}, 0.002)
+    h, c = rm.registry["streamrl_materialize_seconds"], rm.registry["streamrl_materialize_bytes"]
+    assert h.calls == [("observe", 0.002, {"queue": "q", "task": "train", "path": "shm"})]
+    assert sorted((v, t["path"]) for _, v, t in c.calls) == [(40, "inline"), (4096, "shm")]

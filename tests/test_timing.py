@@ -34,6 +34,29 @@ async def test_timed_splits_queue_wait_from_compute(make_queue):
     assert "train" in q.timings() and set(t.to_dict()) >= {"queue_seconds", "compute_seconds"}
 
 
+@pytest.mark.parametrize("transport", ["embedded"], indirect=True)
+async def test_the_wait_for_a_streams_next_batch_is_queue_time(make_queue):
+    """The documented pattern: the block around the ``async for``, whose statement waits
+    for each next batch (here ~0.3 s for the first) before the body runs."""
+    q = make_queue(capacity=64)
+
+    async def producer():
+        await asyncio.sleep(0.3)  # the consumer waits for this in the async for
+        await q.put({"x": torch.arange(8)}, partition="p")
+        await q.seal("p")
+
+    task = asyncio.ensure_future(producer())
+    with q.timed("train"):
+        async for mb in q.stream("train", ["x"], 8, partition="p"):
+            await mb.materialize()
+    await task
+    t = q.timings()["train"]
+    assert t.blocks == 1
+    assert t.calls >= 3  # the first batch, its materialize, the end of the stream
+    assert 0.25 < t.queue_seconds <= t.seconds
+    assert t.queue_share > 0.5  # nothing but the queue in this block
+
+
 async def test_tasks_started_in_a_timed_block_count_for_its_role(make_queue):
     q = make_queue(capacity=64)
     async with q.timed("env"):

@@ -4,6 +4,7 @@ it was."""
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import json
 import os
@@ -24,7 +25,7 @@ def _digest(path: str) -> str:
     return h.hexdigest()
 
 
-async def test_top_on_a_checkpoint_shows_it_and_leaves_it_alone(tmp_path):
+async def test_top_on_a_checkpoint_shows_it_and_leaves_it_alone(tmp_path, capsys):
     async with streamrl.StreamQueue(capacity=64, consumers=["train"]) as q:
         # a filter that cannot be imported: the view must not need it
         await q.add_filter(lambda td: td["x"] % 5 != 0, fields=["x"], name="no5")
@@ -36,17 +37,46 @@ async def test_top_on_a_checkpoint_shows_it_and_leaves_it_alone(tmp_path):
         path = str(tmp_path / "ckpt")
         await q.checkpoint(path)
     before = _digest(path)
-    here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([here, os.environ.get("PYTHONPATH", "")])}
-    out = subprocess.run([sys.executable, "-m", "streamrl", "top", path, "--once", "--json"],
-                         env=env, capture_output=True, text=True, timeout=120)
-    assert out.returncode == 0, out.stderr[-2000:]
-    snap = json.loads(out.stdout.strip().splitlines()[-1])
-    assert snap["checkpoint"] == path
-    assert snap["rows"] == st.rows == 10 and snap["put"] == st.put == 20
-    assert snap["filtered_by"] == {"no5": 4}
-    t = snap["tasks"]["train"]
-    assert t["acked"] == 6 and t["leased"] == 0  # the held lease came back released
-    assert t["ready"] == 10
+    from streamrl.top import main
+
+    capsys.readouterr()
+    # without --once too: a directory is always one snapshot (here in this process)
+    assert await asyncio.to_thread(main, [path, "--json"]) == 0
+    in_process = capsys.readouterr().out
+    for out in (_top_without_ray(path, "--once", "--json"), None):
+        if out is None:
+            snap = json.loads(in_process.strip().splitlines()[-1])
+        else:
+            assert out.returncode == 0, out.stderr[-2000:]
+            assert not out.stderr.strip() or "Traceback" not in out.stderr
+            snap = json.loads(out.stdout.strip().splitlines()[-1])
+        assert snap["checkpoint"] == path
+        assert snap["rows"] == st.rows == 10 and snap["put"] == st.put == 20
+        assert snap["filtered_by"] == {"no5": 4}
+        assert snap["partitions"]["step-0"]["put"] == 20
+        t = snap["tasks"]["train"]
+        assert t["acked"] == 6 and t["leased"] == 0  # the held lease came back released
+        assert t["ready"] == 10
     assert _digest(path) == before
-    assert not out.stderr.strip() or "Traceback" not in out.stderr
+
+
+def _env() -> dict:
+    here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    return {**os.environ, "PYTHONPATH": os.pathsep.join([here, os.environ.get("PYTHONPATH", "")])}
+
+
+def _top_without_ray(*args: str) -> subprocess.CompletedProcess:
+    """``python -m streamrl top ARGS`` in a process where ``import ray`` fails (as where
+    Ray is not installed)."""
+    code = ("import sys; sys.modules['ray'] = None  # import ray: ImportError\n"
+            "from streamrl.__main__ import main; sys.exit(main(sys.argv[1:]))")
+    return subprocess.run([sys.executable, "-c", code, "top", *args], env=_env(),
+                          capture_output=True, text=True, timeout=120)
+
+
+def test_top_json_without_once_is_refused():
+    """A refreshing view of a queue has no JSON form: the user hears what to add, before
+    anything connects to Ray."""
+    out = _top_without_ray("no-such-queue", "--json")
+    assert out.returncode == 2 and "--once" in out.stderr, out.stderr[-2000:]
+    assert "Traceback" not in out.stderr and not out.stdout

@@ -291,6 +291,37 @@ def moving_mean(xs: list[float], k: int = 10) -> list[float]:
 LOG_EVERY = 10.0
 
 
+class Progress:
+    """A run's progress, one update per step: a tqdm bar when stdout is a terminal;
+    otherwise (CI, ``nohup``, ``> log``) one plain line every ``every`` seconds and at the
+    last step, so that a log never fills with the bar's carriage-return redraws. Decided
+    by stdout, where the lines and the report go (the bar is drawn there too)."""
+
+    def __init__(self, total: int, desc: str, quiet: bool = False, every: float | None = None):
+        self.total, self.desc, self.quiet = total, desc, quiet
+        self.every = LOG_EVERY if every is None else every
+        self.tty = sys.stdout.isatty()
+        self.bar = tqdm(total=total, desc=desc, unit="step", file=sys.stdout,
+                        dynamic_ncols=True, disable=quiet or not self.tty)
+        self.done = 0
+        self.t0 = self._logged = time.perf_counter()
+
+    def update(self, text: str) -> None:
+        """One more step done; ``text``: the figures to show with it."""
+        self.done += 1
+        self.bar.set_postfix_str(text, refresh=False)
+        self.bar.update()
+        now = time.perf_counter()
+        if not self.tty and not self.quiet and (now - self._logged >= self.every
+                                                or self.done == self.total):
+            self._logged = now
+            print(f"{self.desc}: step {self.done}/{self.total} ({now - self.t0:.0f} s): {text}",
+                  flush=True)
+
+    def close(self) -> None:
+        self.bar.close()
+
+
 class Metrics:
     """Per-step reward and throughput, the progress bar, the plot."""
 
@@ -304,11 +335,7 @@ class Metrics:
         self._trained = 0
         self.steps = steps
         # a progress bar on a terminal; in a log (CI, nohup, a pipe) a line now and then
-        self.tty = sys.stderr.isatty()
-        self.quiet = quiet
-        self.bar = tqdm(total=steps, unit="step", disable=quiet or not self.tty,
-                        dynamic_ncols=True, desc="agentic GRPO")
-        self._logged = time.perf_counter()
+        self.progress = Progress(steps, "agentic GRPO", quiet)
 
     async def end_step(self, step: int, trained: int) -> None:
         st = await self.q.stats()
@@ -324,16 +351,10 @@ class Metrics:
             "trained": trained, "rows_per_s": put, "bytes_per_s": nbytes,
             "trained_per_s": trained_, "filtered_per_s": filtered})
         reward = moving_mean([h["reward"] for h in self.history])[-1]
-        self.bar.set_postfix_str(f"reward={reward:.2f} rows/s={put:.0f} KB/s={nbytes / 1e3:.1f}")
-        self.bar.update()
-        if not self.tty and not self.quiet and (time.perf_counter() - self._logged >= LOG_EVERY
-                                                or step + 1 == self.steps):
-            self._logged = time.perf_counter()
-            print(f"step {step + 1}/{self.steps} ({now:.0f} s): reward={reward:.2f} "
-                  f"rows/s={put:.0f} KB/s={nbytes / 1e3:.1f}", flush=True)
+        self.progress.update(f"reward={reward:.2f} rows/s={put:.0f} KB/s={nbytes / 1e3:.1f}")
 
     def close(self) -> None:
-        self.bar.close()
+        self.progress.close()
 
     def mean_reward(self, steps: range) -> float:
         r = [x for s in steps for x in self.rewards.get(s, [])]

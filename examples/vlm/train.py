@@ -218,6 +218,39 @@ class Published:
 LOG_EVERY = 10.0
 
 
+class Progress:
+    """A run's progress, one update per step: a tqdm bar when stdout is a terminal;
+    otherwise (CI, ``nohup``, ``> log``) one plain line every ``every`` seconds and at the
+    last step, so that a log never fills with the bar's carriage-return redraws. Decided
+    by stdout, where the lines and the report go (the bar is drawn there too)."""
+
+    def __init__(self, total: int, desc: str, quiet: bool = False, every: float | None = None):
+        self.total, self.desc, self.quiet = total, desc, quiet
+        self.every = LOG_EVERY if every is None else every
+        self.tty = sys.stdout.isatty()
+        from tqdm.auto import tqdm
+
+        self.bar = tqdm(total=total, desc=desc, unit="step", file=sys.stdout,
+                        dynamic_ncols=True, disable=quiet or not self.tty)
+        self.done = 0
+        self.t0 = self._logged = time.perf_counter()
+
+    def update(self, text: str) -> None:
+        """One more step done; ``text``: the figures to show with it."""
+        self.done += 1
+        self.bar.set_postfix_str(text, refresh=False)
+        self.bar.update()
+        now = time.perf_counter()
+        if not self.tty and not self.quiet and (now - self._logged >= self.every
+                                                or self.done == self.total):
+            self._logged = now
+            print(f"{self.desc}: step {self.done}/{self.total} ({now - self.t0:.0f} s): {text}",
+                  flush=True)
+
+    def close(self) -> None:
+        self.bar.close()
+
+
 class Run:
     """State shared by the roles of one run."""
 
@@ -235,7 +268,6 @@ class Run:
         self.updates = 0
         self.dropped_in_flight = 0
         self.t0 = time.perf_counter()
-        self.logged = self.t0  # the last progress line (output not a terminal)
 
     def partition(self, step: int) -> str:
         return f"step-{step}"
@@ -325,7 +357,8 @@ async def reward(run: Run) -> None:
 TRAIN_FIELDS = ["image", "prompt", "uid", "answer", "logprob", "reward"]
 
 
-async def trainer(run: Run, policy: Policy, weights: Published, evalset, bar) -> None:
+async def trainer(run: Run, policy: Policy, weights: Published, evalset,
+                  progress: Progress) -> None:
     """GRPO on group-complete batches; publish weights and advance the version after
     each update."""
     args = run.args
@@ -370,14 +403,7 @@ async def trainer(run: Run, policy: Policy, weights: Published, evalset, bar) ->
         s = await run.q.stats()
         post = dict(reward=f"{entry['reward']:.2f}", held=f"{s.bytes / 2**20:.0f}MiB",
                     rows_s=f"{s.put / (time.perf_counter() - run.t0):.0f}")
-        bar.set_postfix(**post)
-        bar.update(1)
-        if bar.disable and not args.quiet and (
-                time.perf_counter() - run.logged >= LOG_EVERY or step == args.steps - 1):
-            # not a terminal (CI, nohup, a log file): a plain line now and then
-            run.logged = time.perf_counter()
-            print(f"step {step + 1}/{args.steps} ({entry['time']:.0f} s): "
-                  + " ".join(f"{k}={v}" for k, v in post.items()), flush=True)
+        progress.update(" ".join(f"{k}={v}" for k, v in post.items()))
 
 
 async def monitor(run: Run, stop: anyio.Event) -> None:
@@ -423,22 +449,22 @@ async def _run(args: argparse.Namespace) -> dict[str, Any]:
     q = streamrl.StreamQueue(capacity=rows_per_step * args.lookahead, num_shards=2,
                              transport=args.transport, max_staleness=args.max_staleness,
                              consumers=["rollout", "reward", "trainer"])
-    from tqdm.auto import tqdm
-
     async with q:
         await q.add_filter(zero_variance("reward", group_by="uid", group_size=args.group_size))
         r = Run(args, q)
         stop = anyio.Event()
-        with tqdm(total=args.steps, desc=f"vlm {args.fetch}", unit="step",
-                  disable=args.quiet or not sys.stderr.isatty()) as bar:
+        progress = Progress(args.steps, f"vlm {args.fetch}", args.quiet)
+        try:
             async with anyio.create_task_group() as tg:
                 tg.start_soon(monitor, r, stop)
                 async with anyio.create_task_group() as roles:
                     roles.start_soon(producer, r, scene_gen)
                     roles.start_soon(rollout, r, actor, weights, sample_gen)
                     roles.start_soon(reward, r)
-                    roles.start_soon(trainer, r, policy, weights, evalset, bar)
+                    roles.start_soon(trainer, r, policy, weights, evalset, progress)
                 stop.set()
+        finally:
+            progress.close()
         final = await q.stats()
         leaked = await q.leaked()
 

@@ -19,7 +19,7 @@ from ..errors import (
 )
 from ..messages import CommitResult, DropReason, Undo, WriteToken
 from .base import ControllerBase
-from .state import _MISSING, LEASE_MEMORY, Row, _by_shard_of, _dtype_name
+from .state import _MISSING, LEASE_MEMORY, Partition, Row, _by_shard_of, _dtype_name
 
 
 class Admission(ControllerBase):
@@ -154,12 +154,32 @@ class Admission(ControllerBase):
             p.rows[rid] = row
         self.reserved_bytes += nbytes
         self.c_put += n
+        p.put += n
         tok = WriteToken(self._new_token_id(), ids, shards, tuple(fields), nbytes, True)
         self._track(tok)
         if self.max_staleness is not None and version < self.version - self.max_staleness:
             # admitted and immediately stale: it will never be delivered
             self._drop_rows([self.rows[r] for r in ids], DropReason.STALE, group=True)
         return tok
+
+    @staticmethod
+    def _count_part_bytes(touched: list[Row], added: int, before: dict[int, int] | None
+                          ) -> None:
+        """Count the bytes a commit added in the partitions of its rows (``before``: the
+        rows' bytes before a write to existing rows; ``None``: new rows, of one
+        partition, that held nothing)."""
+        if not touched:
+            return
+        if before is None:
+            if added > 0:
+                touched[0].part.bytes_put += added
+            return
+        by_part: dict[Partition, int] = {}
+        for r in touched:
+            by_part[r.part] = by_part.get(r.part, 0) + r.nbytes - before.get(r.id, 0)
+        for p, n in by_part.items():
+            if n > 0:
+                p.bytes_put += n
 
     def check_dtypes(self, dtypes: Mapping[str, str] | None) -> None:
         """Raise :class:`SchemaError` if a field would get another dtype than the one it
@@ -262,6 +282,8 @@ class Admission(ControllerBase):
         if tok.new_rows:  # never put: neither counted as put nor as dropped
             self._drop_rows(live, None)
             self.c_put -= len(live)  # (rows that left meanwhile were counted as dropped)
+            for r in live:
+                r.part.put -= 1
             return None
         return self._undo(tok, live)
 
@@ -358,6 +380,9 @@ class Admission(ControllerBase):
             raise InvalidArgument("unknown or already finished write token")
         self.reserved_bytes -= tok.reserved_bytes
         tags = tags or {}
+        # a write to existing rows: their bytes before, for the bytes put per partition
+        before = None if tok.new_rows else {r: self.rows[r].nbytes for r in tok.rows
+                                            if r in self.rows}
         dead: dict[int, list[int]] = {}
         touched: list[Row] = []
         added = 0
@@ -386,6 +411,7 @@ class Admission(ControllerBase):
         self.c_bytes_put += max(added, 0)
         if tok.reserved_bytes:
             self.space_freed = True
+        self._count_part_bytes(touched, added, before)
         missing: dict[str, list[int]] = {}
         tagged = [f for f in tok.fields if f not in tags and (
             f in self.tag_fields or any(f in s for s in self.part_tags.values()))]

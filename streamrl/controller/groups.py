@@ -181,6 +181,8 @@ class Groups(ControllerBase):
             verdict = dict(zip(job.rows, keep))
             rejected = [r for r in live if not verdict[r.id]]
             self.c_filtered_by[job.filter] = self.c_filtered_by.get(job.filter, 0) + len(rejected)
+            self.c_bytes_filtered_by[job.filter] = (self.c_bytes_filtered_by.get(job.filter, 0)
+                                                    + sum(r.nbytes for r in rejected))
             reason = DropReason.FILTERED
         self._drop_rows(rejected, reason)
         rej = {r.id for r in rejected}

@@ -29,15 +29,18 @@ class Introspect(ControllerBase):
     def partition_states(self) -> dict[str, dict[str, int]]:
         """Rows held per partition and per state: ``waiting`` (no subscription can take
         them yet), ``ready`` (deliverable to some task), ``leased``, ``consumed``
-        (acknowledged by some task, not leased, still held)."""
+        (acknowledged by some task, not leased, still held); ``bytes`` written and held;
+        ``put`` and ``bytes_put``, rows and bytes ever put into it."""
         ready: set[int] = set()
         for sub in self.subs.values():
             ready.update(sub.avail)
         out: dict[str, dict[str, int]] = {}
         for p in self.parts.values():
             st = {"rows": len(p.rows), "waiting": 0, "ready": 0, "leased": 0, "consumed": 0,
-                  "sealed": int(p.sealed)}
+                  "sealed": int(p.sealed), "put": p.put, "bytes_put": p.bytes_put}
+            nbytes = 0
             for row in p.rows.values():
+                nbytes += row.nbytes
                 if row.leased:
                     st["leased"] += 1
                 elif row.id in ready:
@@ -46,6 +49,7 @@ class Introspect(ControllerBase):
                     st["consumed"] += 1
                 else:
                     st["waiting"] += 1
+            st["bytes"] = nbytes
             out[p.name] = st
         return out
 

@@ -71,11 +71,13 @@ class Leases(ControllerBase):
             hist = self.h_delivery[task] = Histogram()
         now = self.clock()
         nbytes = 0
+        again = 0  # bytes of the rows redelivered
         fields = lease.fields
         for rid in lease.rows:
             row = self.rows[rid]
             if row.delivered & bit:
                 redelivered += 1
+                again += sum(row.fields.get(f, 0) for f in fields)
             else:
                 hist.observe(now - row.born)
             row.delivered |= bit
@@ -86,6 +88,7 @@ class Leases(ControllerBase):
         self.c_bytes_delivered[task] = self.c_bytes_delivered.get(task, 0) + nbytes
         if redelivered:
             self.c_redelivered[task] = self.c_redelivered.get(task, 0) + redelivered
+            self.c_bytes_redelivered[task] = self.c_bytes_redelivered.get(task, 0) + again
 
     def ack(self, lease_ids: Iterable[int]) -> None:
         """The consumer is done with these leases: their rows count as consumed by the
@@ -109,18 +112,22 @@ class Leases(ControllerBase):
             withdrawn.extend(lease.withdrawn)
             task = lease.task
             bit = self._bit(self._tbits, task)
+            fields, nbytes = lease.fields, 0  # (bytes of the asked-for fields acked)
             done = []
             for rid in lease.rows:
                 row = self.rows.get(rid)
                 if row is None or row.leased.get(task) != lid:
                     continue
                 del row.leased[task]
+                for f in fields:
+                    nbytes += row.fields.get(f, 0)
                 row.acked |= bit
                 p = row.part
                 p.acked[task] = p.acked.get(task, 0) + 1
                 if p.cmask and row.acked & p.cmask == p.cmask and not row.leased:
                     done.append(row)
             self.c_acked[task] = self.c_acked.get(task, 0) + len(lease.rows)
+            self.c_bytes_acked[task] = self.c_bytes_acked.get(task, 0) + nbytes
             self._drop_rows(done, DropReason.CONSUMED)
             self._lease_changed(lease)
         if expired:

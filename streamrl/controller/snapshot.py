@@ -90,7 +90,8 @@ class Snapshot(ControllerBase):
                          "group_size": s.group_size} for s in self.filters.values()],
             "partitions": [{"name": p.name, "sealed": p.sealed,
                             "consumers": None if p.consumers is None else sorted(p.consumers),
-                            "tasks": sorted(p.tasks)} for p in self.parts.values()],
+                            "tasks": sorted(p.tasks), "put": p.put, "bytes_put": p.bytes_put}
+                           for p in self.parts.values()],
             "retired": sorted(self.retired),
             "rows": None,  # (filled by StateCut.state_dict)
             "leases": [{"id": le.id, "task": le.task, "rows": list(le.rows),
@@ -114,10 +115,13 @@ class Snapshot(ControllerBase):
                 "dropped": {str(k): v for k, v in self.c_dropped.items()},
                 "bytes_dropped": {str(k): v for k, v in self.c_bytes_dropped.items()},
                 "filtered_by": dict(self.c_filtered_by),
+                "bytes_filtered_by": dict(self.c_bytes_filtered_by),
                 "filter_errors": dict(self.c_filter_errors),
                 "delivered": dict(self.c_delivered), "acked": dict(self.c_acked),
                 "redelivered": dict(self.c_redelivered), "expired": dict(self.c_expired),
-                "bytes_delivered": dict(self.c_bytes_delivered)},
+                "bytes_delivered": dict(self.c_bytes_delivered),
+                "bytes_acked": dict(self.c_bytes_acked),
+                "bytes_redelivered": dict(self.c_bytes_redelivered)},
         }
         # the one part that costs per row: a tuple of each row's fields, nothing converted
         rows = [(r.id, r.part.name, r.shard, r.version, dict(r.fields),
@@ -199,6 +203,7 @@ class Snapshot(ControllerBase):
             p = self.parts[pd["name"]] = Partition(pd["name"], consumers, self._mask(consumers))
             p.sealed = bool(pd["sealed"])
             p.tasks = set(pd["tasks"])
+            p.put, p.bytes_put = int(pd.get("put", 0)), int(pd.get("bytes_put", 0))
         self._load_rows(st["rows"])
         c = st["counters"]
         self.c_put, self.c_bytes_put = c["put"], c["bytes_put"]
@@ -206,10 +211,13 @@ class Snapshot(ControllerBase):
         self.c_dropped = dict(c["dropped"])
         self.c_bytes_dropped = dict(c.get("bytes_dropped", {}))
         self.c_filtered_by = dict(c["filtered_by"])
+        self.c_bytes_filtered_by = dict(c.get("bytes_filtered_by", {}))
         self.c_filter_errors = dict(c["filter_errors"])
         self.c_delivered, self.c_acked = dict(c["delivered"]), dict(c["acked"])
         self.c_redelivered, self.c_expired = dict(c["redelivered"]), dict(c["expired"])
         self.c_bytes_delivered = dict(c.get("bytes_delivered", {}))
+        self.c_bytes_acked = dict(c.get("bytes_acked", {}))
+        self.c_bytes_redelivered = dict(c.get("bytes_redelivered", {}))
         self._lease_outcome = OrderedDict((int(lid), o) for lid, o in st["lease_outcomes"]
                                           if o != "acked")
         self._outcome_floor = int(st.get("outcome_floor", 0))

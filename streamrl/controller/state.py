@@ -66,7 +66,8 @@ class Row:
 class Partition:
     """A named set of rows with one lifetime. Internal."""
 
-    __slots__ = ("name", "rows", "sealed", "consumers", "cmask", "acked", "groups", "tasks")
+    __slots__ = ("name", "rows", "sealed", "consumers", "cmask", "acked", "groups", "tasks",
+                 "put", "bytes_put")
 
     def __init__(self, name: str, consumers: frozenset[str] | None, cmask: int = 0):
         self.name = name
@@ -77,6 +78,8 @@ class Partition:
         self.acked: dict[str, int] = {}  # task -> live rows of this partition it acked
         self.groups: dict[str, dict[Hashable, dict[int, None]]] = {}  # tag -> key -> rows
         self.tasks: set[str] = set()  # tasks that took rows from here
+        self.put = 0  # rows ever admitted here (counters of the partition's lifetime)
+        self.bytes_put = 0  # bytes ever written here
 
     def remaining(self, task: str) -> int:
         return len(self.rows) - self.acked.get(task, 0)
@@ -152,11 +155,14 @@ class State:
         self.c_dropped: dict[str, int] = {}
         self.c_bytes_dropped: dict[str, int] = {}  # per reason, like c_dropped
         self.c_filtered_by: dict[str, int] = {}
+        self.c_bytes_filtered_by: dict[str, int] = {}  # filter -> bytes of rows it rejected
         self.c_filter_errors: dict[str, int] = {}
         self.c_delivered: dict[str, int] = {}
         self.c_acked: dict[str, int] = {}
         self.c_redelivered: dict[str, int] = {}
         self.c_bytes_delivered: dict[str, int] = {}  # task -> bytes of asked-for fields
+        self.c_bytes_acked: dict[str, int] = {}  # (the same bytes, of rows acknowledged)
+        self.c_bytes_redelivered: dict[str, int] = {}  # (of rows handed out again)
         # task -> latency from a row's admission to its first delivery to the task
         self.h_delivery: dict[str, Histogram] = {}
         self.c_expired: dict[str, int] = {}

@@ -34,6 +34,7 @@ from ..._aio import wait_whole
 from ...arena import ShmRef, map_segment
 from ...errors import RowsLost, TransportError, rows_preview
 from ...messages import PutStatus
+from ...session import note_moved
 from ...wire import WireTensor
 from ..base import Column, DataCaps, DataPlane
 from ..rpc import ConnectFailed, Endpoint, RpcClient
@@ -140,7 +141,9 @@ class RayDataPlane(DataPlane):
     # -- bytes by path
 
     def count_moved(self, by_path: Mapping[str, int]) -> None:
-        """Record bytes moved per path, and report them (without waiting)."""
+        """Record bytes moved per path, and report them (without waiting); a read in
+        progress in this task counts them too (``materialize`` per path)."""
+        note_moved(by_path)
         for path, n in by_path.items():
             if n:
                 self.moved[path] += n
