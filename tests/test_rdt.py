@@ -531,6 +531,7 @@ async def test_a_holder_killed_mid_transfer_loses_its_rows_by_name(group, tmp_pa
         reading = consumer.read_losing.remote(q, "mixed", 8, 4)
         assert await wait_for(_busy(consumer), 60), "the readers never started"
         await asyncio.sleep(1.0)  # (their receives are posted)
+        assert await consumer.busy.remote() > 0  # reads of the victim's rows are waiting
         ray.kill(victim)
         got, lost, errors = await asyncio.wait_for(reading, 120)  # (not stuck)
         assert errors == []
@@ -540,6 +541,10 @@ async def test_a_holder_killed_mid_transfer_loses_its_rows_by_name(group, tmp_pa
         st = await wait_for(lambda: _lost(q, len(dead)))
         assert st.dropped_by["lost"] == len(dead), st.dropped_by
         assert st.tasks["t"].acked == len(alive)  # the lost rows were not consumed
+        # what a transfer thread's watchdog would hear (rank 6: the victim; 3: alive)
+        coordinator = group["group"].coordinator
+        assert await coordinator.alive.remote(6) is False
+        assert await coordinator.alive.remote(3) is True
 
         # later reads of that consumer: by RDT as before, intact
         before = st.bytes_by_path.get("rdt", 0)

@@ -131,8 +131,19 @@ class RdtDataPlane(RayDataPlane):
 
     async def put(self, parts, write: int = 0) -> None:
         by_shard: dict[int, list] = {}
-        for shard, rows, cols in parts:
-            by_shard.setdefault(shard, []).append((list(rows), self._wire(cols)))
+        made: list[int] = []
+        token = _made.set(made)
+        try:
+            for shard, rows, cols in parts:
+                by_shard.setdefault(shard, []).append((list(rows), self._wire(cols)))
+        except BaseException:
+            # a value that cannot be encoded, after tensors of the put were held: nobody
+            # refers to those yet
+            if made:
+                runtime().free(made)
+            raise
+        finally:
+            _made.reset(token)
         try:
             await asyncio.gather(*[self._put(s, p, write) for s, p in by_shard.items()])
         except BaseException:

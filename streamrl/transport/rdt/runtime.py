@@ -255,13 +255,15 @@ class TransferThread:
             time.sleep(self._check)
             with self._cond:
                 cur = self._current
-            if cur is None or cur[0].peer is None or time.monotonic() - cur[1] < self._check:
+            if cur is None or time.monotonic() - cur[1] < self._check:
                 continue
-            op = cur[0]
+            op, peer = cur[0], cur[0].peer
+            if peer is None:
+                continue
             try:
-                gone = self._peer_gone(op.peer)  # type: ignore[arg-type]
+                gone = self._peer_gone(peer)
             except Exception:  # noqa: BLE001 - unknown: wait on
-                log.exception("streamrl: the RDT watchdog could not ask about rank %s", op.peer)
+                log.exception("streamrl: the RDT watchdog could not ask about rank %s", peer)
                 gone = None
             if not gone:
                 continue
