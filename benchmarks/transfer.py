@@ -1,7 +1,7 @@
 """Transfer benchmark: streamrl on Ray against Ray's own paths, TransferQueue and shared memory.
 
 Run:  python benchmarks/transfer.py            (add --quick for a short smoke run)
-      python benchmarks/transfer.py --rdt      (streamrl transport="rdt" vs raw Ray RDT)
+      python benchmarks/transfer.py --rdt      (streamrl transport="rdt" and "ray" vs raw Ray RDT)
 
 Every system runs in its own subprocess (one Ray cluster per process, ``num_cpus=2``),
 one after the other, in one invocation; the table prints medians and ratios. Cases:
@@ -27,16 +27,21 @@ Systems:
 Time = from the producer starting its put to the consumer holding the data, measured by
 the driver around both calls. GB/s = payload bytes / median time.
 
-RDT (``--rdt``: these two only, on their own cases, in one process and Ray session,
+RDT (``--rdt``: these three only, on their own cases, in one process and Ray session,
 repetitions alternating between them):
 
   streamrl-rdt  ``transport="rdt"``: an async producer actor puts (its tensors stay in
                 its holder), an async consumer actor ``get``s + ``materialize``s (one
                 transfer per holder per micro-batch, through each process's transfer
                 thread); both in one gloo RDT group
+  streamrl-ray  ``transport="ray"``, the same two actors and calls: the bytes go through
+                the storage units' shared-memory arenas
   ray-rdt       raw Ray Direct Transport: a sync producer actor's
                 ``@ray.method(tensor_transport="gloo")`` method returns each tensor, a sync
                 consumer actor takes the refs as arguments (one transfer per tensor)
+
+The raw time covers the producer's calls and the consumer holding the tensors, so it
+compares with streamrl's put + read; streamrl's read alone is shown too.
 
   (L) 256 rows x 1 MiB float32, put as one tensor, read whole (256 MiB)
   (S) 1024 tensors of 64 KiB float32: 1024 one-row puts, read as one micro-batch
@@ -490,10 +495,11 @@ def _rdt_data(case: dict):
 
 
 def worker_rdt(reps: int) -> dict:
-    """streamrl ``transport="rdt"`` between two async actors of one gloo RDT group, and raw
-    Ray Direct Transport between two sync actors (the only pairing that Ray 2.60 moves
-    right under concurrency) of another gloo group, on the same tensors. Repetitions
-    alternate between the two, so that both see the same machine (it is shared)."""
+    """streamrl ``transport="rdt"`` between two async actors of one gloo RDT group,
+    streamrl ``transport="ray"`` between the same two actors, and raw Ray Direct Transport
+    between two sync actors (the only pairing that Ray 2.60 moves right under
+    concurrency) of another gloo group, on the same tensors. Repetitions alternate
+    between the three, so that all see the same machine (it is shared)."""
     import asyncio
 
     ray = _ray_init()
@@ -553,11 +559,23 @@ def worker_rdt(reps: int) -> dict:
         rp, rc = RawProducer.remote(case), RawConsumer.remote()
         create_collective_group([rp, rc], backend="torch_gloo")
         q = streamrl.StreamQueue(transport="rdt", capacity=8192, num_shards=2)
+        qr = streamrl.StreamQueue(transport="ray", capacity=8192, num_shards=2)
         prod, cons = Producer.remote(case), Consumer.remote()
         g = create_group([prod, cons], "gloo")
         n = case["tensors"] * case["rows"]
         nbytes = n * case["width"] * 4
-        raw, puts, reads, views = [], [], [], []
+        raw, puts, reads, views, rputs, rreads = [], [], [], [], [], []
+
+        def streamrl_run(queue, part):
+            t0 = time.perf_counter()
+            ray.get(prod.put.remote(queue, part))
+            t1 = time.perf_counter()
+            got, view = ray.get(cons.get.remote(queue, part, n))
+            t2 = time.perf_counter()
+            assert got == nbytes, (got, nbytes)
+            ray.get(cons.drop.remote())
+            return t1 - t0, t2 - t1, view
+
         for r in range(reps + 1):
             t0 = time.perf_counter()
             refs = [rp.get.remote(i) for i in range(case["tensors"])]
@@ -565,28 +583,31 @@ def worker_rdt(reps: int) -> dict:
             t1 = time.perf_counter()
             assert got == nbytes, (got, nbytes)
             del refs
-            part = f"{name}-{r}"
-            ray.get(prod.put.remote(q, part))
-            t2 = time.perf_counter()
-            got, view = ray.get(cons.get.remote(q, part, n))
-            t3 = time.perf_counter()
-            assert got == nbytes, (got, nbytes)
-            ray.get(cons.drop.remote())
+            put, read, view = streamrl_run(q, f"{name}-{r}")
+            rput, rread, _ = streamrl_run(qr, f"{name}-{r}")
             if r:
                 raw.append(t1 - t0)
-                puts.append(t2 - t1)
-                reads.append(t3 - t2)
+                puts.append(put)
+                reads.append(read)
                 views.append(view)
+                rputs.append(rput)
+                rreads.append(rread)
         st = asyncio.run(q.stats())
         t_end = time.time() + 10
         while ray.get(prod.held.remote())["bytes"] and time.time() < t_end:
             time.sleep(0.1)
         out["cases"][name] = {"raw": med(raw), "put": med(puts), "read": med(reads),
+                              "put_read": med([a + b for a, b in zip(puts, reads)]),
+                              "ray_put": med(rputs), "ray_read": med(rreads),
+                              "ray_put_read": med([a + b for a, b in zip(rputs, rreads)]),
                               "bytes": nbytes, "one_buffer": all(views),
                               "bytes_by_path": st.bytes_by_path,
+                              "ray_bytes_by_path": asyncio.run(qr.stats()).bytes_by_path,
                               "held_after": ray.get(prod.held.remote()),
-                              "raw_all": raw, "read_all": reads}
+                              "raw_all": raw, "read_all": reads, "put_all": puts,
+                              "ray_read_all": rreads, "ray_put_all": rputs}
         asyncio.run(q.shutdown())
+        asyncio.run(qr.shutdown())
         g.destroy()
         for a in (rp, rc, prod, cons):
             ray.kill(a)
@@ -595,28 +616,40 @@ def worker_rdt(reps: int) -> dict:
 
 
 def rdt_report(res: dict) -> None:
-    """The RDT table: streamrl ``transport="rdt"`` against raw Ray RDT, same tensors."""
+    """The RDT table: streamrl ``transport="rdt"`` and ``transport="ray"`` against raw Ray
+    RDT, same tensors, same actors."""
     d = res.get("rdt", {})
     if "cases" not in d:
         print(f"  rdt: failed: {d.get('error', '?')[-800:]}")
         return
     labels = {"L": "(L) 256 x 1 MiB, 1 tensor", "S": "(S) 1024 x 64 KiB"}
-    print("\nRDT, gloo, actor -> actor (medians; repetitions alternate between the two)")
-    print("  raw: producer calls + consumer holds the tensors; streamrl read: consumer's "
-          "get + materialize")
-    print(f"{'case':<28}{'raw RDT GB/s':>14}{'streamrl GB/s':>15}{'ratio':>8}"
-          f"{'streamrl put ms':>17}{'put+read GB/s':>15}")
+    print("\nRDT, gloo, actor -> actor (GB/s of medians, ratio to raw RDT; repetitions "
+          "alternate between the three)")
+    print("  raw RDT: producer calls + consumer holds the tensors (compare with put+read); "
+          "read: the consumer's get + materialize")
+    print(f"{'case':<28}{'raw RDT':>9}{'rdt read':>16}{'rdt put+read':>16}"
+          f"{'ray read':>16}{'ray put+read':>16}{'put ms rdt/ray':>16}")
+
+    def col(c, key):
+        gbs = c["bytes"] / c[key] / 1e9
+        return f"{gbs:>9.2f} {gbs / (c['bytes'] / c['raw'] / 1e9):>5.2f}x"
+
     for k, label in labels.items():
         c = d["cases"][k]
-        raw, mine = c["bytes"] / c["raw"] / 1e9, c["bytes"] / c["read"] / 1e9
-        both = c["bytes"] / (c["put"] + c["read"]) / 1e9
-        print(f"{label:<28}{raw:>14.2f}{mine:>15.2f}{mine / raw:>7.2f}x"
-              f"{c['put'] * 1e3:>17.1f}{both:>15.2f}")
+        c.setdefault("put_read", c["put"] + c["read"])  # (results of older runs)
+        raw = c["bytes"] / c["raw"] / 1e9
+        ray_cols = (col(c, "ray_read") + col(c, "ray_put_read")
+                    if "ray_read" in c else f"{'-':>16}{'-':>16}")
+        ray_put = f"{c['ray_put'] * 1e3:.0f}" if "ray_put" in c else "-"
+        print(f"{label:<28}{raw:>9.2f}{col(c, 'read'):>16}{col(c, 'put_read'):>16}"
+              f"{ray_cols}{c['put'] * 1e3:>10.0f}/{ray_put:<5}")
     for k in labels:
         c = d["cases"][k]
-        print(f"  ({k}) raw s {[round(x, 3) for x in c['raw_all']]}, streamrl s "
-              f"{[round(x, 3) for x in c['read_all']]}; one receive buffer: {c['one_buffer']}; "
-              f"bytes_by_path {c['bytes_by_path']}; producer holds {c['held_after']} after")
+        print(f"  ({k}) raw s {[round(x, 3) for x in c['raw_all']]}, rdt read s "
+              f"{[round(x, 3) for x in c['read_all']]}, ray read s "
+              f"{[round(x, 3) for x in c.get('ray_read_all', [])]}; one receive buffer: "
+              f"{c['one_buffer']}; bytes_by_path rdt {c['bytes_by_path']}, ray "
+              f"{c.get('ray_bytes_by_path')}; producer holds {c['held_after']} after")
 
 
 # ------------------------------------------------------------------ driver

@@ -79,6 +79,10 @@ class ControlPlane(Protocol):
         """Storage unit ``shard`` is gone."""
         ...
 
+    async def report_lost_rows(self, rows: Sequence[int], holder: str) -> int:
+        """``rows`` are lost with the process that held their tensor fields (RDT)."""
+        ...
+
     # -- reads and leases
     async def take(self, req: Request, timeout: float | None = None) -> Delivery | None:
         """Lease the next batch for ``req`` (``None``: end of stream)."""

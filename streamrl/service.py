@@ -316,6 +316,16 @@ class ControllerService:
             log.error("streamrl: storage unit %d died; %d rows lost", shard, n)
         await self._after()
 
+    async def report_lost_rows(self, rows: Sequence[int], holder: str) -> int:
+        """A reader found ``holder``, the process that held tensor fields of ``rows``
+        (the RDT transport), gone: those rows are dropped as ``"lost"`` (an ack of a
+        lease on them no longer counts them; idempotent). Returns the rows dropped now."""
+        n = self.ctl.drop(rows, DropReason.LOST)
+        if n:
+            log.error("streamrl: the holder %s of tensor fields died; %d rows lost", holder, n)
+        await self._after()
+        return n
+
     async def begin_write(self, rows: Sequence[int], fields: Sequence[str], *,
                           overwrite: bool = False, dtypes: dict[str, str] | None = None
                           ) -> WriteToken:

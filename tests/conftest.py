@@ -63,13 +63,30 @@ RAY_SPILL = {
     "test_a_cancelled_overwrite_leaves_old_or_new_values",
     "test_grpo_zero_variance_filter_ends_with_nothing_held",
 }
-#: The tests of the suite that also run on "rdt" (each Ray test costs ~10 s here): the
-#: data-path tests above (three of them cancel puts). Their queues hold tensor fields in
-#: the test's own process (``rdt_hold_anywhere=True``: the driver is in no RDT group),
-#: so puts keep tensors in its holder, its reads are local, and the filters' reads in
-#: the controller actor take the fallback path (the holder's socket). Transfers between
-#: the actors of an RDT group are tests/test_rdt.py's.
-RDT_SUITE = RAY_SPILL
+#: The tests of the suite that also run on "rdt" by default (each Ray test costs 10-20 s
+#: on this loaded 2-core machine): the data-path tests above, plus those where held
+#: tensors change what happens (a put refused after its tensors were held must free them,
+#: reads of views and by several tasks, filters in the controller actor reading held
+#: fields, capacity counting held bytes, writes taken back). ``STREAMRL_RDT_SUITE=all``
+#: runs every test of the suite's modules (SPILL_SUITE) that makes its queues with
+#: ``make_queue`` on "rdt": 69 tests, 17-18 minutes here under a load of 16-23. Their queues hold tensor fields in the test's own
+#: process (``rdt_hold_anywhere=True``: the driver is in no RDT group), so puts keep
+#: tensors in its holder, its reads are local, and the filters' reads in the controller
+#: actor take the fallback path (the holder's socket): a suite test runs in one process,
+#: so it cannot move tensors between processes. Transfers between the actors of an RDT
+#: group, suite-style tests included, are tests/test_rdt.py's.
+RDT_SUITE = RAY_SPILL | {
+    "test_many_tasks_read_the_same_rows_independently",
+    "test_views_index_select_concat_split",
+    "test_unencodable_object_is_refused_and_queue_stays_consistent",
+    "test_a_field_has_one_dtype",
+    "test_write_wrong_length_and_duplicate_field",
+    "test_capacity_bytes_bounds_admission",
+    "test_filter_sees_fields_and_rows_leased_elsewhere_shrink",
+    "test_a_batch_loses_rows_whose_write_was_taken_back",
+}
+#: every make_queue test of the suite's modules on "rdt" (see RDT_SUITE)
+RDT_SUITE_ALL = os.environ.get("STREAMRL_RDT_SUITE") == "all"
 #: 256 bytes of tensors per unit: most puts of the suite go to disk at once, the last
 #: small ones stay in memory
 SPILL = {"backend": "spill", "memory_bytes": 256}
@@ -82,7 +99,9 @@ def pytest_generate_tests(metafunc):
             "transport" in m.args[0] for m in metafunc.definition.iter_markers("parametrize")):
         return
     params = list(TRANSPORTS)
-    if RDT and metafunc.function.__name__ in RDT_SUITE:
+    if RDT and (metafunc.function.__name__ in RDT_SUITE or (
+            RDT_SUITE_ALL and metafunc.module.__name__ in SPILL_SUITE
+            and "make_queue" in metafunc.fixturenames)):
         params.append("rdt")
     if metafunc.module.__name__ in SPILL_SUITE and "make_queue" in metafunc.fixturenames:
         params += [f"{t}-spill" for t in TRANSPORTS

@@ -2,15 +2,15 @@
 
 One group of actors serves the module (a process joins one RDT group for its life, and
 making one costs seconds here): four async producers, an async consumer, a synchronous
-consumer (the blocking twin) and a producer that is killed. The test of the naive design
-(transfers bypassing the serialising thread) makes its own group: it may kill its actors.
+consumer (the blocking twin) and a producer that is killed. Two tests make groups of
+their own: the one of groups that cannot be made or are destroyed, and the one of the
+naive design (transfers bypassing the serialising thread), which may kill its actors.
 """
 
 from __future__ import annotations
 
 import asyncio
 import hashlib
-import importlib
 import os
 import time
 
@@ -18,7 +18,7 @@ import pytest
 import torch
 
 import streamrl
-from streamrl.errors import RowsLost
+from streamrl.errors import CheckpointError, RowsLost
 
 ray = pytest.importorskip("ray")
 pytestmark = [pytest.mark.ray, pytest.mark.timeout(300)]
@@ -26,7 +26,6 @@ pytestmark = [pytest.mark.ray, pytest.mark.timeout(300)]
 W = 4096  # same-size rows: 16 KiB of float32
 PUTS = int(os.environ.get("STREAMRL_RDT_PUTS", "8"))  # concurrent puts per producer, stress
 CHURN = int(os.environ.get("STREAMRL_RDT_CHURN", "24"))  # puts per producer, leak check
-BURST = int(os.environ.get("STREAMRL_RDT_BURST", "16"))  # concurrent pulls, bypass test
 
 
 def digest(t: torch.Tensor) -> str:
@@ -110,6 +109,69 @@ class Producer:
     def pid(self):
         return os.getpid()
 
+    def stall(self, seconds: float):
+        """Keep this process's transfer thread busy for ``seconds`` (its sends wait)."""
+        from streamrl.transport.rdt import runtime
+
+        runtime().thread.call(lambda: time.sleep(seconds))
+
+    def set_bypass(self, on: bool):
+        from streamrl.transport.rdt.runtime import set_bypass
+
+        return set_bypass(on)
+
+    def group_name(self):
+        """The RDT group this process is in (``None``: none)."""
+        from streamrl.transport.rdt import current
+
+        rt = current()
+        return rt.group.name if rt is not None and rt.group is not None else None
+
+    async def feed(self, q, part: str, n: int):
+        """The suite's producer role: rows ``idx`` and ``prompt`` in puts of 8, then seal."""
+        for i in range(0, n, 8):
+            await q.put({"idx": torch.arange(i, i + 8), "prompt": torch.arange(i, i + 8).float()},
+                        partition=part)
+        await q.seal(part)
+
+    async def role(self, q, task: str, fields, batch_size: int, part: str, fn):
+        """A role of the suite's pipeline: every batch of ``task`` materialized, and
+        ``fn(td)`` written to its rows (``None``: the batch is checked and dropped);
+        the ``idx`` of the rows dropped."""
+        return await role(q, task, fields, batch_size, part, fn)
+
+
+async def role(q, task, fields, batch_size, part, fn):
+    done = []
+    async for mb in q.stream(task, fields, batch_size, partition=part, timeout=120):
+        td = await mb.materialize()
+        out = fn(td)
+        if out is None:
+            done.extend(td["idx"].tolist())
+            await mb.drop()
+        else:
+            await mb.write(out)
+    return done
+
+
+def generate(td):
+    return {"response": td["prompt"] * 2}
+
+
+def reward(td):
+    return {"reward": td["response"] + 1}
+
+
+def ref_lp(td):
+    return {"ref_lp": td["prompt"] - td["response"]}
+
+
+def train(td):
+    assert torch.equal(td["reward"], td["prompt"] * 2 + 1)
+    assert torch.equal(td["ref_lp"], -td["prompt"])
+    assert torch.equal(td["prompt"], td["idx"].float())
+    return None
+
 
 @ray.remote(num_cpus=0, enable_tensor_transport=True)
 class Consumer:
@@ -167,24 +229,67 @@ class Consumer:
             got.update({u: digest(x) for u, x in zip(td["uid"].tolist(), td["x"])})
             await mb.ack()
 
-    async def burst(self, held, nbytes: int, bypass: bool):
-        """Pull every held tensor at once (one concurrent pull each); their digests."""
-        rt_mod = importlib.import_module("streamrl.transport.rdt.runtime")
-        from streamrl.transport.rpc import RpcClient
+    async def read_losing(self, q, part: str, workers: int, batch_size: int, timeout=60):
+        """``workers`` concurrent readers of ``x`` (held) and ``uid`` (through the
+        units). A batch whose read raises RowsLost has its other rows read again. The
+        digests read, the uids lost (with the holder named), and any other errors."""
+        got: dict[int, str] = {}
+        lost: dict[int, str] = {}
+        errors: list[str] = []
+        self.reading = 0
 
-        rt_mod._BYPASS_TRANSFER_THREAD = bypass
-        rt = rt_mod.runtime()
-        client = RpcClient(held[0][0].endpoint)
-        await client.connection()
-        try:
-            bufs = await asyncio.wait_for(asyncio.gather(*[
-                rt.pull(ref.rank, [(ref.key, 0, nbytes)], client if bypass else None)
-                for ref, _ in held]), 30)
-        except Exception as e:  # noqa: BLE001 - reported
-            return f"{type(e).__name__}: {e}"
-        finally:
-            rt_mod._BYPASS_TRANSFER_THREAD = False
-        return [digest(b[0]) for b in bufs]
+        async def worker():
+            while True:
+                try:
+                    mb = await q.get("t", ["x", "uid"], batch_size=batch_size, partition=part,
+                                     timeout=timeout)
+                except (streamrl.errors.EndOfStream, streamrl.errors.QueueClosed):
+                    return
+                except streamrl.errors.StreamRLError as e:
+                    errors.append(repr(e))
+                    return
+                uids = (await mb.materialize(["uid"]))["uid"].tolist()
+                keep = list(range(len(mb)))
+                self.reading += 1
+                try:
+                    td = await mb.materialize(["x"])
+                except RowsLost as e:
+                    gone = set(e.rows)
+                    lost.update({u: e.holder for r, u in zip(mb.rows, uids) if r in gone})
+                    keep = [i for i, r in enumerate(mb.rows) if r not in gone]
+                    td = await mb[keep].materialize(["x"]) if keep else None
+                except Exception as e:  # noqa: BLE001 - reported
+                    errors.append(f"{type(e).__name__}: {e}")
+                    td = None
+                finally:
+                    self.reading -= 1
+                if td is not None:
+                    got.update({uids[i]: digest(x) for i, x in zip(keep, td["x"])})
+                try:
+                    await mb.ack()
+                except streamrl.errors.StreamRLError as e:
+                    errors.append(repr(e))
+
+        await asyncio.gather(*[worker() for _ in range(workers)])
+        return got, lost, errors
+
+    def busy(self):
+        """Reads of held fields in progress (of :meth:`read_losing`)."""
+        return getattr(self, "reading", 0)
+
+    async def role(self, q, task: str, fields, batch_size: int, part: str, fn):
+        """A role of the suite's pipeline (see :func:`role`)."""
+        return await role(q, task, fields, batch_size, part, fn)
+
+    def held(self):
+        from streamrl.transport.rdt import holder_stats
+
+        return holder_stats()
+
+    def set_bypass(self, on: bool):
+        from streamrl.transport.rdt.runtime import set_bypass
+
+        return set_bypass(on)
 
 
 @ray.remote(num_cpus=0, enable_tensor_transport=True)
@@ -205,6 +310,22 @@ class SyncConsumer:
             sq.shutdown()
         return got
 
+    def held(self):
+        from streamrl.transport.rdt import holder_stats
+
+        return holder_stats()
+
+    def role(self, q, task: str, fields, batch_size: int, part: str, fn):
+        """:func:`role` through the blocking twin."""
+        from streamrl.sync import StreamQueue as SyncQueue
+
+        sq = SyncQueue.wrap(q)
+        try:
+            for mb in sq.stream(task, fields, batch_size, partition=part, timeout=120):
+                mb.write(fn(mb.materialize()))
+        finally:
+            sq.shutdown()
+
 
 def test_reads_plan_few_messages_and_no_copies_of_big_ranges():
     """One read of a holder: touching ranges of a tensor merge; ranges of 1 MiB or more
@@ -220,6 +341,44 @@ def test_reads_plan_few_messages_and_no_copies_of_big_ranges():
     offs, total = layout([10, 3, 0])
     assert offs == [0, ALIGN, 2 * ALIGN] and total == 2 * ALIGN
     assert layout([BIG + 1]) == ([0], BIG + 1)  # alone: not padded, not copied
+
+
+def test_a_transfer_whose_peer_is_gone_is_given_up_and_the_next_ones_run():
+    """The transfer thread's watchdog: an operation blocked on a peer the group says is
+    gone is given up (its waiter fails with HolderGone) and the operations after it run
+    on a new thread, in order; one whose peer is alive but slow is waited for. (Killed
+    processes make gloo fail at once; this is for peers that vanish without closing
+    their sockets, a lost node, which one machine cannot stage.)"""
+    import concurrent.futures
+    import threading
+
+    from streamrl.transport.rdt.runtime import HolderGone, TransferThread
+
+    asked = []
+
+    def gone(rank):
+        asked.append(rank)
+        return rank == 3
+
+    th = TransferThread(gone, check=0.05)
+    stuck, waiter = threading.Event(), concurrent.futures.Future()
+    ran = []
+    th.submit(2, lambda: ran.append(2), peer=4)  # early: waits for 1
+    th.submit(1, stuck.wait, peer=3, abandon=waiter.set_exception)  # a dead peer
+    th.submit(3, lambda: (time.sleep(0.3), ran.append(3)), peer=4)  # a slow, live peer
+    with pytest.raises(HolderGone, match="member 3 is gone"):
+        waiter.result(10)
+    deadline = time.monotonic() + 10
+    while len(ran) < 2 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert ran == [2, 3] and th.abandoned == 1 and 4 in asked
+    stuck.set()  # the abandoned thread returns, and leaves
+    th.submit(4, lambda: ran.append(4))
+    while len(ran) < 3 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert ran == [2, 3, 4]
+    time.sleep(0.1)
+    assert [t.name for t in threading.enumerate()].count("streamrl-rdt-transfer") == 1
 
 
 def test_rdt_options_are_checked_up_front():
@@ -260,18 +419,28 @@ async def wait_for(pred, timeout=30.0):
         await asyncio.sleep(0.2)
 
 
+async def stress(q, producers, consumer) -> tuple[dict, dict, list]:
+    """The stress test's body: 4 async producers x ``PUTS`` concurrent puts of rows with
+    a same-size field ``x`` and a mixed-size field ``v``, then an async consumer with 8
+    concurrent readers. The digests taken at the producers, those read, and the
+    consumer's errors."""
+    sums = {}
+    for s in await asyncio.gather(*[p.run.remote(q, i + 1, PUTS, "p")
+                                    for i, p in enumerate(producers)]):
+        sums.update(s)
+    assert len(sums) == len(producers) * PUTS * 3
+    await q.seal("p")
+    got, errors = await consumer.run.remote(q, "p", 8, 4, ["x", "v", "uid"])
+    return sums, got, errors
+
+
 async def test_concurrent_puts_and_reads_between_async_actors_arrive_intact(group):
-    """4 async producers x 8 concurrent puts (``STREAMRL_RDT_PUTS`` for more) (same-size and mixed-size tensors), an async
-    consumer with 8 concurrent readers: every tensor matches the digest taken where it
-    was made; every byte moved by RDT; the holders hold nothing once the rows are gone."""
+    """4 async producers x 8 concurrent puts (``STREAMRL_RDT_PUTS`` for more) of same-size
+    and mixed-size tensors, an async consumer with 8 concurrent readers: every tensor
+    matches the digest taken where it was made; every byte moved by RDT; the holders hold
+    nothing once the rows are gone."""
     async with streamrl.StreamQueue(transport="rdt", num_shards=2, consumers=["t"]) as q:
-        sums = {}
-        for s in await asyncio.gather(*[p.run.remote(q, i + 1, PUTS, "p")
-                                        for i, p in enumerate(group["producers"])]):
-            sums.update(s)
-        assert len(sums) == 4 * PUTS * 3
-        await q.seal("p")
-        got, errors = await group["consumer"].run.remote(q, "p", 8, 4, ["x", "v", "uid"])
+        sums, got, errors = await stress(q, group["producers"], group["consumer"])
         assert errors == []
         assert got == sums  # every row, every tensor intact
         st = await wait_for(lambda: _settled(q))
@@ -337,28 +506,81 @@ async def test_rdt_fields_on_the_ray_transport_hold_only_those_fields(group):
         assert st.bytes_by_path.get("shm", 0) + st.bytes_by_path.get("inline", 0) > 0
 
 
-async def test_a_holder_that_dies_loses_its_rows_by_name(group):
-    """Rows whose fields a dead producer held: reads raise RowsLost naming those rows
-    and the holder, outside the group (socket) and in it (the coordinator knows); rows
-    held by others read fine."""
-    async with streamrl.StreamQueue(transport="rdt", num_shards=2) as q:
-        await group["victim"].run.remote(q, 21, 4, "dead", ragged=False)
-        alive = await group["producers"][3].run.remote(q, 22, 2, "alive", ragged=False)
-        pid = await group["victim"].pid.remote()
-        ray.kill(group["victim"])
-        await asyncio.sleep(1.0)
-        mb = await q.get("d", ["x", "uid"], batch_size=6, partition="dead", timeout=10)
+async def test_a_holder_killed_mid_transfer_loses_its_rows_by_name(group, tmp_path):
+    """A producer dies while 8 readers of an async consumer are waiting for its tensors,
+    in batches that mix its rows with a live producer's: its transfer thread is kept busy
+    so that the readers' receives from it are posted and waiting (and, in the
+    consumer's one ordered transfer thread, ahead of receives from the live producer),
+    then the process is killed. Its rows raise RowsLost naming them and the holder, and
+    are dropped as "lost" (the acks count only the rest); the live rows arrive intact;
+    the consumer's later reads by RDT are not stuck behind the dead transfer. A checkpoint,
+    which needs their bytes, fails naming the holder. Rows of the dead holder read later
+    raise RowsLost too, outside the group (the driver, over the socket) and in it."""
+    victim, live, consumer = group["victim"], group["producers"][3], group["consumer"]
+    async with streamrl.StreamQueue(transport="rdt", rdt_fields=["x"], num_shards=2,
+                                    consumers=["t"]) as q:
+        dead, alive = {}, {}
+        for i in range(4):  # alternate: batches of 4 mix the two holders' rows
+            dead.update(await victim.run.remote(q, 21 + i, 1, "mixed", ragged=False))
+            alive.update(await live.run.remote(q, 31 + i, 1, "mixed", ragged=False))
+        later = await victim.run.remote(q, 25, 2, "later", ragged=False)
+        later2 = await victim.run.remote(q, 26, 2, "later2", ragged=False)
+        pid = await victim.pid.remote()
+        await q.seal("mixed")
+        await victim.stall.remote(120)  # its sends wait behind this
+        reading = consumer.read_losing.remote(q, "mixed", 8, 4)
+        assert await wait_for(_busy(consumer), 60), "the readers never started"
+        await asyncio.sleep(1.0)  # (their receives are posted)
+        assert await consumer.busy.remote() > 0  # reads of the victim's rows are waiting
+        ray.kill(victim)
+        got, lost, errors = await asyncio.wait_for(reading, 120)  # (not stuck)
+        assert errors == []
+        assert sorted(lost) == sorted(dead)  # every row of the victim, by name
+        assert all(h.endswith(f":{pid}") for h in lost.values())
+        assert got == {u: d[0] for u, d in alive.items()}  # the live rows, intact
+        st = await wait_for(lambda: _lost(q, len(dead)))
+        assert st.dropped_by["lost"] == len(dead), st.dropped_by
+        assert st.tasks["t"].acked == len(alive)  # the lost rows were not consumed
+        # what a transfer thread's watchdog would hear (rank 6: the victim; 3: alive)
+        coordinator = group["group"].coordinator
+        assert await coordinator.alive.remote(6) is False
+        assert await coordinator.alive.remote(3) is True
+
+        # later reads of that consumer: by RDT as before, intact
+        before = st.bytes_by_path.get("rdt", 0)
+        sums = await live.run.remote(q, 41, 2, "after", ragged=False)
+        await q.seal("after")
+        got, lost, errors = await asyncio.wait_for(
+            consumer.read_losing.remote(q, "after", 2, 4), 60)
+        assert (got, lost, errors) == ({u: d[0] for u, d in sums.items()}, {}, [])
+        st = await wait_for(lambda: _has(q, "rdt", before + 6 * W * 4))
+        assert st is not None
+
+        # a checkpoint needs the held bytes: it names the dead holder
+        with pytest.raises(CheckpointError, match=f":{pid}"):
+            await q.checkpoint(tmp_path / "ck")
+
+        # rows of the dead holder read later: outside the group and inside it
+        mb = await q.get("d", ["x", "uid"], batch_size=6, partition="later", timeout=10)
         with pytest.raises(RowsLost) as e:  # the driver: over the socket
             await mb.materialize()
         assert sorted(e.value.rows) == sorted(mb.rows) and e.value.holder.endswith(f":{pid}")
-        await mb.drop()
-        await q.seal("dead")
-        got, errors = await group["consumer"].run.remote(q, "dead", 1, 6, ["x", "uid"],
-                                                         timeout=10)
-        assert got == {} and len(errors) == 1 and "RowsLost" in errors[0], errors
-        await q.seal("alive")
-        got, errors = await group["consumer"].run.remote(q, "alive", 2, 3, ["x", "uid"])
-        assert errors == [] and got == alive
+        await q.seal("later2")
+        got, lost, errors = await consumer.read_losing.remote(q, "later2", 1, 8, timeout=10)
+        assert got == {} and sorted(lost) == sorted(later2) and errors == []
+        st = await wait_for(lambda: _lost(q, len(dead) + len(later) + len(later2)))
+        assert st is not None
+
+
+def _busy(actor):
+    async def pred():
+        return await actor.busy.remote() > 0
+    return pred
+
+
+async def _lost(q, n):
+    st = await q.stats()
+    return st if st.dropped_by.get("lost") == n and st.tasks.get("t") else None
 
 
 async def test_cancelled_puts_and_reads_leave_holders_empty(group):
@@ -378,31 +600,165 @@ async def test_cancelled_puts_and_reads_leave_holders_empty(group):
         assert st.rows == 0 and st.bytes == 0
 
 
-def test_transfers_that_bypass_the_serialising_thread_corrupt_data(ray_session):
-    """The transfer thread is what keeps concurrent transfers apart. An async consumer
-    pulls 16 held tensors of 1 MiB from one producer at once (16 concurrent pulls):
-    through the transfer thread every tensor arrives intact; in the naive design (each
-    send and receive on a thread of its own as soon as it is asked for, the switch
-    ``_BYPASS_TRANSFER_THREAD``) tensors arrive swapped, or the transfers fail or hang."""
+async def test_partial_samples_pipeline_through_four_roles_in_group_members(group):
+    """The behavioural suite's pipeline (tests/test_semantics.py, same name without
+    "_in_group_members") with each role in another member of the group: a producer puts
+    prompts, and four roles, in an async consumer, the blocking twin in a sync actor and
+    two other producers, read fields that other members hold (by RDT) and write new
+    fields (held where written). Every row reaches training with the right values, once;
+    no byte went over a socket or through the storage units; nothing is left, rows,
+    bytes or held tensors."""
+    p = group["producers"]
+    N = 96
+    async with streamrl.StreamQueue(transport="rdt", capacity=64, num_shards=2) as q:
+        res = await asyncio.gather(
+            p[0].feed.remote(q, "step", N),
+            group["consumer"].role.remote(q, "gen", ["prompt"], 4, "step", generate),
+            group["sync"].role.remote(q, "reward", ["response"], 6, "step", reward),
+            p[1].role.remote(q, "ref", ["prompt", "response"], 5, "step", ref_lp),
+            p[2].role.remote(q, "train", ["idx", "prompt", "response", "reward", "ref_lp"], 8,
+                             "step", train))
+        assert sorted(res[-1]) == list(range(N))
+        st = await wait_for(lambda: _settled(q))
+        assert st.rows == 0 and st.bytes == 0 and sum(st.unit_rows) == 0
+        assert st.bytes_by_path.get("rdt", 0) > 0
+        assert not st.bytes_by_path.get("socket") and not st.bytes_by_path.get("shm"), \
+            st.bytes_by_path
+        everyone = [*p[:3], group["consumer"], group["sync"]]
+        assert await wait_for(lambda: _all_free(everyone))
+
+
+async def test_groups_that_cannot_be_made_leave_nothing_and_a_destroyed_group_falls_back(
+        group):
+    """create_group refuses, with TransportError and nothing made, a backend a member
+    cannot use (nixl is not installed here) and an actor already in a group; the same
+    actors then make a group. Once that group is destroyed, its members read each
+    other's held fields over the holders' sockets: no RowsLost while the holder lives."""
+    import importlib.util
+
+    from streamrl.errors import TransportError
     from streamrl.transport.rdt import create_group
 
     producer, consumer = Producer.remote(), Consumer.remote()
-    g = create_group([producer, consumer], "gloo")
     try:
-        n, nbytes = BURST, 1 << 20
-        held = ray.get(producer.hold.remote(n, nbytes, 1))
-        want = [d for _, d in held]
-        assert ray.get(consumer.burst.remote(held, nbytes, False)) == want
-        try:
-            naive = ray.get(consumer.burst.remote(held, nbytes, True), timeout=60)
-        except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError) as e:
-            naive = f"{type(e).__name__}"
-        if isinstance(naive, list):
-            bad = sum(a != b for a, b in zip(naive, want))
-            naive = f"{bad} of {n} tensors wrong"
-        print("naive design:", naive)
-        assert naive != f"0 of {n} tensors wrong", naive
+        if importlib.util.find_spec("nixl") is None:  # (the actors share this environment)
+            with pytest.raises(TransportError, match="nixl package"):
+                await asyncio.to_thread(create_group, [producer, consumer], "nixl")
+        with pytest.raises(TransportError, match="member 1: it is in RDT group"):
+            await asyncio.to_thread(create_group, [producer, group["consumer"]], "gloo")
+        assert await producer.group_name.remote() is None
+        g = await asyncio.to_thread(create_group, [producer, consumer], "gloo")
+        assert await producer.group_name.remote() == g.name
+        async with streamrl.StreamQueue(transport="rdt", num_shards=2, consumers=["t"]) as q:
+            rows = 2 * 3
+            first = await producer.run.remote(q, 51, 2, "a", ragged=False)
+            await q.seal("a")
+            got, errors = await consumer.run.remote(q, "a", 2, 3, ["x", "uid"])
+            assert errors == [] and got == first
+            assert await wait_for(lambda: _has(q, "rdt", rows * (W * 4 + 8)))
+            await asyncio.to_thread(g.destroy)
+            second = await producer.run.remote(q, 52, 2, "b", ragged=False)  # held, as before
+            await q.seal("b")
+            got, errors = await consumer.run.remote(q, "b", 2, 3, ["x", "uid"])
+            assert errors == [] and got == second
+            st = await wait_for(lambda: _has(q, "socket", rows * (W * 4 + 8)))
+            assert st.bytes_by_path["rdt"] == rows * (W * 4 + 8)  # none by RDT any more
+            assert not st.dropped_by.get("lost")
     finally:
-        g.destroy()
         for a in (producer, consumer):
             ray.kill(a)
+
+
+async def test_a_queue_of_held_fields_is_checkpointed_and_restored_on_any_transport(
+        group, tmp_path):
+    """A checkpoint of an "rdt" queue saves held fields (the storage units read them from
+    their holders): restored on "embedded" and on "rdt", every row not consumed reads
+    back the tensors its producer put (same-size and ragged, one row over 1 MiB)."""
+    async with streamrl.StreamQueue(transport="rdt", num_shards=2, consumers=["t"]) as q:
+        sums = await group["producers"][0].run.remote(q, 61, 4, "p", ragged=True)
+        mb = await q.get("t", ["uid"], batch_size=3, partition="p", timeout=10)
+        consumed = (await mb.materialize())["uid"].tolist()
+        await mb.ack()
+        await q.checkpoint(tmp_path / "ck")
+    want = {u: d for u, d in sums.items() if u not in consumed}
+    assert len(want) == 9
+    r = await streamrl.StreamQueue.restore(tmp_path / "ck", transport="embedded")
+    try:
+        await r.seal("p")
+        got = {}
+        async for mb in r.stream("t", ["x", "v", "uid"], 4, partition="p", timeout=30):
+            td = await mb.materialize()
+            vs = td["v"].unbind() if td["v"].is_nested else td["v"]
+            got.update({u: (digest(x), digest(v)) for u, x, v in zip(td["uid"].tolist(),
+                                                                     td["x"], vs)})
+        assert got == want
+    finally:
+        await r.shutdown()
+    r = await streamrl.StreamQueue.restore(tmp_path / "ck", transport="rdt", num_shards=1)
+    try:
+        assert r.transport == "rdt"
+        await r.seal("p")
+        got, errors = await group["consumer"].run.remote(r, "p", 2, 4, ["x", "v", "uid"])
+        assert errors == [] and got == want
+    finally:
+        await r.shutdown()
+
+
+async def test_the_stress_test_goes_wrong_when_transfers_bypass_the_serialising_thread(
+        ray_session, record_property):
+    """The serialising transfer thread is what keeps concurrent transfers apart. The
+    stress test's body (:func:`stress`) runs twice on a group of its own (5 fresh
+    actors): as built, where it must be right; then with the naive design switched on
+    in every process of the group (``set_bypass``: each send and receive runs at once on
+    a thread of its own, and readers ask holders directly, unordered). What the naive run
+    did is reported (printed, and recorded as the test's ``bypassed`` property), not
+    asserted: gloo's failures under concurrency depend on timing (see docs/rdt.md for
+    what runs here showed). ``STREAMRL_RDT_BYPASS_STRICT=1`` makes a naive run that
+    came out right fail the test."""
+    from streamrl.transport.rdt import create_group
+
+    producers, consumer = [Producer.remote() for _ in range(4)], Consumer.remote()
+    actors = [*producers, consumer]
+    g = await asyncio.to_thread(create_group, actors, "gloo")
+    try:
+        async with streamrl.StreamQueue(transport="rdt", num_shards=2, consumers=["t"]) as q:
+            sums, got, errors = await stress(q, producers, consumer)
+            assert errors == [] and got == sums  # the design as built: right
+        await asyncio.gather(*[a.set_bypass.remote(True) for a in actors])
+        outcome = await _naive_run(producers, consumer)
+    finally:
+        g.destroy()
+        for a in actors:
+            ray.kill(a)
+    print(f"stress test with the serialising thread bypassed: {outcome}")
+    record_property("bypassed", outcome)
+    if os.environ.get("STREAMRL_RDT_BYPASS_STRICT") == "1":
+        assert not outcome.startswith("right"), outcome
+
+
+async def _naive_run(producers, consumer) -> str:
+    """:func:`stress` in the naive design; what came of it, in words."""
+    q = streamrl.StreamQueue(transport="rdt", num_shards=2, consumers=["t"])
+    try:
+        sums, got, errors = await asyncio.wait_for(stress(q, producers, consumer), 90)
+    except asyncio.TimeoutError:
+        return "hung: no answer within 90 s"
+    except ray.exceptions.RayActorError as e:
+        return f"crashed: {type(e).__name__} (gloo killed the actors)"
+    except Exception as e:  # noqa: BLE001 - reported
+        return f"failed: {type(e).__name__}: {str(e)[:200]}"
+    finally:
+        try:
+            st = await asyncio.wait_for(q.stats(), 10)
+            socket = st.bytes_by_path.get("socket", 0)
+        except Exception:  # noqa: BLE001 - (reported above)
+            socket = 0
+        await q.close()
+        await q.shutdown()
+    wrong = sum(got.get(u) != d for u, d in sums.items())
+    where = f"; {socket} bytes read over the socket after failed transfers" if socket else ""
+    if errors:
+        return f"errors: {len(errors)} reads failed ({errors[0][:160]}){where}"
+    if wrong:
+        return f"wrong: {wrong} of {len(sums)} rows read with other tensors' bytes{where}"
+    return f"right: every row intact{where}"

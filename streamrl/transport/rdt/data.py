@@ -18,8 +18,12 @@ at the holder, received as one buffer, and handed out as views of it. Per holder
 * otherwise (the driver, a task, an actor of no group or of another group): the holder's
   server sends the bytes over its socket (``"socket"``, the fallback path).
 
-A holder that is gone makes the read raise :class:`~streamrl.errors.RowsLost` naming the
-rows and the holder (``.holder``).
+The fallback path also serves a group member whenever the group's path cannot: the
+group's coordinator is gone (the group was destroyed), the coordinator says the holder
+is gone, or the collective transfer failed. Only when the holder's socket fails too is
+the holder gone: the read raises :class:`~streamrl.errors.RowsLost` naming the rows and
+the holder (``.holder``), after telling the controller, which drops those rows as
+``"lost"`` (an ack does not count them as consumed; ``stats().dropped_by["lost"]``).
 """
 
 from __future__ import annotations
@@ -27,7 +31,7 @@ from __future__ import annotations
 import asyncio
 import contextvars
 import logging
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -39,7 +43,7 @@ from ..ray.calls import send
 from ..ray.data import RayDataPlane
 from ..ray.wire import tensors_in, to_wire
 from ..rpc import Endpoint, RpcClient
-from .runtime import HeldRef, HolderGone, _bypassed, current, layout, runtime
+from .runtime import CoordinatorGone, HeldRef, HolderGone, _bypassed, current, layout, runtime
 
 __all__ = ["RdtDataPlane", "RdtPlaneSpec"]
 
@@ -65,7 +69,12 @@ class RdtPlaneSpec(NamedTuple):
 
     def __call__(self, units: Sequence[Any], endpoints: Sequence[Endpoint | None] | None = None,
                  on_lost: Callable | None = None) -> RdtDataPlane:
-        return RdtDataPlane(units, endpoints, on_lost, spec=self)
+        plane = RdtDataPlane(units, endpoints, on_lost, spec=self)
+        # ``on_lost`` is the ``report_lost`` of a control plane (a client's RayControl, or
+        # the controller actor itself): rows lost with a holder go to the same one
+        plane.on_rows_lost = getattr(getattr(on_lost, "__self__", None), "report_lost_rows",
+                                     None)
+        return plane
 
 
 class RdtDataPlane(RayDataPlane):
@@ -76,6 +85,9 @@ class RdtDataPlane(RayDataPlane):
         super().__init__(units, endpoints, on_lost)
         self.spec = spec
         self._holders: dict[Endpoint, RpcClient] = {}
+        #: awaited with ``(rows, holder)`` when a read finds the holder of their tensors
+        #: gone (the control plane's ``report_lost_rows``; set by the transport)
+        self.on_rows_lost: Callable[[list[int], str], Awaitable[Any]] | None = None
 
     # -- puts
 
@@ -119,8 +131,19 @@ class RdtDataPlane(RayDataPlane):
 
     async def put(self, parts, write: int = 0) -> None:
         by_shard: dict[int, list] = {}
-        for shard, rows, cols in parts:
-            by_shard.setdefault(shard, []).append((list(rows), self._wire(cols)))
+        made: list[int] = []
+        token = _made.set(made)
+        try:
+            for shard, rows, cols in parts:
+                by_shard.setdefault(shard, []).append((list(rows), self._wire(cols)))
+        except BaseException:
+            # a value that cannot be encoded, after tensors of the put were held: nobody
+            # refers to those yet
+            if made:
+                runtime().free(made)
+            raise
+        finally:
+            _made.reset(token)
         try:
             await asyncio.gather(*[self._put(s, p, write) for s, p in by_shard.items()])
         except BaseException:
@@ -182,7 +205,13 @@ class RdtDataPlane(RayDataPlane):
 
     async def _fetch_ranges(self, ref0: HeldRef, ranges: list, items: list) -> list[Any]:
         """The bytes of ``ranges`` (disjoint) of holder ``ref0.holder``, one buffer each,
-        by the first path that serves them (see the module docstring)."""
+        by the first path that serves them (see the module docstring).
+
+        Raises:
+            RowsDropped: the holder no longer has some of the tensors (their rows were
+                dropped meanwhile).
+            RowsLost: the holder is gone (reported to the controller first).
+        """
         rows = sorted({r for *_, rs in items for r in rs})
         rt = current()
         try:
@@ -192,33 +221,55 @@ class RdtDataPlane(RayDataPlane):
                     raise KeyError("gone")
                 self.count_moved({"local": sum(n for _, _, n in ranges)})
                 return views
-            if (rt is not None and rt.group is not None and ref0.group == rt.group.name
-                    and ref0.rank >= 0 and rt.group.backend in ("gloo", "nccl")):
-                bufs = await rt.pull(ref0.rank, ranges, self._bypass_client(ref0))
-                self.count_moved({"rdt": sum(n for _, _, n in ranges)})
-                return bufs
-            if (rt is not None and rt.group is not None and ref0.group == rt.group.name
-                    and rt.group.backend == "nixl"):
-                bufs = await _nixl_pull(rt, ref0, ranges)
-                self.count_moved({"rdt": sum(n for _, _, n in ranges)})
-                return bufs
+            group = rt.group if rt is not None and rt.coordinator_gone is None else None
+            backend = group.backend if group is not None and ref0.group == group.name else None
+            if rt is not None and backend in ("gloo", "nccl") and ref0.rank >= 0:
+                try:
+                    bufs = await rt.pull(ref0.rank, ranges, self._bypass_client(ref0))
+                except (KeyError, TransportError):
+                    raise
+                except (CoordinatorGone, HolderGone) as e:
+                    log.debug("streamrl: RDT read from %s takes the fallback path (%s)",
+                              ref0.holder, e)
+                except Exception as e:  # noqa: BLE001 - a failed collective transfer
+                    log.warning("streamrl: an RDT transfer from %s failed (%s: %s); reading "
+                                "over its socket instead", ref0.holder, type(e).__name__, e)
+                else:
+                    self.count_moved({"rdt": sum(n for _, _, n in ranges)})
+                    return bufs
+            elif backend == "nixl":
+                try:
+                    bufs = await _nixl_pull(rt, ref0, ranges)
+                except KeyError:
+                    raise
+                except Exception as e:  # noqa: BLE001 - the one-sided read failed
+                    log.warning("streamrl: an RDT (nixl) read from %s failed (%s: %s); reading "
+                                "over its socket instead", ref0.holder, type(e).__name__, e)
+                else:
+                    self.count_moved({"rdt": sum(n for _, _, n in ranges)})
+                    return bufs
             return await self._fetch_socket(ref0, ranges)
         except KeyError:
             raise RowsDropped(
                 f"rows {rows_preview(rows)} were dropped while they were read (their "
                 f"holder {ref0.holder} no longer has their tensors)", rows) from None
-        except (HolderGone, ConnectionError) as e:
+        except ConnectionError as e:  # the holder's socket: the holder is gone
+            await self._rows_lost(rows, ref0.holder)
             raise RowsLost(
                 f"the process holding tensor fields of rows {rows_preview(rows)} "
-                f"({ref0.holder}) is gone ({e}); their held fields are lost. Drop these rows "
-                "(or clear their partition) and move on", rows, holder=ref0.holder) from None
-        except (RowsLost, RowsDropped, TransportError):
-            raise
-        except Exception as e:  # a failed collective transfer (the peer died mid-way...)
-            raise RowsLost(
-                f"moving tensor fields of rows {rows_preview(rows)} from {ref0.holder} "
-                f"failed ({type(e).__name__}: {e}); treat them as lost", rows,
-                holder=ref0.holder) from None
+                f"({ref0.holder}) is gone ({e}); their held fields are lost, and the queue "
+                "dropped these rows (stats().dropped_by['lost']). Move on without them",
+                rows, holder=ref0.holder) from None
+
+    async def _rows_lost(self, rows: list[int], holder: str) -> None:
+        """Tell the controller (``on_rows_lost``) that ``rows`` are lost with ``holder``
+        (a failure to tell is logged: the caller hears of the loss regardless)."""
+        if self.on_rows_lost is None:
+            return
+        try:
+            await self.on_rows_lost(rows, holder)
+        except Exception as e:  # noqa: BLE001
+            log.warning("streamrl: could not report rows lost with holder %s (%r)", holder, e)
 
     def _bypass_client(self, ref0: HeldRef) -> RpcClient | None:
         return self._client(ref0) if _bypassed() else None

@@ -22,20 +22,32 @@ Every transfer inside the group is made by the coordinator: a reader asks it to 
 ranges of tensors from a holder; it numbers the two operations (a send at the holder, a
 receive at the reader) in one global order and sends each to its process, whose transfer
 thread runs its operations in that order (see :class:`.runtime.TransferThread`).
+
+When a group cannot be made (a member lacks nixl or a GPU, an actor is in another
+collective group, Ray's collective group fails), :func:`create_group` raises
+:class:`~streamrl.errors.TransportError` naming what failed, and leaves nothing behind:
+members that had joined leave, the collective group and the coordinator are destroyed, so
+the actors work on as processes of no group (puts through the storage units, reads over
+the holders' sockets) or can be put in another group. There is no silent fallback to
+another backend: a group asked for is made as asked, or not at all. Once a group is
+destroyed (:meth:`RdtGroup.destroy`), or its coordinator dies, its members' reads take
+the fallback path (the holders' sockets) and their held tensors stay readable.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import time
 import uuid
 from collections.abc import Sequence
 from typing import Any
 
 import ray
 
+from ...errors import TransportError
 from ..rpc import Endpoint, RpcClient, RpcServer
-from .runtime import BACKENDS, GroupInfo, HolderGone, runtime
+from .runtime import BACKENDS, STALL_CHECK, GroupInfo, HolderGone, cannot_join, runtime
 
 __all__ = ["RdtGroup", "create_group", "CoordinatorImpl", "Coordinator"]
 
@@ -137,6 +149,25 @@ class CoordinatorImpl:
     def member_actor(self, rank: int) -> Any:
         return self.members[rank].actor
 
+    async def alive(self, rank: int) -> bool | None:
+        """Whether member ``rank`` is alive, for a transfer thread's watchdog: ``False``
+        once its connection closed or Ray says its actor is dead (a lost node
+        included), ``True`` when its actor answers, ``None`` when it does not answer in
+        time (busy, or on a node Ray has not declared lost yet)."""
+        m = self.members.get(rank)
+        if m is None or not m.alive:
+            return None if m is None else False
+        try:
+            await asyncio.wait_for(
+                m.actor.__ray_call__.options(concurrency_group="_ray_system").remote(_ping),
+                STALL_CHECK)
+        except ray.exceptions.RayActorError:
+            self._gone(rank)
+            return False
+        except Exception:  # noqa: BLE001 - a timeout, or Ray could not say
+            return None
+        return True
+
     def ping(self) -> bool:
         return True
 
@@ -148,6 +179,25 @@ Coordinator = ray.remote(num_cpus=0)(CoordinatorImpl)
 def _join(_self: Any, info: GroupInfo) -> tuple[str, Endpoint]:
     """Run in each member actor (``__ray_call__``): join the group."""
     return runtime().join(info)
+
+
+def _leave(_self: Any, name: str) -> None:
+    """Run in each member actor (``__ray_call__``): leave group ``name`` (its making
+    failed)."""
+    runtime().leave(name)
+
+
+def _cannot_join(_self: Any, backend: str) -> str | None:
+    """Run in each member actor (``__ray_call__``): why it cannot join (``None``: it can)."""
+    rt = runtime()
+    if rt.group is not None:
+        return (f"it is in RDT group {rt.group.name!r} already (a process takes part in one "
+                "RDT group for its life)")
+    return cannot_join(backend)
+
+
+def _ping(_self: Any) -> bool:
+    return True
 
 
 class RdtGroup:
@@ -166,12 +216,20 @@ class RdtGroup:
         return ray.get(self.coordinator.info.remote())
 
     def destroy(self) -> None:
-        """Stop the coordinator (members keep what they hold; their transfers inside
-        the group stop working)."""
+        """Stop the coordinator, and return once it is gone (blocking, up to 30 s).
+        Members keep what they hold; transfers inside the group stop, and members read
+        held tensors over the fallback path (the holders' sockets) from then on."""
         try:
             ray.kill(self.coordinator)
         except Exception:  # noqa: BLE001 - already gone
-            pass
+            return
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            try:
+                ray.get(self.coordinator.ping.remote(), timeout=5)
+            except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
+                return
+            time.sleep(0.1)
 
 
 def create_group(actors: Sequence[Any], backend: str = "gloo", *, name: str | None = None,
@@ -196,7 +254,10 @@ def create_group(actors: Sequence[Any], backend: str = "gloo", *, name: str | No
 
     Raises:
         ValueError: an unknown backend, no actors, or an actor twice.
-        RuntimeError: Ray refused the collective group (an actor in another group).
+        TransportError: the group cannot be made: a member cannot take part (nccl
+            without a GPU, nixl without its package), Ray refused the collective group
+            (an actor in another group), or a member failed to join. Nothing is left
+            made (see the module docstring).
     """
     if backend not in BACKENDS:
         raise ValueError(f"unknown RDT backend {backend!r}; use one of {', '.join(BACKENDS)}")
@@ -206,16 +267,54 @@ def create_group(actors: Sequence[Any], backend: str = "gloo", *, name: str | No
     if len({a._actor_id for a in actors}) != len(actors):
         raise ValueError("an actor is given twice")
     name = name or f"streamrl-rdt-{uuid.uuid4().hex[:12]}"
-    if backend in ("gloo", "nccl") and len(actors) > 1:
-        from ray.experimental.collective import create_collective_group
+    why = ray.get([a.__ray_call__.remote(_cannot_join, backend) for a in actors])
+    lacking = [(r, w) for r, w in enumerate(why) if w]
+    if lacking:
+        raise TransportError(
+            f"RDT group {name!r} ({backend}) cannot be made: "
+            + "; ".join(f"member {r}: {w}" for r, w in lacking)
+            + ". Nothing was made; the actors work on outside any group (the fallback path)")
+    collective = backend in ("gloo", "nccl") and len(actors) > 1
+    coordinator: Any = None
+    try:
+        if collective:
+            from ray.experimental.collective import create_collective_group
 
-        create_collective_group(actors, backend="torch_gloo" if backend == "gloo" else "nccl",
-                                name=name)
-    # (Any: Ray's annotations type a handle's methods as the class's, without .remote)
-    coordinator: Any = Coordinator.options(**(coordinator_options or {})).remote(name, backend)
-    cep = ray.get(coordinator.endpoint.remote())
-    joined = ray.get([a.__ray_call__.remote(_join, GroupInfo(name, r, len(actors), backend, cep))
-                      for r, a in enumerate(actors)])
-    ray.get(coordinator.add_members.remote(
-        [(r, mid, ep, a) for r, ((mid, ep), a) in enumerate(zip(joined, actors))]))
+            create_collective_group(actors, backend="torch_gloo" if backend == "gloo"
+                                    else "nccl", name=name)
+        # (Any: Ray's annotations type a handle's methods as the class's, without .remote)
+        coordinator = Coordinator.options(**(coordinator_options or {})).remote(name, backend)
+        cep = ray.get(coordinator.endpoint.remote())
+        joined = ray.get([a.__ray_call__.remote(_join, GroupInfo(name, r, len(actors), backend,
+                                                                 cep))
+                          for r, a in enumerate(actors)])
+        ray.get(coordinator.add_members.remote(
+            [(r, mid, ep, a) for r, ((mid, ep), a) in enumerate(zip(joined, actors))]))
+    except Exception as e:
+        _undo(name, actors, coordinator, collective)
+        cause = e.cause if isinstance(e, ray.exceptions.RayTaskError) and e.cause else e
+        raise TransportError(
+            f"RDT group {name!r} ({backend}) could not be made ({type(cause).__name__}: "
+            f"{cause}). Nothing was left made; the actors work on outside any group (the "
+            "fallback path)") from e
     return RdtGroup(name, backend, actors, coordinator)
+
+
+def _undo(name: str, actors: list, coordinator: Any, collective: bool) -> None:
+    """Take back what a failed :func:`create_group` made (each step as far as it goes)."""
+    try:
+        ray.get([a.__ray_call__.remote(_leave, name) for a in actors], timeout=30)
+    except Exception as e:  # noqa: BLE001 - a member that died has nothing to leave
+        log.warning("streamrl: members of the failed RDT group %s could not leave (%r)", name, e)
+    if coordinator is not None:
+        try:
+            ray.kill(coordinator)
+        except Exception:  # noqa: BLE001 - already gone
+            pass
+    if collective:
+        try:
+            from ray.experimental.collective import destroy_collective_group
+
+            destroy_collective_group(name)
+        except Exception:  # noqa: BLE001 - it was not made (Ray refused it)
+            pass

@@ -20,7 +20,17 @@ Threads of a process that takes part:
   the order they are posted (every send/recv goes through the process's one default
   ``torch.distributed`` group, tag 0): two transfers posted concurrently, or in different
   orders on the two sides, swap or corrupt their tensors. Async callers await the
-  thread's results without blocking their event loop; synchronous callers wait on them.
+  thread's results without blocking their event loop; synchronous callers wait on them;
+* ``streamrl-rdt-watch``: the transfer thread's watchdog. A transfer whose peer dies
+  usually fails at once (gloo sees the peer's sockets close: "Connection closed by
+  peer"); one that has run for :data:`STALL_CHECK` seconds makes the watchdog ask the
+  group's coordinator whether the peer is alive (by a Ray call to its actor, which fails
+  once Ray declares the actor dead, a lost node included). A peer that is gone has its
+  transfer abandoned: the reader's wait fails, and a new transfer thread carries on with
+  the next operations (the abandoned one stays blocked where it was, on a peer that will
+  never answer, and leaves once it returns). A peer that is alive but slow is waited for:
+  a transfer is never given up on a timer alone, since the two sides would then be out
+  of step.
 """
 
 from __future__ import annotations
@@ -32,6 +42,7 @@ import itertools
 import logging
 import os
 import threading
+import time
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
@@ -40,7 +51,8 @@ from ..ray.calls import new_loop
 from ..rpc import Endpoint, RpcServer
 
 __all__ = ["HeldRef", "GroupInfo", "Runtime", "TransferThread", "runtime", "current",
-           "layout", "plan", "HolderGone", "BACKENDS"]
+           "layout", "plan", "HolderGone", "CoordinatorGone", "BACKENDS", "STALL_CHECK",
+           "set_bypass", "cannot_join"]
 
 log = logging.getLogger("streamrl")
 
@@ -55,17 +67,30 @@ ALIGN = 64
 #: smaller ones are packed into one message (per-message overhead dominates them)
 BIG = 1 << 20
 
+#: seconds a transfer runs before the watchdog asks whether its peer is alive (and then
+#: again every as many seconds); see the module docstring
+STALL_CHECK = 10.0
+
 #: Private switch for tests only: the naive design. A reader asks the holder for its bytes
 #: directly (no coordinator numbering) and each send and receive runs at once on a new
 #: thread of its own, concurrently and in no particular order, as async callers that
 #: each hand their transfer to a worker thread would. Ray's gloo then swaps, corrupts or
-#: crashes transfers (see ``docs/rdt.md``).
+#: crashes transfers (see ``docs/rdt.md``). Set it in every process of a group
+#: (:func:`set_bypass`), readers and holders alike.
 _BYPASS_TRANSFER_THREAD = False
 
 
 def _bypassed() -> bool:
     """Whether the tests' naive design is on (see :data:`_BYPASS_TRANSFER_THREAD`)."""
     return _BYPASS_TRANSFER_THREAD
+
+
+def set_bypass(on: bool) -> bool:
+    """Tests only: switch this process to the naive design (see
+    :data:`_BYPASS_TRANSFER_THREAD`) or back; the previous setting."""
+    global _BYPASS_TRANSFER_THREAD
+    was, _BYPASS_TRANSFER_THREAD = _BYPASS_TRANSFER_THREAD, bool(on)
+    return was
 
 
 class HeldRef(NamedTuple):
@@ -90,7 +115,14 @@ class GroupInfo(NamedTuple):
 
 
 class HolderGone(Exception):
-    """The coordinator knows the holder is gone (its connection closed)."""
+    """The coordinator knows the holder is gone (its connection closed), or the watchdog
+    gave up a transfer whose peer is gone."""
+
+
+class CoordinatorGone(Exception):
+    """The group's coordinator cannot be reached (the group was destroyed, or its actor
+    died): transfers inside the group cannot be ordered any more, and reads take the
+    fallback path."""
 
 
 def layout(sizes: Sequence[int]) -> tuple[list[int], int]:
@@ -114,6 +146,17 @@ def plan(sizes: Sequence[int]) -> list[list[int]]:
     return groups + [small] if small else groups
 
 
+class _Op:
+    """One operation of a transfer thread: what to run, the group rank of its peer (for
+    the watchdog; ``None``: none) and what gives it up (fails whoever waits for it)."""
+
+    __slots__ = ("seq", "fn", "peer", "abandon")
+
+    def __init__(self, seq: int, fn: Callable[[], None], peer: int | None,
+                 abandon: Callable[[BaseException], None] | None):
+        self.seq, self.fn, self.peer, self.abandon = seq, fn, peer, abandon
+
+
 class TransferThread:
     """The thread every RDT send and receive of this process runs on, one at a time.
 
@@ -123,25 +166,50 @@ class TransferThread:
     in one global order, both processes of a transfer reach it after the same earlier
     transfers: no transfer is matched with another one, and none waits for a peer that
     waits for something else. Operations numbered ``0`` (one-sided reads) run as soon as
-    the thread is free."""
+    the thread is free.
 
-    def __init__(self) -> None:
+    Args:
+        peer_gone: asked by the watchdog about the peer of an operation that has run
+            for ``check`` seconds: ``True`` (it is gone: the operation is abandoned and a
+            new thread runs the next ones), ``False`` or ``None`` (alive, or unknown:
+            wait on). Without it, there is no watchdog.
+        check: seconds between the watchdog's looks (see :data:`STALL_CHECK`).
+    """
+
+    def __init__(self, peer_gone: Callable[[int], bool | None] | None = None,
+                 check: float = STALL_CHECK) -> None:
         self._cond = threading.Condition()
-        self._heap: list[tuple[int, int, Callable[[], None]]] = []
+        self._heap: list[tuple[int, int, _Op]] = []
         self._next = 1
         self._n = itertools.count()
-        self._thread = threading.Thread(target=self._run, name="streamrl-rdt-transfer",
-                                        daemon=True)
-        self._thread.start()
+        self._current: tuple[_Op, float] | None = None  # the running operation, since
+        self._peer_gone = peer_gone
+        self._check = check
+        #: operations given up because their peer was gone (with their thread)
+        self.abandoned = 0
+        self._runner = self._start()
+        if peer_gone is not None:
+            threading.Thread(target=self._watch, name="streamrl-rdt-watch",
+                             daemon=True).start()
 
-    def submit(self, seq: int, fn: Callable[[], None]) -> None:
-        """Run ``fn`` on the thread as operation ``seq`` of this process."""
+    def _start(self) -> threading.Thread:
+        t = threading.Thread(target=lambda: self._run(t), name="streamrl-rdt-transfer",
+                             daemon=True)
+        self._runner = t
+        t.start()
+        return t
+
+    def submit(self, seq: int, fn: Callable[[], None], *, peer: int | None = None,
+               abandon: Callable[[BaseException], None] | None = None) -> None:
+        """Run ``fn`` on the thread as operation ``seq`` of this process (``peer``: the
+        rank it sends to or receives from; ``abandon``: what fails its waiter if the
+        watchdog gives it up)."""
         if _BYPASS_TRANSFER_THREAD:
             threading.Thread(target=fn, name="streamrl-rdt-bypass", daemon=True).start()
             return
         with self._cond:
-            heapq.heappush(self._heap, (seq, next(self._n), fn))
-            self._cond.notify()
+            heapq.heappush(self._heap, (seq, next(self._n), _Op(seq, fn, peer, abandon)))
+            self._cond.notify_all()
 
     def call(self, fn: Callable[[], Any]) -> concurrent.futures.Future:
         """Run ``fn`` on the thread as soon as it is free (an unordered operation);
@@ -160,18 +228,74 @@ class TransferThread:
         self.submit(0, run)
         return fut
 
-    def _run(self) -> None:
+    def _run(self, me: threading.Thread) -> None:
         while True:
             with self._cond:
-                while not (self._heap and self._heap[0][0] <= self._next):
+                while not (self._runner is not me or
+                           (self._heap and self._heap[0][0] <= self._next)):
                     self._cond.wait()
-                seq, _, fn = heapq.heappop(self._heap)
+                if self._runner is not me:
+                    return
+                seq, _, op = heapq.heappop(self._heap)
                 if seq:
                     self._next = seq + 1
+                self._current = (op, time.monotonic())
             try:
-                fn()
+                op.fn()
             except BaseException:  # noqa: BLE001 - an operation reports its own failure
                 log.exception("streamrl: an RDT transfer operation failed")
+            with self._cond:
+                if self._runner is not me:  # given up meanwhile: another thread goes on
+                    return
+                self._current = None
+
+    def _watch(self) -> None:
+        assert self._peer_gone is not None
+        while True:
+            time.sleep(self._check)
+            with self._cond:
+                cur = self._current
+            if cur is None or time.monotonic() - cur[1] < self._check:
+                continue
+            op, peer = cur[0], cur[0].peer
+            if peer is None:
+                continue
+            try:
+                gone = self._peer_gone(peer)
+            except Exception:  # noqa: BLE001 - unknown: wait on
+                log.exception("streamrl: the RDT watchdog could not ask about rank %s", peer)
+                gone = None
+            if not gone:
+                continue
+            with self._cond:
+                if self._current is not cur:  # it ended meanwhile
+                    continue
+                self._current = None
+                self.abandoned += 1
+                self._start()  # the next operations run there; the old thread leaves
+                self._cond.notify_all()
+            log.warning("streamrl: RDT operation %d with rank %s given up: that peer is gone",
+                        op.seq, op.peer)
+            if op.abandon is not None:
+                op.abandon(HolderGone(f"RDT group member {op.peer} is gone "
+                                      "(its transfer was given up)"))
+
+
+def cannot_join(backend: str) -> str | None:
+    """Why this process cannot take part in an RDT group of ``backend`` (``None``: it
+    can): nccl needs a GPU, nixl its package."""
+    if backend == "nccl":
+        import torch
+
+        if not torch.cuda.is_available():
+            return "an nccl RDT group needs a GPU in every member (torch sees none here)"
+    if backend == "nixl":
+        import importlib.util
+
+        if importlib.util.find_spec("nixl") is None:
+            return ("a nixl RDT group needs the nixl package in every member (pip install "
+                    "nixl); use gloo or nccl otherwise")
+    return None
 
 
 class Runtime:
@@ -194,6 +318,9 @@ class Runtime:
         self._tickets: dict[int, concurrent.futures.Future] = {}
         self._ticket_ids = itertools.count(1)
         self._coordinator: Any = None  # RpcClient of the group's coordinator
+        #: why transfers inside the group stopped (the coordinator is gone): reads take
+        #: the fallback path from then on (``None``: they do not)
+        self.coordinator_gone: str | None = None
 
     # -- lifecycle
 
@@ -217,23 +344,36 @@ class Runtime:
             raise RuntimeError(
                 f"this process is in RDT group {self.group.name!r} already; a process takes "
                 "part in one RDT group (Ray puts an actor in at most one group per backend)")
-        if info.backend == "nccl":
-            import torch
-
-            if not torch.cuda.is_available():
-                raise RuntimeError("an nccl RDT group needs a GPU in every member")
-        if info.backend == "nixl":
-            import importlib.util
-
-            if importlib.util.find_spec("nixl") is None:
-                raise RuntimeError("a nixl RDT group needs the nixl package in every member "
-                                   "(pip install nixl); use gloo or nccl otherwise")
+        why = cannot_join(info.backend)
+        if why is not None:
+            raise RuntimeError(why)
         endpoint = self.start()
         if self.thread is None:
-            self.thread = TransferThread()
+            self.thread = TransferThread(self._peer_gone)
         self.group = info
+        self.coordinator_gone = None
         self._coordinator = RpcClient(info.coordinator)
         return self.id, endpoint
+
+    def leave(self, name: str) -> None:
+        """Leave RDT group ``name`` (its making failed): this process holds and reads as
+        one of no group again (its transfer thread stays, idle)."""
+        if self.group is not None and self.group.name == name:
+            self.group = None
+            self._coordinator = None
+
+    def _peer_gone(self, rank: int) -> bool | None:
+        """The watchdog's question: is member ``rank`` gone? (the coordinator asks Ray;
+        ``None``: unknown, the coordinator did not answer)"""
+        coordinator, loop = self._coordinator, self.loop
+        if coordinator is None or loop is None:
+            return None
+        try:
+            alive = asyncio.run_coroutine_threadsafe(coordinator.call("alive", rank),
+                                                     loop).result(STALL_CHECK * 3)
+        except Exception:  # noqa: BLE001 - the coordinator is gone or slow: unknown
+            return None
+        return None if alive is None else not alive
 
     # -- the holder
 
@@ -322,7 +462,7 @@ class Runtime:
         """Operation ``seq``: send ``ranges`` of held tensors to rank ``dst`` (views taken
         now, so a free that arrives meanwhile does not take them away)."""
         views = self.views(ranges)
-        self._transfers().submit(seq, lambda: self._send(dst, views))
+        self._transfers().submit(seq, lambda: self._send(dst, views), peer=dst)
 
     def _send(self, dst: int, views: list | None) -> None:
         import ray.util.collective as col
@@ -350,13 +490,14 @@ class Runtime:
     def recv_op(self, seq: int, src: int, ticket: int, sizes: list[int]) -> None:
         """Operation ``seq``: receive ranges of ``sizes`` bytes from rank ``src`` for
         ``ticket``."""
-        self._transfers().submit(seq, lambda: self._recv(src, ticket, sizes))
+        fut = self._tickets.pop(ticket, None)
+        self._transfers().submit(seq, lambda: self._recv(src, fut, sizes), peer=src,
+                                 abandon=lambda e: _fail(fut, e))
 
-    def _recv(self, src: int, ticket: int, sizes: list[int]) -> None:
+    def _recv(self, src: int, fut: concurrent.futures.Future | None, sizes: list[int]) -> None:
         import ray.util.collective as col
         import torch
 
-        fut = self._tickets.pop(ticket, None)
         try:
             group = self._member().name
             dev = self._device()
@@ -390,11 +531,7 @@ class Runtime:
                 for i, o in zip(idx, offs):
                     out[i] = buf[o:o + sizes[i]]
         except BaseException as e:  # noqa: BLE001 - handed to the reader
-            if fut is not None and not fut.done():
-                try:
-                    fut.set_exception(e)
-                except concurrent.futures.InvalidStateError:
-                    pass
+            _fail(fut, e)
             return
         if fut is not None and not fut.done():
             try:
@@ -410,28 +547,53 @@ class Runtime:
         holder's client, used only by the tests' naive design.)
 
         Raises:
-            HolderGone: the coordinator knows the holder is gone.
+            HolderGone: the coordinator knows the holder is gone, or the transfer was
+                given up because it is (see the module docstring).
+            CoordinatorGone: the group's coordinator cannot be reached (the group was
+                destroyed): the transfer was not made (or, if it was, its bytes are
+                dropped).
             KeyError: the holder no longer holds some of the tensors.
             TransportError: this process is not in an RDT group.
+            Exception: the collective transfer failed (the peer died mid-way...).
         """
         me = self._member().rank
+        if self.coordinator_gone is not None:
+            raise CoordinatorGone(self.coordinator_gone)
+        coordinator = self._coordinator
         sizes = [int(n) for _, _, n in ranges]
         ticket = next(self._ticket_ids)
         fut: concurrent.futures.Future = concurrent.futures.Future()
         self._tickets[ticket] = fut
         if _BYPASS_TRANSFER_THREAD and holder is not None:  # the naive design (tests only)
-            self._transfers().submit(0, lambda: self._recv(rank, ticket, sizes))
+            self._tickets.pop(ticket, None)
+            self._transfers().submit(0, lambda: self._recv(rank, fut, sizes))
             await holder.call("op", 0, "send", me, list(ranges))
             return await asyncio.wrap_future(fut)
         try:
-            await self._coordinator.call("transfer", rank, me, ticket,
-                                         list(ranges), sizes)
-        except BaseException:
+            await coordinator.call("transfer", rank, me, ticket, list(ranges), sizes)
+        except ConnectionError as e:
             # the receive, if it was issued, still runs (the thread keeps its order) and
             # its bytes are dropped
             self._tickets.pop(ticket, None)
+            if self._coordinator is coordinator and self.coordinator_gone is None:
+                self.coordinator_gone = (f"the coordinator of RDT group {self._member().name} "
+                                         f"cannot be reached ({e})")
+                log.warning("streamrl: %s; reads of held tensors take the fallback path "
+                            "(the holders' sockets) from now on", self.coordinator_gone)
+            raise CoordinatorGone(self.coordinator_gone or str(e)) from None
+        except BaseException:
+            self._tickets.pop(ticket, None)  # (as above)
             raise
         return await asyncio.wrap_future(fut)
+
+
+def _fail(fut: concurrent.futures.Future | None, e: BaseException) -> None:
+    """Fail a reader's wait (unless it ended already)."""
+    if fut is not None and not fut.done():
+        try:
+            fut.set_exception(e)
+        except concurrent.futures.InvalidStateError:  # the reader gave up meanwhile
+            pass
 
 
 class _Api:

@@ -7,17 +7,26 @@ It stores a held field as its reference entry (a :class:`~streamrl.wire.WireTens
 or drops it unstored (its write was aborted while it was on its way), it sends the
 holder a ``free`` from its socket channel's event loop, without waiting: the holder's
 memory returns to zero once every row is gone.
+
+A checkpoint saves held fields like any others: while the unit writes its part, it
+reads the bytes of the held entries of each batch from their holders (one ``read`` per
+holder per batch, over the holders' sockets: the fallback path) and writes them as it
+writes its own. A holder that is gone fails the checkpoint with
+:class:`~streamrl.errors.CheckpointError` naming it (the previous checkpoint stays). The
+checkpoint holds plain tensors: it restores on any transport, into the storage units.
 """
 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import logging
 import threading
 from typing import Any, cast
 
 import ray
 
+from ...errors import CheckpointError
 from ...wire import WireTensor
 from ..ray.calls import spawn
 from ..ray.unit import StorageActorImpl
@@ -28,6 +37,9 @@ from .runtime import HeldRef
 __all__ = ["RdtStorageActorImpl", "RdtStorageActor"]
 
 log = logging.getLogger("streamrl")
+
+#: seconds a checkpoint waits for the held bytes of one batch of rows from their holders
+HELD_READ_TIMEOUT = 300.0
 
 
 class RdtStorageActorImpl(StorageActorImpl):
@@ -85,6 +97,83 @@ class RdtStorageActorImpl(StorageActorImpl):
         fut = asyncio.run_coroutine_threadsafe(free_all(), loop)
         fut.result(10)
         return len(held)
+
+    # -- checkpoints
+
+    def _checkpoint_fetch(self, fetch: Any) -> Any:
+        """Reads of a checkpoint's rows with the bytes of held entries brought in from
+        their holders (see the module docstring)."""
+
+        def fetch_held(batch: list[int], field: str) -> tuple[list, Any]:
+            pieces, release = fetch(batch, field)
+            try:
+                return self._bring_held(pieces), release
+            except BaseException:
+                if release is not None:
+                    release()
+                raise
+
+        return fetch_held
+
+    def _bring_held(self, pieces: list) -> list:
+        """``pieces`` with each held entry replaced by its bytes (inline), read from its
+        holder: one call per holder. Runs on an actor thread, waiting for the unit's
+        socket channel loop.
+
+        Raises:
+            CheckpointError: a holder is gone, or no longer holds a tensor.
+        """
+        held: dict[Endpoint, list[int]] = {}
+        for i, p in enumerate(pieces):
+            if isinstance(p, WireTensor) and isinstance(p.ref, HeldRef):
+                held.setdefault(cast(Endpoint, tuple(p.ref.endpoint)), []).append(i)
+        if not held:
+            return pieces
+        loop = self._rpc_loop
+        if loop is None:  # no socket channel (direct_calls=False): RDT needs one
+            raise CheckpointError(f"storage unit {self.index} cannot read held tensor fields "
+                                  "from their holders without its socket channel")
+
+        async def read_all() -> list:
+            return list(await asyncio.gather(*[
+                self._read_held(ep, [pieces[i] for i in idx]) for ep, idx in held.items()]))
+
+        fut = asyncio.run_coroutine_threadsafe(read_all(), loop)
+        try:
+            got = fut.result(HELD_READ_TIMEOUT)
+        except concurrent.futures.TimeoutError:
+            fut.cancel()
+            names = sorted({pieces[idx[0]].ref.holder for idx in held.values()})
+            raise CheckpointError(
+                f"storage unit {self.index}: the holders of held tensor fields "
+                f"({', '.join(names)}) did not send them within {HELD_READ_TIMEOUT:.0f} s; "
+                "the checkpoint is not written") from None
+        out = list(pieces)
+        for idx, arrays in zip(held.values(), got):
+            for i, a in zip(idx, arrays):
+                p = pieces[i]
+                out[i] = WireTensor(p.dtype, p.itemsize, p.shape, a)
+        return out
+
+    async def _read_held(self, endpoint: Endpoint, pieces: list) -> list:
+        """The bytes of held ``pieces`` of the holder at ``endpoint`` (one ``read``)."""
+        holder = pieces[0].ref.holder
+        client = self._holders.get(endpoint)
+        if client is None:
+            client = self._holders[endpoint] = RpcClient(endpoint)
+        try:
+            arrays = await client.call("read", [(p.ref.key, p.offset, p.nbytes) for p in pieces])
+        except ConnectionError as e:
+            self._holders.pop(endpoint, None)
+            raise CheckpointError(
+                f"storage unit {self.index} cannot save held tensor fields of the checkpoint: "
+                f"their holder {holder} is gone ({e}). Read those rows (they raise RowsLost and "
+                "are dropped as lost) or drop them, then checkpoint again") from None
+        if arrays is None:
+            raise CheckpointError(
+                f"storage unit {self.index} cannot save held tensor fields of the checkpoint: "
+                f"their holder {holder} no longer holds some of them")
+        return arrays
 
     def _held_gone(self, t: Any) -> None:
         if not (isinstance(t, WireTensor) and isinstance(t.ref, HeldRef)):
