@@ -27,6 +27,30 @@ def test_queue_options_are_the_config_fields():
         assert p.default == fields[name], name
 
 
+def test_controller_options_are_the_config_fields():
+    """Controller's keywords are the QueueConfig options it reads (controller.OPTIONS),
+    with QueueConfig's defaults; from_config and the keywords make the same controller."""
+    from streamrl.controller import OPTIONS, Controller
+
+    params = _params(Controller.__init__)
+    assert params.pop("clock").kind is inspect.Parameter.KEYWORD_ONLY
+    assert params["capacity"].default is inspect.Parameter.empty  # (a controller needs one)
+    assert list(params) == list(OPTIONS) and set(OPTIONS) <= set(QueueConfig.fields())
+    default = QueueConfig()
+    for name, p in list(params.items())[1:]:
+        assert p.default == getattr(default, name), name
+    cfg = QueueConfig(capacity=8, capacity_bytes=1 << 20, num_shards=3, lease_timeout=5.0,
+                      max_staleness=2, max_lead=1, consumers=("a",),
+                      sampler={"sampler": "priority", "field": "adv"})
+    by_kw = Controller(**{k: getattr(cfg, k) for k in OPTIONS})
+    by_cfg = Controller.from_config(cfg)
+    assert by_cfg.config is cfg and by_kw.config == cfg
+    for c in (by_kw, by_cfg):
+        assert (c.capacity, c.capacity_bytes, c.num_shards, c.lease_timeout, c.max_staleness,
+                c.max_lead, c.default_consumers) == (8, 1 << 20, 3, 5.0, 2, 1, {"a"})
+        assert type(c.sampler).__name__ == "PrioritySampler"
+
+
 @pytest.mark.parametrize("method", ["get", "stream"])
 def test_request_options_are_the_request_fields(method):
     params = _params(getattr(streamrl.StreamQueue, method))
