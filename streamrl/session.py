@@ -45,6 +45,11 @@ class Session:
         self.on_read: Any = None
 
     @property
+    def transport(self) -> "Transport":
+        """The queue's deployment (what :attr:`control` and :attr:`data` come from)."""
+        return self._transport
+
+    @property
     def control(self) -> "ControlPlane":
         return self._transport.control
 

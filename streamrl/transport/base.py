@@ -18,6 +18,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    import asyncio
+
     from ..control import ControlPlane
 
 from .._types import Column
@@ -127,6 +129,18 @@ class Transport(abc.ABC):
     from a :class:`~streamrl.config.QueueConfig`."""
 
     name: str
+
+    #: where this deployment serves the queue's Prometheus metrics itself (``metrics=``),
+    #: when its controller lives in another process; ``None``: the queue serves them from
+    #: this process (or not at all)
+    metrics_url: str | None = None
+
+    @property
+    def owner_loop(self) -> "asyncio.AbstractEventLoop | None":
+        """The event loop an in-process deployment is bound to (its waiters live there),
+        once it was used; ``None`` for a deployment callable from any event loop (one
+        with a :attr:`handle`) or not used yet."""
+        return None
 
     @property
     def queue_id(self) -> str:
