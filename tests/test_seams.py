@@ -69,6 +69,8 @@ def test_from_config_takes_a_plain_mapping_and_names_unknown_keys():
         streamrl.StreamQueue.from_config({"num_shard": 2})
     with pytest.raises(InvalidArgument, match="unknown options for the embedded transport"):
         streamrl.StreamQueue.from_config({"options": {"namespace": "x"}})
+    with pytest.raises(InvalidArgument, match="'ray' transport options go under 'options:'"):
+        streamrl.StreamQueue.from_config({"transport": "ray", "namespace": "rl"})
     q2 = streamrl.StreamQueue.from_config(q.config, capacity=64)  # a config, overridden
     assert q2.config.capacity == 64 and q2.config.num_shards == 3
 
@@ -184,3 +186,20 @@ def test_controller_answers_what_the_service_used_to_read_from_its_privates():
     c.commit(tok2, {"y": [8, 8]})
     c.take(Request("t", ("x",), batch_size=2, partition="p"))
     assert c.task_bit("t") != 0 and c.rows_in_writes() == (set(), set())
+
+
+def test_the_config_docstring_lists_the_ray_transport_options():
+    """QueueConfig's docstring names exactly the options the Ray and RDT transports take
+    (RAY_OPTIONS is the one list the Ray factory checks against)."""
+    import re
+
+    pytest.importorskip("ray")
+    from streamrl.transport.ray import RAY_OPTIONS
+    from streamrl.transport.rdt.transport import OPTIONS as RDT_OPTIONS
+
+    doc = QueueConfig.__doc__ or ""
+    text = doc[doc.index("options: transport-specific"):doc.index("Raises:")]
+    named = re.findall(r"``(\w+)``", text)
+    assert set(named) - {"ray", "rdt"} == set(RAY_OPTIONS) | set(RDT_OPTIONS)
+    with pytest.raises(InvalidArgument, match=", ".join(RAY_OPTIONS)):
+        streamrl.StreamQueue(transport="ray", nope=1)
