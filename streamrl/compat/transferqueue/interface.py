@@ -29,11 +29,12 @@ from typing import Any
 import torch
 from tensordict import NonTensorStack, TensorDict
 
-from streamrl.errors import InvalidArgument, NotSupported
+from streamrl.errors import InvalidArgument
 
 from . import config as _config
-from .client import System, TransferQueueClient, _Loop, _LocalController, _RayController
-from .controller import ACTOR_NAME, ACTOR_NAMESPACE, NO_QUEUE_CHECKPOINTS, ControllerService
+from .client import System, TransferQueueClient, _Loop
+from .control import RayTQControl
+from .controller import ACTOR_NAME, ACTOR_NAMESPACE, TQControllerService
 from .metadata import BatchMeta, KVBatchMeta
 
 __all__ = ["init", "close", "get_client", "get_metrics_endpoint", "kv_put", "kv_batch_put",
@@ -97,7 +98,7 @@ def _attach() -> bool:
     queue: Any
     conf: Any
     queue, conf = ray.get([actor.get_queue.remote(), actor.get_config.remote()])
-    _set(System(queue, _RayController(actor), conf, owner=False, actor=actor))
+    _set(System(queue, RayTQControl(actor), conf, owner=False, actor=actor))
     return True
 
 
@@ -137,7 +138,7 @@ def init(conf: Any = None) -> Any:
         import streamrl
 
         queue = streamrl.StreamQueue(**opts)
-        actor_cls = ray.remote(ControllerService)
+        actor_cls = ray.remote(TQControllerService)
         # Ray's stubs type ActorClass.remote() as "ActorHandle | the class itself"
         # (ActorProxy); it returns an ActorHandle, whose methods' .remote() they cannot type
         actor: Any
@@ -155,16 +156,16 @@ def init(conf: Any = None) -> Any:
             ray.kill(actor)
             loop.run(queue.shutdown())
             raise
-        _set(System(queue, _RayController(actor), merged, owner=True, actor=actor))
+        _set(System(queue, RayTQControl(actor), merged, owner=True, actor=actor))
     else:
         async def start():
             import streamrl
 
             q = streamrl.StreamQueue(**opts)
-            return q, ControllerService(merged, q, settings)
+            return q, TQControllerService(merged, q, settings)
 
         queue, service = loop.run(start())
-        _set(System(queue, _LocalController(service), merged, owner=True, service=service))
+        _set(System(queue, service, merged, owner=True, service=service))
     return _as_conf(merged)
 
 
@@ -179,7 +180,7 @@ def close() -> None:
 
     async def stop():
         try:
-            await system.controller.call("shutdown")
+            await system.controller.shutdown()
         except Exception:
             pass
         try:
@@ -434,8 +435,6 @@ def save_checkpoint(checkpoint_dir: str | Path, *, include_storage: bool = True,
 
     Raises:
         RuntimeError: TransferQueue is not initialized.
-        NotSupported: this streamrl has no queue checkpoints
-            (``StreamQueue.checkpoint``).
         CheckpointError: the queue's checkpoint could not be written.
         TypeError: ``metadata`` is not JSON-serialisable.
     """
@@ -443,10 +442,6 @@ def save_checkpoint(checkpoint_dir: str | Path, *, include_storage: bool = True,
     import json
     import shutil
 
-    import streamrl
-
-    if not hasattr(streamrl.StreamQueue, "checkpoint"):
-        raise NotSupported(NO_QUEUE_CHECKPOINTS)
     if metadata is not None and not isinstance(metadata, Mapping):
         raise TypeError(f"metadata must be a dict, got {type(metadata).__name__}")
     text = json.dumps({"storage_saved": True, "user_metadata": dict(metadata or {}),
@@ -486,7 +481,6 @@ def load_checkpoint(checkpoint_dir: str | Path) -> None:
         RuntimeError: TransferQueue is not initialized.
         FileNotFoundError: no such directory, or a file of it (``metadata.json``...) is
             missing.
-        NotSupported: this streamrl has no queue checkpoints (``StreamQueue.restore``).
         CheckpointError: not a checkpoint of this layer, or a damaged one.
     """
     _check_initialized()
