@@ -456,13 +456,21 @@ class RowRemoteBatch(RemoteBatch):
         fields = list(self._fields) if fields is None else _flat_fields(
             [fields] if isinstance(fields, str) else fields)
         self._check_alive("materialize")
-        cols = await _timed(self._columns(fields))
+        owned: set[str] = set()  # fields read for this call alone, owned already
+        cols = await _timed(self._columns(fields, owned if copy and self._s.owned_reads
+                                          else None))
         if copy:
-            cols = {f: c.clone() if isinstance(c, torch.Tensor) else list(c) for f, c in cols.items()}
+            cols = {f: c if f in owned else c.clone() if isinstance(c, torch.Tensor)
+                    else list(c) for f, c in cols.items()}
         td = to_tensordict(cols, len(self._rows))
         return td[0] if self._scalar else td
 
-    async def _columns(self, fields: Sequence[str]) -> dict[str, Column]:
+    async def _columns(self, fields: Sequence[str], owned: set[str] | None = None
+                       ) -> dict[str, Column]:
+        """The columns of ``fields``: cached, or fetched (and cached). With ``owned`` (a
+        set to fill), fields not cached are read as data the caller owns
+        (``Session.fetch(owned=True)``, no copy where the data plane can), are not
+        cached, and are added to ``owned``."""
         rows = self._rows
         out: dict[str, Column] = {}
         missing = []
@@ -484,12 +492,16 @@ class RowRemoteBatch(RemoteBatch):
                 first = np.unique(rows, return_index=True)[1]
                 fetch_rows, fetch_shards = uniq, self._shards[first]
             try:
-                got = await self._s.fetch(fetch_rows, fetch_shards, missing, task=self._task)
+                got = await self._s.fetch(fetch_rows, fetch_shards, missing, task=self._task,
+                                          owned=owned is not None)
             except UnknownField:
                 await self._check_withdrawn(fetch_rows)
                 raise
             for f in missing:
-                self._cache.add(f, fetch_rows, got[f])
+                if owned is None:
+                    self._cache.add(f, fetch_rows, got[f])
+                else:  # (the caller may write into it: another view must not see that)
+                    owned.add(f)
                 out[f] = got[f] if inverse is None else take_rows(got[f], inverse.tolist())
         return {f: out[f] for f in fields}
 

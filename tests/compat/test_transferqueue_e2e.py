@@ -136,4 +136,4 @@ if __name__ == "__main__":
         print(summarize(found)[0].replace("against streamrl.compat.transferqueue",
                                           "against TransferQueue itself (8 logical CPUs)"))
     else:
-        print(summarize(run_e2e())[0])
+        print(summarize(run_e2e()[0])[0])

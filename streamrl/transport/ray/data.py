@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextvars
+import dataclasses
 import functools
 import logging
 import os
@@ -28,7 +30,7 @@ from typing import Any, Protocol
 import numpy as np
 import ray
 
-from ...arena import ShmRef, map_segment
+from ...arena import ShmRef, map_private, map_segment
 from ...errors import RowsLost, rows_preview
 from ...wire import WireTensor
 from ..base import Column, DataCaps, DataPlane
@@ -41,6 +43,9 @@ from .wire import SHM_MIN, bytes_by_path, from_wire, map_col, refs_in, tensors_i
 __all__ = ["RayDataPlane", "DataPlaneFactory", "FAST_MAX"]  # (FAST_MAX: .admit's)
 
 log = logging.getLogger("streamrl")
+
+#: set while a read is for get_owned: arena blocks are mapped copy-on-write
+_OWNED: contextvars.ContextVar[bool] = contextvars.ContextVar("streamrl_owned", default=False)
 
 
 class DataPlaneFactory(Protocol):
@@ -59,7 +64,7 @@ class RayDataPlane(PlaneAdmission, PlaneCheckpoint, DataPlane):
     :class:`.checkpoint.PlaneCheckpoint`'s."""
 
     caps = DataCaps(unit_admitted_puts=True, zero_copy_reads=True, shared_memory=True,
-                    cross_process=True)
+                    cross_process=True, owned_reads=True)
 
     def __init__(self, units: Sequence[Any], endpoints: Sequence[Endpoint | None] | None = None,
                  on_lost: Callable[[int], Awaitable[Any]] | None = None):
@@ -85,6 +90,9 @@ class RayDataPlane(PlaneAdmission, PlaneCheckpoint, DataPlane):
         self.report_moved: Callable[[dict[str, int]], bool] | None = None
         if endpoints is not None:
             self.use_endpoints(endpoints)
+        if type(self).get is not RayDataPlane.get:  # a data path that reads its own way:
+            # its get_owned copies, unless it declares owned reads itself
+            self.caps = dataclasses.replace(self.caps, owned_reads=False)
 
     def use_endpoints(self, endpoints: Sequence[Endpoint | None]) -> None:
         """Call the units over their socket channels (see :mod:`streamrl.transport.rpc`) from now on."""
@@ -262,9 +270,26 @@ class RayDataPlane(PlaneAdmission, PlaneCheckpoint, DataPlane):
         return list(await asyncio.gather(*[self._read(s, list(rows), list(fields))
                                            for s, rows, fields in parts]))
 
+    async def get_owned(self, parts: Sequence[tuple[int, Sequence[int], Sequence[str]]]
+                        ) -> list[dict[str, list[Column]]]:
+        """As :meth:`get`, with data the caller owns, without copying the big tensors:
+        arena blocks are mapped copy-on-write for this read (a write into them makes a
+        private page; the blocks stay pinned, so the unit never changes them meanwhile);
+        inline bytes (small tensors, other nodes) are copied."""
+        if not self.caps.owned_reads:
+            return await super().get_owned(parts)
+        token = _OWNED.set(True)
+        try:
+            return await self.get(parts)
+        finally:
+            _OWNED.reset(token)
+
     async def _read(self, shard: int, rows: list[int], fields: list[str]) -> dict[str, list[Column]]:
         pieces, arrays = await self._read_raw(shard, rows, fields)
-        return from_wire(pieces, arrays)
+        out = from_wire(pieces, arrays)
+        if _OWNED.get():
+            _own_inline(out, pieces, arrays)
+        return out
 
     async def _read_raw(self, shard: int, rows: list[int], fields: list[str]
                         ) -> tuple[dict[str, list], dict]:
@@ -280,11 +305,14 @@ class RayDataPlane(PlaneAdmission, PlaneCheckpoint, DataPlane):
             assert pid is not None  # (a pin comes only with a pid asked for)
             bases: dict[int, np.ndarray] = {}
             try:
+                private = _OWNED.get()
                 for ref in refs_in(pieces):
                     base = bases.get(ref.seg)
                     if base is None:
-                        base = bases[ref.seg] = np.frombuffer(
-                            self._segment(shard, pid, ref.seg, where), dtype=np.uint8)
+                        mm = (map_private(f"/proc/{pid}/fd/{where[ref.seg][0]}",
+                                          where[ref.seg][1]) if private
+                              else self._segment(shard, pid, ref.seg, where))
+                        base = bases[ref.seg] = np.frombuffer(mm, dtype=np.uint8)
                     arrays[ref] = base[ref.off:ref.off + ref.size]
             except OSError as e:  # this process may not map the unit's memory
                 self._no_shm(shard, e)
@@ -343,3 +371,21 @@ def _sum_paths(cols_list) -> dict[str, int]:
     for cols in cols_list:
         out.update(bytes_by_path(cols))
     return dict(out)
+
+
+def _own_inline(out: dict[str, list[Column]], pieces: Mapping[str, list], arrays: dict) -> None:
+    """Copy, in ``out`` (:func:`.wire.from_wire` of ``pieces``), the tensors whose bytes
+    are not in ``arrays`` (the copy-on-write views of this read): inline bytes may be
+    read-only memory (a Ray object) or shared with others."""
+    def own(t: Any, p: Any) -> Any:
+        if isinstance(p, WireTensor) and not (p.ref is not None and p.ref in arrays):
+            return t.clone()
+        return t
+
+    for f, plist in pieces.items():
+        cols = out[f]
+        for i, p in enumerate(plist):
+            if isinstance(p, WireTensor):
+                cols[i] = own(cols[i], p)
+            else:  # a list of per-row values: tensors among them are inline
+                cols[i] = [own(t, x) for t, x in zip(cols[i], p)]
