@@ -384,8 +384,9 @@ class AsyncTransferQueueClient:
             raise InvalidArgument(f"samples of this batch were cleared (rows {e.rows[:8]}); get "
                              "fresh metadata") from None
         out = TensorDict({}, batch_size=[metadata.size])
+        offsets: dict[tuple[int, int], torch.Tensor] = {}  # shared by fields of one length
         for f, name in zip(fields, names):
-            out.set(f, _tq_column(td.get(name), self._sys.embedded and self._sys.copy))
+            out.set(f, _tq_column(td.get(name), self._sys.embedded and self._sys.copy, offsets))
         return out
 
     # ------------------------------------------------------------------ clearing
@@ -698,15 +699,24 @@ def _parse(cols: dict[str, Any], parser: Callable[[Any], Any], n: int) -> dict[s
     return out
 
 
-def _tq_column(value: Any, embedded: bool) -> Any:
-    """A column as TransferQueue's ``get_data`` gives it."""
+def _tq_column(value: Any, embedded: bool,
+               offsets: dict[tuple[int, int], torch.Tensor] | None = None) -> Any:
+    """A column as TransferQueue's ``get_data`` gives it: a tensor of samples with one or
+    more dimensions as a jagged nested tensor (a view, no copy), even when every sample
+    has one shape, as TransferQueue returns it. ``offsets``: the offsets tensors made so
+    far, by ``(samples, length)``, shared by the fields of one call (making one costs
+    about as much as the view)."""
     if isinstance(value, torch.Tensor):
         if value.is_nested or value.dim() < 2 or value.shape[0] == 0 or value.shape[1] == 0:
             return value
         n, length = value.shape[0], value.shape[1]
         values = value.reshape((n * length,) + tuple(value.shape[2:]))
-        offsets = torch.arange(0, n * length + 1, length, dtype=torch.int64)
-        return torch.nested.nested_tensor_from_jagged(values, offsets)
+        off = None if offsets is None else offsets.get((n, length))
+        if off is None:
+            off = torch.arange(0, n * length + 1, length, dtype=torch.int64)
+            if offsets is not None:
+                offsets[(n, length)] = off
+        return torch.nested.nested_tensor_from_jagged(values, off)
     if isinstance(value, NonTensorStack):
         items = value.tolist()
         if embedded:  # the stored objects themselves: hand out copies
