@@ -102,6 +102,32 @@ def _attach() -> bool:
     return True
 
 
+_ACTOR_CLASS: list[type] = []
+
+
+def _actor_class() -> type:
+    """:class:`TQControllerService` as the class of the controller actor: a subclass
+    holding copies of its methods, because ``ray.remote`` adds its tracing parameter
+    (``_ray_trace_ctx``) to the signatures of the functions it is given, in place (and
+    the service must keep :class:`~.control.TQControlPlane`'s)."""
+    if not _ACTOR_CLASS:
+        import types
+
+        def copy(f: types.FunctionType) -> types.FunctionType:
+            g = types.FunctionType(f.__code__, f.__globals__, f.__name__, f.__defaults__,
+                                   f.__closure__)
+            g.__kwdefaults__ = f.__kwdefaults__
+            g.__qualname__, g.__doc__, g.__module__ = f.__qualname__, f.__doc__, f.__module__
+            g.__annotations__ = dict(f.__annotations__)
+            return g
+
+        methods = {n: copy(f) for n, f in vars(TQControllerService).items()
+                   if isinstance(f, types.FunctionType)}
+        _ACTOR_CLASS.append(type("TQControllerActor", (TQControllerService,),
+                                 {**methods, "__module__": __name__}))
+    return _ACTOR_CLASS[0]
+
+
 def _as_conf(merged: dict[str, Any]) -> Any:
     try:
         from omegaconf import OmegaConf
@@ -138,7 +164,7 @@ def init(conf: Any = None) -> Any:
         import streamrl
 
         queue = streamrl.StreamQueue(**opts)
-        actor_cls = ray.remote(TQControllerService)
+        actor_cls: Any = ray.remote(_actor_class())
         # Ray's stubs type ActorClass.remote() as "ActorHandle | the class itself"
         # (ActorProxy); it returns an ActorHandle, whose methods' .remote() they cannot type
         actor: Any
