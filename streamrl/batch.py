@@ -443,7 +443,10 @@ class RowRemoteBatch(RemoteBatch):
         Only fields not already cached by this batch or its views are fetched, one call
         per storage unit. Tensor fields whose rows were put together come back as views of
         the stored tensor (no copy on the embedded transport): treat them as read-only, or
-        pass ``copy=True``. Rows of different shapes in one field give a jagged nested
+        pass ``copy=True`` for tensors you own (a copy; where the data plane declares
+        ``owned_reads``, as the Ray transport does on the storage unit's node, fields not
+        cached are read as copy-on-write mappings instead, not cached, and copied only
+        where written). Rows of different shapes in one field give a jagged nested
         tensor (layout ``torch.jagged``), and any view of it works: a view whose rows all
         have one shape gets a dense tensor instead (zero rows: ``[0, L, *rest]``, ``L``
         meaningless), whether read from the cache or fetched. Python-object fields give

@@ -13,11 +13,13 @@ What moves where:
   now produced; the controller never sees the bytes;
 * ``get_meta`` asks the controller only;
 * ``get_data`` reads the rows of the batch straight from the storage units and returns
-  a copy the caller owns (TransferQueue's data is serialised over sockets, so writing into
+  data the caller owns (TransferQueue's data is serialised over sockets, so writing into
   what ``get_data`` returned never changes the stored samples; streamrl's reads are views
-  of shared memory, so the copy keeps that promise). The copy is nearly all of a read's
-  time; ``streamrl.copy_on_get: false`` hands out the views instead (native read speed;
-  treat them as read-only). Tensor fields of samples with at least one dimension come back
+  of shared memory). On Ray, on the storage unit's node, the unit's blocks are mapped
+  copy-on-write (``materialize(copy=True)``): no byte is copied until the caller writes,
+  and a write changes only the caller's pages; small tensors and reads from other nodes
+  are copied, and so is everything on the embedded transport. ``streamrl.copy_on_get:
+  false`` hands out plain views instead (treat them as read-only). Tensor fields of samples with at least one dimension come back
   as jagged nested tensors, as TransferQueue returns them (per-sample scalars as a dense
   tensor, Python objects as a ``NonTensorStack``).
 """

@@ -37,10 +37,11 @@ key                                                        becomes
                                                            (``null``: the system temp dir)
 ``streamrl.spill_memory_bytes`` (new; 1 GiB)               with ``ssd_offload``: tensor bytes
                                                            each unit keeps in memory
-``streamrl.copy_on_get`` (new; ``true``)                   ``get_data`` returns a copy the
-                                                           caller owns (``false``: views of
-                                                           the stored data, at native read
-                                                           speed; do not write into them)
+``streamrl.copy_on_get`` (new; ``true``)                   ``get_data`` returns data the
+                                                           caller owns (copy-on-write on
+                                                           Ray; ``false``: views of the
+                                                           stored data; do not write into
+                                                           them)
 =========================================================  =================================
 
 ``ssd_offload`` maps onto streamrl's spill backend, which spills by a memory budget
