@@ -649,6 +649,25 @@ def test_the_controller_service_and_its_ray_proxy_implement_one_protocol():
     assert len(problems) == 1 and "Renamed.clear_samples" in problems[0]
 
 
+def test_jagged_columns_are_what_torchs_public_constructor_makes():
+    """get_data makes its jagged columns with torch's NestedTensor class directly (the
+    public nested_tensor_from_jagged costs 10x); on this torch the two are the same."""
+    from streamrl.compat.transferqueue.client import jagged
+
+    x = torch.arange(24.0).view(4, 6)
+    off = torch.tensor([0, 6, 12, 18, 24])
+    a, b = jagged(x.reshape(-1), off), torch.nested.nested_tensor_from_jagged(x.reshape(-1), off)
+    assert type(a) is type(b) and a.is_nested and a.layout is b.layout is torch.jagged
+    assert a.dim() == b.dim() == 2 and a.size(0) == b.size(0) == 4 and a.dtype == b.dtype
+    assert a.values().data_ptr() == b.values().data_ptr() == x.data_ptr()  # views, no copy
+    assert torch.equal(a.offsets(), b.offsets())
+    assert all(torch.equal(u, v) for u, v in zip(a.unbind(), b.unbind()))
+    assert torch.equal(torch.nested.to_padded_tensor(a * 2, 0.0),
+                       torch.nested.to_padded_tensor(b * 2, 0.0))
+    td = TensorDict({"x": a}, batch_size=[4])
+    assert td["x"][1].shape == (6,) and torch.equal(td[1:3]["x"].values(), x[1:3].reshape(-1))
+
+
 def test_snapshot_has_transferqueue_names():
     c = _ctl()
     km = c.kv_retrieve_meta(["k"], "p", create=True)
