@@ -26,7 +26,7 @@ from typing import Literal, NamedTuple, overload
 
 import numpy as np
 
-__all__ = ["Arena", "ShmRef", "SEGMENT_BYTES", "map_segment"]
+__all__ = ["Arena", "ShmRef", "SEGMENT_BYTES", "map_segment", "map_private"]
 
 log = logging.getLogger("streamrl.arena")
 
@@ -53,6 +53,20 @@ def map_segment(path: str, size: int) -> mmap.mmap:
     fd = os.open(path, os.O_RDWR)
     try:
         return mmap.mmap(fd, size, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0))
+    finally:
+        os.close(fd)
+
+
+def map_private(path: str, size: int) -> mmap.mmap:
+    """Map a segment (by its ``/proc/<pid>/fd/<fd>`` path) copy-on-write: reads see the
+    segment's bytes, writes go to pages of this process's own and never reach the
+    segment. Pages are mapped as they are touched (no copy until written). Bytes the
+    owner changes later show through pages not written here yet, so map only blocks that
+    stay pinned while the mapping is used."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        return mmap.mmap(fd, size, flags=mmap.MAP_PRIVATE,
+                         prot=mmap.PROT_READ | mmap.PROT_WRITE)
     finally:
         os.close(fd)
 

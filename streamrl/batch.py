@@ -443,7 +443,10 @@ class RowRemoteBatch(RemoteBatch):
         Only fields not already cached by this batch or its views are fetched, one call
         per storage unit. Tensor fields whose rows were put together come back as views of
         the stored tensor (no copy on the embedded transport): treat them as read-only, or
-        pass ``copy=True``. Rows of different shapes in one field give a jagged nested
+        pass ``copy=True`` for tensors you own (a copy; where the data plane declares
+        ``owned_reads``, as the Ray transport does on the storage unit's node, fields not
+        cached are read as copy-on-write mappings instead, not cached, and copied only
+        where written). Rows of different shapes in one field give a jagged nested
         tensor (layout ``torch.jagged``), and any view of it works: a view whose rows all
         have one shape gets a dense tensor instead (zero rows: ``[0, L, *rest]``, ``L``
         meaningless), whether read from the cache or fetched. Python-object fields give
@@ -456,13 +459,21 @@ class RowRemoteBatch(RemoteBatch):
         fields = list(self._fields) if fields is None else _flat_fields(
             [fields] if isinstance(fields, str) else fields)
         self._check_alive("materialize")
-        cols = await _timed(self._columns(fields))
+        owned: set[str] = set()  # fields read for this call alone, owned already
+        cols = await _timed(self._columns(fields, owned if copy and self._s.owned_reads
+                                          else None))
         if copy:
-            cols = {f: c.clone() if isinstance(c, torch.Tensor) else list(c) for f, c in cols.items()}
+            cols = {f: c if f in owned else c.clone() if isinstance(c, torch.Tensor)
+                    else list(c) for f, c in cols.items()}
         td = to_tensordict(cols, len(self._rows))
         return td[0] if self._scalar else td
 
-    async def _columns(self, fields: Sequence[str]) -> dict[str, Column]:
+    async def _columns(self, fields: Sequence[str], owned: set[str] | None = None
+                       ) -> dict[str, Column]:
+        """The columns of ``fields``: cached, or fetched (and cached). With ``owned`` (a
+        set to fill), fields not cached are read as data the caller owns
+        (``Session.fetch(owned=True)``, no copy where the data plane can), are not
+        cached, and are added to ``owned``."""
         rows = self._rows
         out: dict[str, Column] = {}
         missing = []
@@ -484,12 +495,16 @@ class RowRemoteBatch(RemoteBatch):
                 first = np.unique(rows, return_index=True)[1]
                 fetch_rows, fetch_shards = uniq, self._shards[first]
             try:
-                got = await self._s.fetch(fetch_rows, fetch_shards, missing, task=self._task)
+                got = await self._s.fetch(fetch_rows, fetch_shards, missing, task=self._task,
+                                          owned=owned is not None)
             except UnknownField:
                 await self._check_withdrawn(fetch_rows)
                 raise
             for f in missing:
-                self._cache.add(f, fetch_rows, got[f])
+                if owned is None:
+                    self._cache.add(f, fetch_rows, got[f])
+                else:  # (the caller may write into it: another view must not see that)
+                    owned.add(f)
                 out[f] = got[f] if inverse is None else take_rows(got[f], inverse.tolist())
         return {f: out[f] for f in fields}
 

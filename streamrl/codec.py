@@ -116,6 +116,10 @@ __all__ = [
     "frames_nbytes",
     "pack",
     "unpack",
+    "dtype_name",
+    "is_raw_tensor",
+    "tensor_to_raw",
+    "tensor_from_raw",
 ]
 
 DEFAULT_CHUNK = 1 << 30
@@ -156,8 +160,13 @@ _MAX_ALIGN = 8
 _NOT_WRITABLE = "The given buffer is not writable"
 
 
-def _dtype_name(dtype: torch.dtype) -> str:
+def dtype_name(dtype: torch.dtype) -> str:
+    """The name of a torch dtype in encoded data (``"float32"``, ``"bfloat16"``...);
+    :func:`tensor_from_raw` takes it back."""
     return str(dtype).removeprefix("torch.")
+
+
+_dtype_name = dtype_name  # (the name inside this module)
 
 
 # Quantized dtypes need a quantizer (scale, zero point) besides their bytes; they go
@@ -215,9 +224,13 @@ _NATIVE = (
 )
 
 
-def _raw_tensor(t: torch.Tensor) -> bool:
-    """Whether the tensor is described by its dtype, shape and bytes alone."""
+def is_raw_tensor(t: torch.Tensor) -> bool:
+    """Whether the tensor is described by its dtype, shape and bytes alone (strided,
+    not quantized): what :func:`tensor_to_raw` takes; other tensors are pickled."""
     return t.layout is torch.strided and not t.is_quantized
+
+
+_raw_tensor = is_raw_tensor  # (the name inside this module)
 
 
 def _raw_numpy(dtype: np.dtype) -> bool:

@@ -130,8 +130,11 @@ class QueueConfig:
         metrics: serve Prometheus metrics over HTTP: ``True`` (a free port on 127.0.0.1),
             a port number (on 127.0.0.1), ``"host:port"`` (``"0.0.0.0:9100"`` for other
             machines to scrape), or ``None`` (off). See :mod:`streamrl.metrics`.
-        options: transport-specific options (for ``"ray"``: ``namespace``,
-            ``unit_options``, ``controller_options``, ``detached``, ``direct_calls``).
+        options: transport-specific options. For ``"ray"``
+            (:data:`streamrl.transport.ray.RAY_OPTIONS`): ``namespace``,
+            ``unit_options``, ``controller_options``, ``detached``, ``direct_calls``,
+            ``arena_reserve``, ``arena_ahead``; for ``"rdt"`` also ``rdt_fields`` and
+            ``rdt_hold_anywhere`` (``"ray"`` with ``rdt_fields`` is ``"rdt"``).
 
     Raises:
         InvalidArgument: a value the queue cannot use, named with what to pass instead.
@@ -224,7 +227,11 @@ class QueueConfig:
         valid = cls.fields()
         for k in data:
             if k not in valid:
-                raise _unknown("queue option", str(k), valid)
+                err = _unknown("queue option", str(k), valid)
+                if isinstance(data.get("transport"), str) and data["transport"] != "embedded":
+                    err = InvalidArgument(f"{err}; {data['transport']!r} transport options "
+                                          "go under 'options:'")
+                raise err
         return cls(**data)
 
     def replace(self, **changes: Any) -> "QueueConfig":

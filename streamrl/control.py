@@ -206,19 +206,22 @@ def check_implements(cls: type, proto: type = ControlPlane) -> list[str]:
     return problems
 
 
-def forwarders(call: Callable[..., Any]) -> dict[str, Callable[..., Any]]:
-    """Methods that forward each control-plane call to ``call(self, name, *args,
-    **kwargs)``, with the protocol's own signatures (for ``inspect`` and IDEs): what a
-    proxy class is built from, instead of hand-written forwarders."""
+def forwarders(call: Callable[..., Any], proto: type = ControlPlane
+               ) -> dict[str, Callable[..., Any]]:
+    """Methods that forward each call of ``proto`` (default: the control plane) to
+    ``call(self, name, *args, **kwargs)``, with the protocol's own signatures (for
+    ``inspect`` and IDEs): what a proxy class is built from, instead of hand-written
+    forwarders."""
     out = {}
-    for name, sig in CONTROL_METHODS.items():
+    methods = CONTROL_METHODS if proto is ControlPlane else _methods(proto)
+    for name, sig in methods.items():
         def make(name=name, sig=sig):
             async def method(self, *args, **kwargs):
                 return await call(self, name, *args, **kwargs)
 
             method.__name__ = method.__qualname__ = name
             method.__signature__ = sig  # type: ignore[attr-defined]
-            method.__doc__ = getattr(ControlPlane, name).__doc__
+            method.__doc__ = getattr(proto, name).__doc__
             return method
 
         out[name] = make()

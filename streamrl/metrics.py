@@ -142,7 +142,7 @@ def families(st: Stats, queue: str, reads: Reads | None = None) -> Iterator[Any]
     yield c
     c = counter("bytes_moved", "Bytes moved between processes, per path (rdt, shm, socket, "
                 "inline, local; Ray transports).", ["path"])
-    for path, n in sorted(getattr(st, "bytes_by_path", {}).items()):
+    for path, n in sorted(st.bytes_by_path.items()):
         c.add_metric([queue, path], n)
     yield c
     g = gauge("rows", "Rows held now, per partition and state.", ["partition", "state"])

@@ -148,16 +148,16 @@ class StreamQueue:
         from .metrics import MetricsServer, parse_spec
 
         addr = parse_spec(config.metrics)
-        if addr is None or getattr(self._transport, "metrics_url", None) is not None:
+        if addr is None or self._transport.metrics_url is not None:
             return
         try:
             first = asyncio.get_running_loop()
         except RuntimeError:
             first = None
-        control = self._transport.control
+        transport = self._transport
 
         def loop():
-            return getattr(control, "_loop", None) or first
+            return transport.owner_loop or first
 
         self._metrics = MetricsServer(self.stats, loop, self.name or self.queue_id[:8], addr,
                                       self._session.reads)
@@ -167,7 +167,7 @@ class StreamQueue:
         """Where the queue's Prometheus metrics are served (``metrics=``), or ``None``."""
         if self._metrics is not None:
             return self._metrics.url
-        return getattr(self._transport, "metrics_url", None)
+        return self._transport.metrics_url
 
     def _start(self, transport: Transport, name: str | None) -> None:
         self._metrics = None
@@ -181,7 +181,7 @@ class StreamQueue:
         self._transport: Transport = transport
         self._periodic = None
         self._session: Session = Session(self, transport)
-        if getattr(transport, "metrics_url", None) is not None and transport.handle is not None:
+        if transport.metrics_url is not None and transport.handle is not None:
             # the controller serves the queue-wide series elsewhere: this process's reads
             # go to the cluster's metrics (the Ray dashboard) instead
             from .metrics import RayReads
@@ -790,7 +790,9 @@ class StreamQueue:
         """
         from .checkpoint.client import restore
 
-        return await restore(cls, path, filters=filters, **overrides)
+        q, tags = await restore(cls, path, filters=filters, **overrides)
+        q._learn_tags(None, tags)
+        return q
 
     async def close(self) -> dict[str, int]:
         """Close the queue (idempotent): ``put`` raises :class:`~streamrl.errors.QueueClosed`,

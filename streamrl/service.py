@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, Any
 import anyio
 
 from ._aio import shielded, to_thread_whole
-from .controller import Controller
+from .controller import OPTIONS as CONTROLLER_OPTIONS, Controller
 from .messages import (END, CommitResult, Delivery, DropReason, FilterJob, FilterSpec, PutAnswer,
                        PutStatus, Request, WriteToken)
 from .checkpoint.cut import CheckpointCut, Hold
@@ -72,13 +72,19 @@ class ControllerService:
         # (tag field, partition or None) -> its backfill is done
         self._tags_ready: dict[tuple[str, str | None], anyio.Event] = {}
         self._deferred: deque[list[int]] = deque()  # releases queued by finalizers
-        self._loop: asyncio.AbstractEventLoop | None = None  # the event loop this service runs in (set on first use)
+        self._loop: asyncio.AbstractEventLoop | None = None  # see loop
         # a checkpoint being written: the storage deletes it holds back (one at a time)
         self._hold: Hold | None = None
         self._hold_ended: anyio.Event = anyio.Event()
         self._holds = 0
 
     # ------------------------------------------------------------------ plumbing
+
+    @property
+    def loop(self) -> asyncio.AbstractEventLoop | None:
+        """The event loop this service runs in (its waiters live there), once a call
+        ran; ``None`` before."""
+        return self._loop
 
     def defer_release(self, lease_ids: Sequence[int]) -> None:
         """Queue a release from any thread or finalizer; the loop applies it soon."""
@@ -520,7 +526,7 @@ class ControllerService:
             p = ctl.parts.get(req.partition)
             scope = list(p.rows.values()) if p is not None else []
             sealed = p is not None and p.sealed
-        tbit = ctl._tbits.get(req.task, 0)
+        tbit = ctl.task_bit(req.task)
         owed = [r for r in scope if not r.acked & tbit]
         leased = judging = ready = 0
         lacking: dict[str, int] = {}
@@ -702,7 +708,7 @@ class ControllerService:
             await shielded(self._end_hold(hold))
             raise
         summary["config"] = {k: v for k, v in ctl.config.to_dict().items()
-                             if k not in ("options", "transport", "name", "storage")}
+                             if k in CONTROLLER_OPTIONS}
         return CheckpointCut(hold.token, plans, rows, entry, filters, summary, pause)
 
     async def checkpoint_end(self, token: int) -> None:
@@ -816,8 +822,7 @@ class ControllerService:
         ctl = self.ctl
         inv = await self.data.inventory()
         out: list[str] = []
-        inflight = {r for tok in ctl._tokens.values() if tok.new_rows for r in tok.rows}
-        writing = {r for tok in ctl._tokens.values() if not tok.new_rows for r in tok.rows}
+        inflight, writing = ctl.rows_in_writes()
         for rid, row in ctl.rows.items():
             if row.shard in ctl.dead_shards:
                 continue

@@ -64,6 +64,11 @@ class Session:
         self.on_read: Any = None
 
     @property
+    def transport(self) -> "Transport":
+        """The queue's deployment (what :attr:`control` and :attr:`data` come from)."""
+        return self._transport
+
+    @property
     def control(self) -> "ControlPlane":
         return self._transport.control
 
@@ -76,17 +81,23 @@ class Session:
         """The queue's identity (equal in every handle of it)."""
         return self._transport.queue_id
 
+    @property
+    def owned_reads(self) -> bool:
+        """Whether ``fetch(..., owned=True)`` costs no copy (``DataCaps.owned_reads``)."""
+        return self._transport.data.caps.owned_reads
+
     async def fetch(self, rows: np.ndarray, shards: np.ndarray, fields: list[str], *,
-                    task: str | None = None) -> dict[str, Column]:
+                    task: str | None = None, owned: bool = False) -> dict[str, Column]:
         """Read ``fields`` of ``rows`` from their storage units: one request per unit, all
         units concurrently; columns come back in ``rows`` order (views where the rows
-        are one run of one unit's piece, one copy otherwise). Counted in :attr:`reads`
-        under ``task`` and the paths the bytes took."""
+        are one run of one unit's piece, one copy otherwise). With ``owned``, columns the
+        caller owns (:meth:`streamrl.transport.DataPlane.get_owned`). Counted in
+        :attr:`reads` under ``task`` and the paths the bytes took."""
         t0 = time.perf_counter()
         moved: dict[str, int] = {}
         token = _moving.set(moved)
         try:
-            out = await self._fetch(rows, shards, fields)
+            out = await self._fetch(rows, shards, fields, owned)
         finally:
             _moving.reset(token)
         dt = time.perf_counter() - t0
@@ -107,14 +118,14 @@ class Session:
             self.on_read(name, path, len(rows), by_path, dt)
         return out
 
-    async def _fetch(self, rows: np.ndarray, shards: np.ndarray, fields: list[str]
-                     ) -> dict[str, Column]:
+    async def _fetch(self, rows: np.ndarray, shards: np.ndarray, fields: list[str],
+                     owned: bool = False) -> dict[str, Column]:
         order = np.argsort(shards, kind="stable")
         s_sorted = shards[order]
         bounds = np.flatnonzero(np.diff(s_sorted)) + 1
         groups = np.split(order, bounds)
         parts = [(int(shards[g[0]]), rows[g].tolist(), fields) for g in groups if len(g)]
-        got = await self.data.get(parts)
+        got = await (self.data.get_owned(parts) if owned else self.data.get(parts))
         if len(groups) == 1:
             return {f: assemble(got[0][f]) for f in fields}
         out: dict[str, Column] = {}

@@ -375,19 +375,19 @@ class _Runner:
 
 
 def _bound_loop(queue: _aq.StreamQueue) -> asyncio.AbstractEventLoop | None:
-    """The loop that owns an in-process queue, if known: recorded here, or by its control
-    plane when first used (the embedded ControllerService keeps it as ``_loop``)."""
-    transport = queue._transport
+    """The loop that owns an in-process queue, if known: recorded here, or by its
+    deployment when first used (:attr:`~streamrl.transport.Transport.owner_loop`)."""
+    transport = queue.session.transport
     loop = _owners.get(transport)
     if loop is None:
-        loop = getattr(transport.control, "_loop", None)
+        loop = transport.owner_loop
     return loop
 
 
 def _remember(queue: _aq.StreamQueue, loop: asyncio.AbstractEventLoop) -> None:
     """Record the loop that owns an in-process queue (the first one recorded stays)."""
     try:
-        _owners.setdefault(queue._transport, loop)
+        _owners.setdefault(queue.session.transport, loop)
     except TypeError:  # a transport that cannot be weakly referenced: found again next time
         pass
 
@@ -396,7 +396,7 @@ def _any_loop(queue: _aq.StreamQueue) -> bool:
     """Whether the queue may be used from any event loop: a transport that hands out a
     handle (Ray) keeps its connections per loop; an in-process one (embedded) has its
     waiters in the one loop that runs it."""
-    return queue._transport.handle is not None
+    return queue.session.transport.handle is not None
 
 
 # ============================================================================ the method table
@@ -759,12 +759,12 @@ class SyncStream(_TwinBase):
         return f"<SyncStream of {self._home!r}>"
 
     def __del__(self) -> None:
-        cur = getattr(self._target, "_current", None)
-        if cur is not None and cur.leased:
-            try:
+        try:  # (from __init__ on, _target is set)
+            cur = self._target.current
+            if cur is not None and cur.leased:
                 self._home._runner.submit(self._target.aclose)
-            except Exception:
-                pass
+        except Exception:
+            pass
 
 
 class StreamQueue(_TwinBase):

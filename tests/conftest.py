@@ -87,6 +87,11 @@ RDT_SUITE = RAY_SPILL | {
 }
 #: every make_queue test of the suite's modules on "rdt" (see RDT_SUITE)
 RDT_SUITE_ALL = os.environ.get("STREAMRL_RDT_SUITE") == "all"
+#: STREAMRL_TEST_HOP=1: the suite's tests (those of SPILL_SUITE using ``make_queue``) also
+#: run on the "hop" transport of docs/transports.md's recipe, loaded from the page itself
+#: (tests/recipes/_docs.py), as a transport written outside the package
+HOP = os.environ.get("STREAMRL_TEST_HOP") == "1"
+_hop_loaded: list = []
 #: 256 bytes of tensors per unit: most puts of the suite go to disk at once, the last
 #: small ones stay in memory
 SPILL = {"backend": "spill", "memory_bytes": 256}
@@ -106,6 +111,8 @@ def pytest_generate_tests(metafunc):
     if metafunc.module.__name__ in SPILL_SUITE and "make_queue" in metafunc.fixturenames:
         params += [f"{t}-spill" for t in TRANSPORTS
                    if t != "ray" or metafunc.function.__name__ in RAY_SPILL]
+        if HOP:
+            params.append("hop")
     metafunc.parametrize("transport", params, indirect=True)
 
 
@@ -116,6 +123,10 @@ def transport(request):
     name = request.param.split("-")[0]
     if name in ("ray", "rdt"):
         request.getfixturevalue("ray_session")
+    if name == "hop" and not _hop_loaded:
+        from recipes._docs import load_recipe
+
+        _hop_loaded.append(load_recipe("transports.md", "transport"))  # registers "hop"
     return name
 
 

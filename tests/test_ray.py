@@ -332,6 +332,49 @@ async def test_a_view_keeps_its_bytes_until_it_is_gone(rq):
     assert (await q.stats()).unit_pinned_bytes == [0]
 
 
+def _mapping_of(t: torch.Tensor) -> str:
+    """The /proc/self/maps line of the mapping holding ``t``'s first byte."""
+    addr = t.data_ptr()
+    with open("/proc/self/maps") as f:
+        for line in f:
+            lo, hi = (int(x, 16) for x in line.split()[0].split("-"))
+            if lo <= addr < hi:
+                return line
+    raise AssertionError("no mapping holds the tensor")
+
+
+async def test_a_copy_read_is_owned_without_a_copy_of_the_arena(rq):
+    """materialize(copy=True) on the arena's node maps the blocks copy-on-write: the
+    bytes are not copied (the tensor lives in a private mapping of the unit's memfd, not
+    in fresh memory), writing into it changes neither what is stored nor another read,
+    and nothing the queue does changes it. Small inline tensors are copied."""
+    import gc
+
+    q = rq(num_shards=1)
+    x = torch.arange(8 * 4096, dtype=torch.float32).view(8, 4096)  # 128 KiB: arena
+    small = torch.arange(8)  # inline
+    await q.put({"x": x, "s": small}, partition="p")
+    mb = await q.get("t", ["x", "s"], 8, partition="p")
+    owned = await mb.materialize(copy=True)
+    line = _mapping_of(owned["x"])
+    assert " rw-p " in line and "memfd" in line, line  # private (copy-on-write), no copy
+    shared = await mb.materialize()
+    assert " rw-s " in _mapping_of(shared["x"])
+    owned["x"][:] = -1.0
+    owned["s"][:] = -1
+    assert torch.equal(shared["x"], x)  # another read, and what is stored: untouched
+    again = await mb.materialize(copy=True)
+    assert torch.equal(again["x"], x) and torch.equal(again["s"], small)
+    await mb.drop()
+    await q.put({"x": torch.full((8, 4096), 7.0)}, partition="p2")  # could reuse the block
+    assert torch.equal(again["x"], x)  # pinned while viewed: the unit did not reuse it
+    assert bool((owned["x"] == -1.0).all())
+    del owned, shared, again
+    gc.collect()
+    await q.put({"y": torch.zeros(1)}, partition="z")  # any call carries the news
+    await _until(lambda: _pins_zero(q), "the unpin")
+
+
 async def test_dropping_a_batch_frees_its_blocks_before_new_rows_need_them(rq):
     """drop() lets go of what the batch read, and tells the unit before the controller
     frees the room: a producer admitted into that room reuses the blocks instead of

@@ -405,9 +405,10 @@ async def test_backpressure_bounds_rows_under_fast_producer(make_queue):
 async def test_failed_write_of_new_fields_keeps_the_rows_other_fields(make_queue, transport):
     from streamrl.errors import EncodeError
 
-    if transport == "embedded":
-        pytest.skip("the embedded transport stores objects as they are: such a write cannot fail")
     q = make_queue()
+    if not q.session.data.caps.cross_process:  # (embedded, and the docs' "hop" recipe)
+        pytest.skip("an in-process data plane stores objects as they are: such a write "
+                    "cannot fail")
     rows = await q.put(rows_of(4), partition="p")
     with pytest.raises(EncodeError):
         await q.put({"f": [lambda: 1] * 4}, rows=rows)
@@ -811,8 +812,8 @@ async def test_unencodable_object_is_refused_and_queue_stays_consistent(make_que
     from streamrl.errors import EncodeError
 
     q = make_queue()
-    if transport == "embedded":
-        pytest.skip("the embedded transport stores objects as they are, without encoding")
+    if not q.session.data.caps.cross_process:  # (embedded, and the docs' "hop" recipe)
+        pytest.skip("an in-process data plane stores objects as they are, without encoding")
     with pytest.raises(EncodeError):
         await q.put({"f": [lambda: 1, lambda: 2]}, partition="p")
     st = await q.stats()

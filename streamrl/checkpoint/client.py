@@ -288,11 +288,12 @@ async def checkpoint(q: "StreamQueue", path: str | os.PathLike, *,
     hold = timeout if timeout is not None else max(600.0, _lease_timeout(q))
     published = False
     try:
-        cut = await q._control.checkpoint_begin(tmp, hold)
+        control, data = q.session.control, q.session.data
+        cut = await control.checkpoint_begin(tmp, hold)
         try:
-            units = await q._data.checkpoint_write(units_dir, cut.plans, cut.rows)
+            units = await data.checkpoint_write(units_dir, cut.plans, cut.rows)
         finally:
-            await shielded(q._control.checkpoint_end(cut.token))
+            await shielded(control.checkpoint_end(cut.token))
         config, unsaved = _plain_config(q, cut.summary)
         manifest = {
             "format": FORMAT, "version": FORMAT_VERSION, "id": nonce,
@@ -385,9 +386,10 @@ def _config(manifest: dict[str, Any], overrides: dict[str, Any]) -> dict[str, An
 
 async def restore(cls: Any, path: str | os.PathLike, *,
                   filters: Mapping[str, Callable] | None = None,
-                  **overrides: Any) -> "StreamQueue":
+                  **overrides: Any) -> "tuple[StreamQueue, frozenset[str]]":
     """A running queue from the checkpoint at ``path`` (see
-    :meth:`streamrl.StreamQueue.restore`)."""
+    :meth:`streamrl.StreamQueue.restore`), and the tag fields (group keys...) its
+    controller knows."""
     directory, manifest = open_checkpoint(path)
     fns = resolve_filters(manifest.get("filters") or {}, filters)
     config = _config(manifest, overrides)
@@ -399,9 +401,10 @@ async def restore(cls: Any, path: str | os.PathLike, *,
         for u in manifest["units"]:
             new = u["shard"] if shards is None else shards[u["shard"]]
             sources.setdefault(new, []).append(dict(u, dir=os.path.basename(u["dir"])))
-        await q._data.checkpoint_load(os.path.join(directory, _UNITS), sources)
-        got = await q._control.checkpoint_load(directory, manifest["controller"], shards, fns)
-        q._tags_any = frozenset(got.get("tag_fields", ()))
+        await q.session.data.checkpoint_load(os.path.join(directory, _UNITS), sources)
+        got = await q.session.control.checkpoint_load(directory, manifest["controller"],
+                                                      shards, fns)
+        tags = frozenset(got.get("tag_fields", ()))
     except BaseException:
         async def stop() -> None:
             try:
@@ -412,7 +415,7 @@ async def restore(cls: Any, path: str | os.PathLike, *,
 
         await wait_whole(stop())  # (a native cancellation included: nothing half made)
         raise
-    return q
+    return q, tags
 
 
 # ------------------------------------------------------------------ periodic

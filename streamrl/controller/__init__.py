@@ -57,7 +57,12 @@ from .lifecycle import Lifecycle
 from .snapshot import FORMAT_VERSION, Snapshot
 from .state import _consumers
 
-__all__ = ["Controller", "validate_request", "Request", "Delivery", "END", "FilterSpec",
+#: the queue options (:class:`~streamrl.config.QueueConfig` fields) the controller reads:
+#: its keyword arguments
+OPTIONS = ("capacity", "capacity_bytes", "num_shards", "lease_timeout", "max_staleness",
+           "max_lead", "consumers", "sampler")
+
+__all__ = ["Controller", "OPTIONS", "validate_request", "Request", "Delivery", "END", "FilterSpec",
            "FilterJob", "DropReason", "Undo", "WriteToken", "CommitResult", "imbalance",
            "FORMAT_VERSION"]
 
@@ -105,7 +110,7 @@ class Controller(Admission, Dispatch, Leases, Groups, Lifecycle, Index, Introspe
         capacity: int,
         *,
         capacity_bytes: int | None = None,
-        num_shards: int = 1,
+        num_shards: int = 4,
         lease_timeout: float = 600.0,
         max_staleness: int | None = None,
         max_lead: int | None = None,
@@ -113,28 +118,43 @@ class Controller(Admission, Dispatch, Leases, Groups, Lifecycle, Index, Introspe
         sampler: Any = "fifo",
         clock: Callable[[], float] = time.monotonic,
     ):
-        self.config = QueueConfig(
+        # (the keyword form of from_config: these are QueueConfig's options, with its
+        # defaults; tests/test_seams.py keeps the two equal)
+        self._configure(QueueConfig(
             capacity=capacity, capacity_bytes=capacity_bytes, num_shards=num_shards,
             lease_timeout=lease_timeout, max_staleness=max_staleness, max_lead=max_lead,
-            consumers=consumers, sampler=sampler)  # validates
-        self.capacity = capacity
-        self.capacity_bytes = capacity_bytes
-        self.num_shards = num_shards
-        self.lease_timeout = float(self.config.lease_timeout)
-        self.max_staleness = max_staleness
-        self.max_lead = max_lead
-        self.default_consumers = _consumers(consumers)
-        self.sampler: Sampler = resolve(sampler)
-        self.clock = clock
-        self._init_state()
-        self._init_index()
-        self._init_outboxes()
+            consumers=consumers, sampler=sampler), clock)
 
     @classmethod
     def from_config(cls, config: QueueConfig, *,
                     clock: Callable[[], float] = time.monotonic) -> "Controller":
-        """The controller of a queue configured by ``config``."""
-        return cls(config.capacity, capacity_bytes=config.capacity_bytes,
-                   num_shards=config.num_shards, lease_timeout=config.lease_timeout,
-                   max_staleness=config.max_staleness, max_lead=config.max_lead,
-                   consumers=config.consumers, sampler=config.sampler, clock=clock)
+        """The controller of a queue configured by ``config`` (it reads the options
+        that concern metadata; :attr:`config` is ``config`` itself).
+
+        Examples:
+            >>> from streamrl.config import QueueConfig
+            >>> Controller.from_config(QueueConfig(capacity=8, num_shards=2)).num_shards
+            2
+        """
+        if not isinstance(config, QueueConfig):
+            raise TypeError(f"Controller.from_config takes a QueueConfig, got "
+                            f"{type(config).__name__}; for keywords use Controller(capacity, ...)")
+        self = cls.__new__(cls)
+        self._configure(config, clock)
+        return self
+
+    def _configure(self, config: QueueConfig, clock: Callable[[], float]) -> None:
+        #: the options (validated by QueueConfig)
+        self.config = config
+        self.capacity = config.capacity
+        self.capacity_bytes = config.capacity_bytes
+        self.num_shards = config.num_shards
+        self.lease_timeout = float(config.lease_timeout)
+        self.max_staleness = config.max_staleness
+        self.max_lead = config.max_lead
+        self.default_consumers = _consumers(config.consumers)
+        self.sampler: Sampler = resolve(config.sampler)
+        self.clock = clock
+        self._init_state()
+        self._init_index()
+        self._init_outboxes()

@@ -18,6 +18,19 @@ class Introspect(ControllerBase):
         self.space_freed = False
         return out
 
+    def task_bit(self, task: str) -> int:
+        """The bit of ``task`` in rows' ``acked`` masks (0: a task that never asked)."""
+        return self._tbits.get(task, 0)
+
+    def rows_in_writes(self) -> tuple[set[int], set[int]]:
+        """Rows of writes admitted and not yet committed: ``(new rows being put, existing
+        rows whose fields are being written)``."""
+        new: set[int] = set()
+        fields: set[int] = set()
+        for tok in self._tokens.values():
+            (new if tok.new_rows else fields).update(tok.rows)
+        return new, fields
+
     def pending_filter_rows(self) -> dict[str, int]:
         """Per filter, live rows it has not judged yet."""
         out = {name: 0 for name in self.filters}

@@ -158,7 +158,7 @@ def _raw(t: Any) -> tuple[tuple, np.ndarray] | None:
     if type(t).__module__.startswith("torch"):
         from .. import codec
 
-        if not codec._raw_tensor(t) or t.device.type == "meta":
+        if not codec.is_raw_tensor(t) or t.device.type == "meta":
             return None
         dtype, shape, buf = codec.tensor_to_raw(t)
         device = None if t.device.type == "cpu" else str(t.device)

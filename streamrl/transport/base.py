@@ -18,6 +18,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    import asyncio
+
     from ..control import ControlPlane
 
 from .._types import Column
@@ -36,12 +38,16 @@ class DataCaps:
         shared_memory: bytes move through shared memory between processes of a node.
         cross_process: the queue can be used from other processes (it pickles into a
             handle that works there).
+        owned_reads: :meth:`DataPlane.get_owned` gives data the caller owns without
+            copying it (copy-on-write mappings of the stored bytes, or bytes received for
+            this read alone); without, ``materialize(copy=True)`` copies what it read.
     """
 
     unit_admitted_puts: bool = False
     zero_copy_reads: bool = False
     shared_memory: bool = False
     cross_process: bool = False
+    owned_reads: bool = False
 
 
 class DataPlane(abc.ABC):
@@ -72,6 +78,15 @@ class DataPlane(abc.ABC):
                   ) -> list[dict[str, list[Column]]]:
         """Read: ``parts`` is a list of ``(shard, rows, fields)``; for each, the pieces of
         each field in row order (see :meth:`streamrl.storage.StorageUnit.get`)."""
+
+    async def get_owned(self, parts: Sequence[tuple[int, Sequence[int], Sequence[str]]]
+                        ) -> list[dict[str, list[Column]]]:
+        """As :meth:`get`, but the caller owns what comes back: writing into it never
+        changes the stored data, and nothing the queue does changes it. Default: a copy
+        of every tensor :meth:`get` returns; a data plane with ``caps.owned_reads`` does
+        it without copying."""
+        got = await self.get(parts)
+        return [{f: [_owned(p) for p in plist] for f, plist in d.items()} for d in got]
 
     @abc.abstractmethod
     async def delete(self, parts: Mapping[int, Sequence[int]]) -> None:
@@ -128,6 +143,18 @@ class Transport(abc.ABC):
 
     name: str
 
+    #: where this deployment serves the queue's Prometheus metrics itself (``metrics=``),
+    #: when its controller lives in another process; ``None``: the queue serves them from
+    #: this process (or not at all)
+    metrics_url: str | None = None
+
+    @property
+    def owner_loop(self) -> "asyncio.AbstractEventLoop | None":
+        """The event loop an in-process deployment is bound to (its waiters live there),
+        once it was used; ``None`` for a deployment callable from any event loop (one
+        with a :attr:`handle`) or not used yet."""
+        return None
+
     @property
     def queue_id(self) -> str:
         """The queue's identity, equal in every handle of it (in any process)."""
@@ -166,3 +193,13 @@ class Transport(abc.ABC):
 
     async def shutdown(self) -> None:
         """Free the deployment's resources (actors, memory)."""
+
+
+def _owned(piece: Column) -> Column:
+    """A read piece the caller owns: its tensors copied (a list's Python objects are
+    the ones read)."""
+    import torch  # (not at import: storage-unit actors import this module without torch)
+
+    if isinstance(piece, torch.Tensor):
+        return piece.clone()
+    return [x.clone() if isinstance(x, torch.Tensor) else x for x in piece]

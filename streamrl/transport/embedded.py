@@ -7,6 +7,7 @@ and reads return views of them. All calls run in the caller's event loop.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING
 
 from ..errors import InvalidArgument
 
@@ -15,6 +16,9 @@ from ..controller import Controller
 from ..service import ControllerService
 from ..storage import StorageBackend, StorageUnit, create_unit
 from .base import Column, DataCaps, DataPlane, Transport
+
+if TYPE_CHECKING:
+    import asyncio
 
 __all__ = ["EmbeddedTransport", "LocalDataPlane", "create"]
 
@@ -106,6 +110,11 @@ class EmbeddedTransport(Transport):
     def data(self) -> LocalDataPlane:
         """The in-process storage units."""
         return self._data
+
+    @property
+    def owner_loop(self) -> "asyncio.AbstractEventLoop | None":
+        """The event loop the controller service runs in (once used)."""
+        return self._service.loop
 
     def release_nowait(self, lease_ids: Sequence[int]) -> None:
         """Release leases from a finalizer. Finalizers can run in the middle of a

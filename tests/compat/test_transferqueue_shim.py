@@ -28,8 +28,7 @@ from streamrl.compat.transferqueue import interface
 from streamrl.compat.transferqueue.controller import TQController
 from streamrl.compat.transferqueue.metadata import BatchMeta
 from streamrl.compat.transferqueue.sampler import (GRPOGroupNSampler, RankAwareSampler,
-                                                   SeqlenBalancedSampler, SequentialSampler,
-                                                   balance)
+                                                   SeqlenBalancedSampler, SequentialSampler)
 from streamrl.errors import NotSupported, QueueFull, StreamTimeout
 
 from conftest import TRANSPORTS
@@ -365,33 +364,23 @@ def _rows(x: torch.Tensor) -> list:
     return [t.tolist() for t in x.unbind()]
 
 
-HAS_CHECKPOINTS = hasattr(streamrl.StreamQueue, "checkpoint")
-needs_checkpoints = pytest.mark.skipif(
-    not HAS_CHECKPOINTS, reason="this streamrl has no StreamQueue.checkpoint/restore yet (the "
-    "checkpoint branch); TransferQueue checkpoints are built on them")
-
-
-def test_checkpoint_calls_without_queue_checkpoints_raise_not_supported(client, tmp_path,
-                                                                       monkeypatch):
-    for name in ("checkpoint", "restore"):
-        if hasattr(streamrl.StreamQueue, name):
-            monkeypatch.delattr(streamrl.StreamQueue, name)
+def test_checkpoint_calls_refuse_what_is_not_a_checkpoint(client, tmp_path):
     tq.kv_put("k", "p", fields={"x": torch.ones(2)})
-    with pytest.raises(NotSupported, match="StreamQueue.checkpoint"):
-        tq.save_checkpoint(tmp_path / "ck")
-    assert not (tmp_path / "ck").exists() and not (tmp_path / "ck.tmp").exists()
     with pytest.raises(FileNotFoundError, match="not found"):
         tq.load_checkpoint(tmp_path / "missing")
     (tmp_path / "ck").mkdir()
     with pytest.raises(FileNotFoundError, match="metadata.json"):
         tq.load_checkpoint(tmp_path / "ck")
+    (tmp_path / "ck" / "metadata.json").write_text('{"storage_saved": false}')
+    with pytest.raises(streamrl.errors.CheckpointError, match="holds no data"):
+        tq.load_checkpoint(tmp_path / "ck")
     (tmp_path / "ck" / "metadata.json").write_text('{"storage_saved": true}')
-    with pytest.raises(NotSupported):
+    with pytest.raises(FileNotFoundError, match="controller_state.pkl"):
         tq.load_checkpoint(tmp_path / "ck")
     with pytest.raises(NotSupported, match="controller's checkpoint alone"):
         client.save_controller_checkpoint(str(tmp_path / "c.pkl"))
     assert isinstance(NotSupported("x"), (NotImplementedError, streamrl.errors.StreamRLError))
-    assert _rows(tq.kv_batch_get("k", "p")["x"]) == [[1.0, 1.0]], "a failed save changed data"
+    assert _rows(tq.kv_batch_get("k", "p")["x"]) == [[1.0, 1.0]], "a refused load changed data"
 
 
 def test_controller_state_round_trip_and_bad_state():
@@ -420,7 +409,6 @@ def test_controller_state_round_trip_and_bad_state():
     assert b.locate({"p": [0]}, ["x"])["p"][0] == [99], "a refused state changed the controller"
 
 
-@needs_checkpoints
 def test_checkpoint_round_trip_into_a_changed_system(client, tmp_path):
     """Data of every kind, keys, tags and consumption come back; what was put after the
     save is gone; the queue holds exactly the saved samples."""
@@ -455,7 +443,6 @@ def test_checkpoint_round_trip_into_a_changed_system(client, tmp_path):
     assert _held()[0] == 6, "the queue should hold the 6 saved samples and nothing else"
 
 
-@needs_checkpoints
 def test_failed_save_keeps_the_previous_checkpoint_and_damage_is_caught(client, tmp_path,
                                                                        monkeypatch):
     tq.kv_put("k", "p", fields={"x": torch.tensor([1, 2])})
@@ -523,11 +510,39 @@ def test_ignored_settings_warn():
         from streamrl.compat.transferqueue.config import merge
 
         merge({"metrics": {"enabled": True},
-               "backend": {"SimpleStorage": {"ssd_offload": {"enabled": True}, "zmq_info": 1}},
+               "backend": {"SimpleStorage": {"ssd_offload": {"enabled": True,
+                                                             "threshold_bytes": 64},
+                                             "zmq_info": 1}},
                "controler": {}})
     text = " ".join(str(x.message) for x in w)
-    assert "metrics.enabled" in text and "ssd_offload.enabled" in text and "controler" in text
-    assert "zmq_info" not in text
+    assert "metrics.enabled" in text and "ssd_offload.threshold_bytes" in text
+    assert "controler" in text and "zmq_info" not in text
+    assert "ssd_offload.enabled" not in text  # used: see the next test
+
+
+def test_ssd_offload_is_streamrls_spill_backend(tmp_path):
+    """ssd_offload.enabled/path put the samples' tensors beyond a memory budget into a
+    spill file under <path>/transfer_queue_ssd_offload; they come back equal."""
+    from streamrl.compat.transferqueue.config import merge, queue_options
+
+    conf = merge({"backend": {"SimpleStorage": {"ssd_offload": {"enabled": True,
+                                                                "path": str(tmp_path)}}},
+                  "streamrl": {"transport": "embedded", "spill_memory_bytes": 0}})
+    opts = queue_options(conf)
+    assert opts["storage"] == {"backend": "spill", "memory_bytes": 0,
+                               "dir": str(tmp_path / "transfer_queue_ssd_offload")}
+    assert "storage" not in queue_options(merge({"streamrl": {"transport": "embedded"}}))
+
+    async def main():
+        async with streamrl.StreamQueue(**opts) as q:
+            rows = await q.put({"x": torch.arange(64.0).view(8, 8)}, partition="p")
+            units = q.session.data.units
+            assert sum(u.usage()["disk"] for u in units) == 8 * 8 * 4  # all spilled
+            td = await rows.select("x").materialize(copy=True)
+            assert torch.equal(td["x"], torch.arange(64.0).view(8, 8))
+
+    asyncio.run(main())
+    assert (tmp_path / "transfer_queue_ssd_offload").is_dir()
 
 
 # ---------------------------------------------------------------------- pure controller
@@ -594,9 +609,63 @@ def test_seqlen_balanced_sampler_equal_groups_balanced_lengths():
         assert {i // 2 for i in s} == {i // 2 for i in s if i % 2 == 0}
 
 
-def test_balance_counts_and_load():
-    bins = balance([9, 8, 7, 1, 1, 1], 3)
-    assert sorted(len(b) for b in bins) == [2, 2, 2] and sorted(i for b in bins for i in b) == list(range(6))
+def test_seqlen_balanced_split_is_streamrls_balanced_split():
+    """SeqlenBalancedSampler splits its groups with streamrl.sampling.balanced_split (the
+    split of balance_by), not a copy of it: the shares are the same, rank by rank."""
+    from streamrl.sampling import balanced_split
+
+    lengths = [9, 8, 7, 1, 1, 1, 5]
+    c = _ctl(SeqlenBalancedSampler(n_samples_per_prompt=1, dp_size=3))
+    alloc = c.insert("p", ["x"], 7)
+    _produce(c, "p", alloc.global_indexes, custom=[{"total_lengths": v} for v in lengths])
+    shares = [sorted(c.fetch(["x"], 2, "p", "t", {"dp_rank": r, "batch_index": 0}).global_indexes)
+              for r in range(3)]
+    want, _ = balanced_split([[i] for i in range(6)], 3, lengths[:6])
+    assert shares == [sorted(alloc.global_indexes[i] for i in w) for w in want]
+    assert sorted(len(s) for s in shares) == [2, 2, 2]
+
+
+def test_the_controller_service_and_its_ray_proxy_implement_one_protocol():
+    """Clients call the compatibility controller through TQControlPlane: the service
+    implements it, the Ray proxy is generated from it, and the check can fail."""
+    import inspect
+
+    from streamrl.compat.transferqueue.control import RayTQControl, TQControlPlane
+    from streamrl.compat.transferqueue.controller import TQControllerService
+    from streamrl.control import check_implements
+
+    assert check_implements(TQControllerService, TQControlPlane) == []
+    assert check_implements(RayTQControl, TQControlPlane) == []
+    for name, fn in vars(TQControlPlane).items():
+        if inspect.iscoroutinefunction(fn):
+            assert inspect.signature(getattr(RayTQControl, name)) == inspect.signature(fn)
+    assert not hasattr(RayTQControl, "__getattr__") and not hasattr(RayTQControl, "call")
+
+    class Renamed(TQControllerService):
+        async def clear_samples(self, partition_id, global_indexes):  # another name
+            ...
+
+    problems = check_implements(Renamed, TQControlPlane)
+    assert len(problems) == 1 and "Renamed.clear_samples" in problems[0]
+
+
+def test_jagged_columns_are_what_torchs_public_constructor_makes():
+    """get_data makes its jagged columns with torch's NestedTensor class directly (the
+    public nested_tensor_from_jagged costs 10x); on this torch the two are the same."""
+    from streamrl.compat.transferqueue.client import jagged
+
+    x = torch.arange(24.0).view(4, 6)
+    off = torch.tensor([0, 6, 12, 18, 24])
+    a, b = jagged(x.reshape(-1), off), torch.nested.nested_tensor_from_jagged(x.reshape(-1), off)
+    assert type(a) is type(b) and a.is_nested and a.layout is b.layout is torch.jagged
+    assert a.dim() == b.dim() == 2 and a.size(0) == b.size(0) == 4 and a.dtype == b.dtype
+    assert a.values().data_ptr() == b.values().data_ptr() == x.data_ptr()  # views, no copy
+    assert torch.equal(a.offsets(), b.offsets())
+    assert all(torch.equal(u, v) for u, v in zip(a.unbind(), b.unbind()))
+    assert torch.equal(torch.nested.to_padded_tensor(a * 2, 0.0),
+                       torch.nested.to_padded_tensor(b * 2, 0.0))
+    td = TensorDict({"x": a}, batch_size=[4])
+    assert td["x"][1].shape == (6,) and torch.equal(td[1:3]["x"].values(), x[1:3].reshape(-1))
 
 
 def test_snapshot_has_transferqueue_names():

@@ -1,5 +1,6 @@
-"""The recipe of docs/sampling.md, done from outside the package: a "longest first"
-sampler written here, registered by name, and streamed with on the embedded transport."""
+"""The recipe of docs/sampling.md, done from outside the package: the page's own block
+runs (a "longest first" sampler, registered by name, streamed with), then the stream is
+checked again, with groups and beside a per-request sampler."""
 
 from __future__ import annotations
 
@@ -7,24 +8,18 @@ import pytest
 import torch
 
 import streamrl
-from streamrl.sampling import BalancedSampler, Ready
+from streamrl.sampling import BalancedSampler
+
+from ._docs import load_recipe
 
 
-class LongestFirst(BalancedSampler):
-    """Longest rows (or groups) first, by the per-row field ``length``."""
-
-    fields = ("length",)  # kept per row by the queue, so order() can read it
-
-    def order(self, ready: Ready, size: int):
-        def longest(unit):
-            return -max(ready.value(row, "length", 0) for row in unit)
-
-        return sorted(ready.units(), key=longest)  # stable: ties stay in ready order
-
-
-@pytest.fixture
+@pytest.fixture(scope="module")
 def longest():
-    streamrl.sampling.register("longest", LongestFirst)
+    """The page's sampler: its block runs as it is (registering "longest" and streaming
+    with it)."""
+    mod = load_recipe("sampling.md", "sampler")
+    assert issubclass(mod.LongestFirst, BalancedSampler)
+    assert "longest" in streamrl.sampling.available()
     yield "longest"
     streamrl.sampling.unregister("longest")
 

@@ -26,7 +26,7 @@ def recipe():
 def test_the_recipe_registers_a_transport(recipe):
     assert "hop" in streamrl.transport.available()
     q = streamrl.StreamQueue(transport="hop", capacity=8)
-    assert q.transport == "hop" and isinstance(q._transport, recipe.HopTransport)
+    assert q.transport == "hop" and isinstance(q.session.transport, recipe.HopTransport)
 
 
 async def test_cancelled_calls_on_the_recipe_transport_leave_nothing(recipe):

@@ -17,8 +17,8 @@ What is here: ``init``/``close``/``get_client``, the client's data calls (``put`
 (``kv_put``, ``kv_batch_put``, ``kv_batch_get``, ``kv_batch_get_by_meta``, ``kv_list``,
 ``kv_clear``), the async twins of all of them, ``BatchMeta``/``KVBatchMeta`` and the
 samplers, and ``save_checkpoint``/``load_checkpoint`` on streamrl's queue checkpoints
-(:class:`~streamrl.errors.NotSupported` on a streamrl without
-``StreamQueue.checkpoint``); ``StreamingDataset``/``StreamingDataLoader`` are not provided.
+(:meth:`streamrl.StreamQueue.checkpoint`); ``StreamingDataset``/``StreamingDataLoader``
+are not provided.
 
 Where TransferQueue's behaviour is a defect its users work around, the API is kept and
 the behaviour fixed (see :mod:`.interface`, :mod:`.controller`, :mod:`.sampler`): a

@@ -13,11 +13,13 @@ What moves where:
   now produced; the controller never sees the bytes;
 * ``get_meta`` asks the controller only;
 * ``get_data`` reads the rows of the batch straight from the storage units and returns
-  a copy the caller owns (TransferQueue's data is serialised over sockets, so writing into
+  data the caller owns (TransferQueue's data is serialised over sockets, so writing into
   what ``get_data`` returned never changes the stored samples; streamrl's reads are views
-  of shared memory, so the copy keeps that promise). The copy is nearly all of a read's
-  time; ``streamrl.copy_on_get: false`` hands out the views instead (native read speed;
-  treat them as read-only). Tensor fields of samples with at least one dimension come back
+  of shared memory). On Ray, on the storage unit's node, the unit's blocks are mapped
+  copy-on-write (``materialize(copy=True)``): no byte is copied until the caller writes,
+  and a write changes only the caller's pages; small tensors and reads from other nodes
+  are copied, and so is everything on the embedded transport. ``streamrl.copy_on_get:
+  false`` hands out plain views instead (treat them as read-only). Tensor fields of samples with at least one dimension come back
   as jagged nested tensors, as TransferQueue returns them (per-sample scalars as a dense
   tensor, Python objects as a ``NonTensorStack``).
 """
@@ -41,7 +43,7 @@ from tensordict import NonTensorStack, TensorDict
 from streamrl.errors import (EventLoopError, InvalidArgument, NotSupported, RowsDropped,
                              StreamTimeout, UnknownField)
 
-from .controller import NO_QUEUE_CHECKPOINTS
+from .control import TQControlPlane
 from .metadata import BatchMeta, public_schema, schema_of_columns, storage_name
 
 __all__ = ["AsyncTransferQueueClient", "TransferQueueClient", "STORE_PARTITION"]
@@ -115,39 +117,10 @@ class _Loop:
         return await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(coro, self.loop))
 
 
-class _LocalController:
-    """The embedded controller: the service itself, in the loop thread."""
-
-    def __init__(self, service: Any):
-        self.service = service
-
-    async def call(self, name: str, *args: Any, **kwargs: Any) -> Any:
-        out = getattr(self.service, name)(*args, **kwargs)
-        return await out if asyncio.iscoroutine(out) else out
-
-
-class _RayController:
-    """The controller actor, with its exceptions re-raised as themselves."""
-
-    def __init__(self, actor: Any):
-        self.actor = actor
-
-    async def call(self, name: str, *args: Any, **kwargs: Any) -> Any:
-        import ray
-
-        try:
-            return await getattr(self.actor, name).remote(*args, **kwargs)
-        except ray.exceptions.RayTaskError as e:
-            cause = getattr(e, "cause", None)
-            if isinstance(cause, Exception):
-                raise cause from None
-            raise
-
-
 class System:
     """What a process holds once ``init`` ran: the queue, the controller, the settings."""
 
-    def __init__(self, queue: Any, controller: Any, config: Mapping[str, Any], *,
+    def __init__(self, queue: Any, controller: TQControlPlane, config: Mapping[str, Any], *,
                  owner: bool, actor: Any = None, service: Any = None):
         self.queue = queue
         self.controller = controller
@@ -200,8 +173,10 @@ class AsyncTransferQueueClient:
                                    config: Any = None) -> None:
         """Nothing to do: the data goes to streamrl's storage units."""
 
-    async def _ctl(self, name: str, *args: Any, **kwargs: Any) -> Any:
-        return await self._sys.controller.call(name, *args, **kwargs)
+    @property
+    def _ctl(self) -> TQControlPlane:
+        """The controller (the service itself, or the actor's generated proxy)."""
+        return self._sys.controller
 
     # ------------------------------------------------------------------ metadata
 
@@ -223,7 +198,7 @@ class AsyncTransferQueueClient:
         other client -- until they are, up to ``controller.get_meta_timeout`` seconds
         (then ``TimeoutError``).
         """
-        return await self._ctl("get_meta", data_fields, batch_size, partition_id, mode,
+        return await self._ctl.get_meta(data_fields, batch_size, partition_id, mode,
                                task_name, sampling_config)
 
     @_on_loop
@@ -234,7 +209,7 @@ class AsyncTransferQueueClient:
         per: dict[str, dict[int, dict]] = {}
         for pid, i, m in zip(metadata.partition_ids, metadata.global_indexes, metadata.custom_meta):
             per.setdefault(pid, {})[i] = m
-        await self._ctl("set_custom_meta", per)
+        await self._ctl.set_custom_meta(per)
 
     # ------------------------------------------------------------------ put
 
@@ -293,7 +268,7 @@ class AsyncTransferQueueClient:
             assert partition_id is not None, "checked on entry: metadata or partition_id"
             rb = await self._store(stored)
             try:
-                idx, _ = await self._ctl("commit", partition_id, None, rb.rows, rb.shards, wire,
+                idx, _ = await self._ctl.commit(partition_id, None, rb.rows, rb.shards, wire,
                                          [{} for _ in range(n)])
             except BaseException:
                 await self._drop_rows(rb.rows)
@@ -354,7 +329,7 @@ class AsyncTransferQueueClient:
             return {**m, "_shapes": [s[p] for p in pos] if isinstance(s, list) else s}
 
         custom = [meta.custom_meta[p] for p in pos]
-        _, conflicts = await self._ctl("commit", pid, [meta.global_indexes[p] for p in pos],
+        _, conflicts = await self._ctl.commit(pid, [meta.global_indexes[p] for p in pos],
                                        [rows[p] for p in pos], [shards[p] for p in pos],
                                        {f: sub(m) for f, m in wire.items()}, custom)
         if not conflicts:
@@ -385,14 +360,14 @@ class AsyncTransferQueueClient:
             wanted: dict[str, list[int]] = {}
             for pid, i in zip(metadata.partition_ids, metadata.global_indexes):
                 wanted.setdefault(pid, []).append(i)
-            found = await self._ctl("locate", wanted, fields)
+            found = await self._ctl.locate(wanted, fields)
             at = {pid: 0 for pid in found}
             for p, pid in enumerate(metadata.partition_ids):
-                r, s, names = found[pid]
+                r, s, stored_as = found[pid]
                 if rows[p] is None:
                     rows[p], shards[p] = r[at[pid]], s[at[pid]]
                 at[pid] += 1
-                for f, name in names.items():
+                for f, name in stored_as.items():
                     store.setdefault(f, name)
         empty = [i for i, r in zip(metadata.global_indexes, rows) if r is None]
         if empty:
@@ -411,8 +386,9 @@ class AsyncTransferQueueClient:
             raise InvalidArgument(f"samples of this batch were cleared (rows {e.rows[:8]}); get "
                              "fresh metadata") from None
         out = TensorDict({}, batch_size=[metadata.size])
+        offsets: dict[tuple[int, int], torch.Tensor] = {}  # shared by fields of one length
         for f, name in zip(fields, names):
-            out.set(f, _tq_column(td.get(name), self._sys.embedded and self._sys.copy))
+            out.set(f, _tq_column(td.get(name), self._sys.embedded and self._sys.copy, offsets))
         return out
 
     # ------------------------------------------------------------------ clearing
@@ -420,7 +396,7 @@ class AsyncTransferQueueClient:
     @_on_loop
     async def async_clear_partition(self, partition_id: str) -> None:
         """Forget a partition and drop its samples' data (frees room at once)."""
-        await self._ctl("clear_partition", partition_id)
+        await self._ctl.clear_partition(partition_id)
 
     @_on_loop
     async def async_clear_samples(self, metadata: BatchMeta) -> None:
@@ -431,7 +407,7 @@ class AsyncTransferQueueClient:
         for pid, i in zip(metadata.partition_ids, metadata.global_indexes):
             per.setdefault(pid, []).append(i)
         for pid, idx in per.items():
-            await self._ctl("clear_samples", pid, idx)
+            await self._ctl.clear_samples(pid, idx)
 
     # ------------------------------------------------------------------ status
 
@@ -439,13 +415,13 @@ class AsyncTransferQueueClient:
     async def async_get_consumption_status(self, task_name: str, partition_id: str):
         """``(global indexes, consumed)`` tensors of the partition (``(None, None)`` when
         there is no such partition)."""
-        return await self._ctl("get_consumption_status", task_name, partition_id)
+        return await self._ctl.get_consumption_status(task_name, partition_id)
 
     @_on_loop
     async def async_get_production_status(self, data_fields: Sequence[str], partition_id: str):
         """``(global indexes, produced [samples, fields])`` tensors (``(None, None)`` when
         the partition or a field is unknown)."""
-        return await self._ctl("get_production_status", data_fields, partition_id)
+        return await self._ctl.get_production_status(data_fields, partition_id)
 
     @_on_loop
     async def async_check_consumption_status(self, task_name: str, partition_id: str) -> bool:
@@ -464,12 +440,12 @@ class AsyncTransferQueueClient:
     async def async_reset_consumption(self, partition_id: str, task_name: str | None = None) -> bool:
         """Make the partition's samples unconsumed again for ``task_name`` (all tasks when
         ``None``): fetch mode hands them out again. False when there is no such partition."""
-        return await self._ctl("reset_consumption", partition_id, task_name)
+        return await self._ctl.reset_consumption(partition_id, task_name)
 
     @_on_loop
     async def async_get_partition_list(self) -> list[str]:
         """The partitions the controller knows."""
-        return await self._ctl("list_partitions")
+        return await self._ctl.list_partitions()
 
     # ------------------------------------------------------------------ keys
 
@@ -478,7 +454,7 @@ class AsyncTransferQueueClient:
                                       create: bool = False) -> BatchMeta:
         """The samples of user keys (made when ``create``), with the fields all of them have."""
         keys = _key_list(keys)
-        return await self._ctl("kv_retrieve_meta", keys, partition_id, create)
+        return await self._ctl.kv_retrieve_meta(keys, partition_id, create)
 
     @_on_loop
     async def async_kv_retrieve_keys(self, global_indexes: Sequence[int] | int,
@@ -491,8 +467,9 @@ class AsyncTransferQueueClient:
         idx = [global_indexes] if isinstance(global_indexes, int) else list(global_indexes)
         if not idx or not all(isinstance(i, int) for i in idx):
             raise TypeError("global_indexes must be an int or a non-empty list of ints")
-        keys = await self._ctl("kv_retrieve_keys", idx, partition_id)
-        if len(keys) != len(idx) or any(k is None for k in keys):
+        found = await self._ctl.kv_retrieve_keys(idx, partition_id)
+        keys = [k for k in found if k is not None]
+        if len(keys) != len(idx):
             raise RuntimeError(f"some of global indexes {idx[:8]} have no key in partition "
                                f"{partition_id!r}")
         return keys
@@ -500,7 +477,7 @@ class AsyncTransferQueueClient:
     @_on_loop
     async def async_kv_list(self, partition_id: str | None = None) -> dict[str, dict[str, Any]]:
         """``{partition: {key: tags}}`` of one partition (or all)."""
-        return await self._ctl("kv_list", partition_id)
+        return await self._ctl.kv_list(partition_id)
 
     # ------------------------------------------------------------------ checkpoints
 
@@ -534,13 +511,12 @@ class AsyncTransferQueueClient:
         itself: ``save_checkpoint`` writes it beside the target and renames.
 
         Raises:
-            NotSupported: this streamrl has no queue checkpoints.
             CheckpointError: the queue's checkpoint could not be written.
         """
         root = os.path.abspath(os.fspath(checkpoint_dir))
         store = os.path.join(root, STORAGE_DIR)
         os.makedirs(store, exist_ok=True)
-        units = await self._ctl("checkpoint", os.path.join(store, QUEUE_DIR),
+        units = await self._ctl.checkpoint(os.path.join(store, QUEUE_DIR),
                                 os.path.join(root, CONTROLLER_FILE))
         with open(os.path.join(store, UNITS_FILE), "w") as f:
             json.dump([{"position": i, "storage_unit": f"streamrl-unit-{i}"}
@@ -556,7 +532,6 @@ class AsyncTransferQueueClient:
         over. Other clients should not use the system meanwhile.
 
         Raises:
-            NotSupported: this streamrl has no queue checkpoints.
             FileNotFoundError: a file of the checkpoint is missing.
             CheckpointError: the checkpoint is not one of this layer, or is damaged (for
                 example its storage-unit list does not match the data).
@@ -567,8 +542,6 @@ class AsyncTransferQueueClient:
         from streamrl.batch import RowRemoteBatch
         from streamrl.errors import CheckpointError
 
-        if not hasattr(streamrl.StreamQueue, "restore"):
-            raise NotSupported(NO_QUEUE_CHECKPOINTS)
         root = os.path.abspath(os.fspath(checkpoint_dir))
         store = os.path.join(root, STORAGE_DIR)
         for need in (os.path.join(root, CONTROLLER_FILE), os.path.join(store, UNITS_FILE),
@@ -602,7 +575,7 @@ class AsyncTransferQueueClient:
                 if row is not None and fields:
                     names = tuple(sorted(storage_name(f, keys[f]) for f in fields))
                     groups.setdefault(names, []).append((part["name"], i, row, shard))
-        await self._ctl("clear_all")
+        await self._ctl.clear_all()
         old = await streamrl.StreamQueue.restore(os.path.join(store, QUEUE_DIR),
                                                  transport="embedded", metrics=False)
         moved: dict[tuple[str, int], tuple[int, int]] = {}
@@ -618,7 +591,7 @@ class AsyncTransferQueueClient:
                     made.extend(new.rows)
                     for (pid, i, _, _), r, s in zip(chunk, new.rows, new.shards):
                         moved[(pid, i)] = (r, s)
-            await self._ctl("install", state, moved)
+            await self._ctl.install(state, moved)
         except BaseException:
             await self._drop_rows(made)
             raise
@@ -728,15 +701,44 @@ def _parse(cols: dict[str, Any], parser: Callable[[Any], Any], n: int) -> dict[s
     return out
 
 
-def _tq_column(value: Any, embedded: bool) -> Any:
-    """A column as TransferQueue's ``get_data`` gives it."""
+_NestedTensor: Any
+try:  # torch's own constructor of jagged tensors, without the public function's dispatch
+    from torch.nested._internal.nested_tensor import NestedTensor
+
+    _NestedTensor = NestedTensor
+except ImportError:  # another torch: the public function
+    _NestedTensor = None
+
+
+def jagged(values: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """``torch.nested.nested_tensor_from_jagged(values, offsets)`` (a jagged nested tensor
+    over ``values``, no copy), made by torch's ``NestedTensor`` class directly where this
+    torch has it: the public function goes through torch's operator dispatch, about 10x
+    the cost here (0.5-0.9 ms per field on this machine), and ``get_data`` makes one per
+    tensor field. ``tests/compat`` checks that both give the same tensor."""
+    if _NestedTensor is None or values.requires_grad:
+        return torch.nested.nested_tensor_from_jagged(values, offsets)
+    return _NestedTensor(values, offsets)
+
+
+def _tq_column(value: Any, embedded: bool,
+               offsets: dict[tuple[int, int], torch.Tensor] | None = None) -> Any:
+    """A column as TransferQueue's ``get_data`` gives it: a tensor of samples with one or
+    more dimensions as a jagged nested tensor (a view, no copy), even when every sample
+    has one shape, as TransferQueue returns it. ``offsets``: the offsets tensors made so
+    far, by ``(samples, length)``, shared by the fields of one call (making one costs
+    about as much as the view)."""
     if isinstance(value, torch.Tensor):
         if value.is_nested or value.dim() < 2 or value.shape[0] == 0 or value.shape[1] == 0:
             return value
         n, length = value.shape[0], value.shape[1]
         values = value.reshape((n * length,) + tuple(value.shape[2:]))
-        offsets = torch.arange(0, n * length + 1, length, dtype=torch.int64)
-        return torch.nested.nested_tensor_from_jagged(values, offsets)
+        off = None if offsets is None else offsets.get((n, length))
+        if off is None:
+            off = torch.arange(0, n * length + 1, length, dtype=torch.int64)
+            if offsets is not None:
+                offsets[(n, length)] = off
+        return jagged(values, off)
     if isinstance(value, NonTensorStack):
         items = value.tolist()
         if embedded:  # the stored objects themselves: hand out copies

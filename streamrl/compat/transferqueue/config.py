@@ -28,15 +28,31 @@ key                                                        becomes
                                                            before it raises
 ``streamrl.namespace`` (new)                               Ray namespace of the queue's
                                                            actors
-``streamrl.copy_on_get`` (new; ``true``)                   ``get_data`` returns a copy the
-                                                           caller owns (``false``: views of
-                                                           the stored data, at native read
-                                                           speed; do not write into them)
+``backend.SimpleStorage.ssd_offload.enabled``              ``storage="spill"``: tensor data
+                                                           beyond a memory budget per unit
+                                                           goes to a local file (streamrl's
+                                                           spill backend, docs/storage.md)
+``backend.SimpleStorage.ssd_offload.path``                 the spill file's directory:
+                                                           ``<path>/transfer_queue_ssd_offload``
+                                                           (``null``: the system temp dir)
+``streamrl.spill_memory_bytes`` (new; 1 GiB)               with ``ssd_offload``: tensor bytes
+                                                           each unit keeps in memory
+``streamrl.copy_on_get`` (new; ``true``)                   ``get_data`` returns data the
+                                                           caller owns (copy-on-write on
+                                                           Ray; ``false``: views of the
+                                                           stored data; do not write into
+                                                           them)
 =========================================================  =================================
 
+``ssd_offload`` maps onto streamrl's spill backend, which spills by a memory budget
+(least recently put first), not per sample by size: ``threshold_bytes`` and
+``glibc_mmap_threshold_bytes`` have no meaning here. The spill file is unlinked as soon
+as it is made (the kernel frees it however the process ends), so no ``*.bin`` files
+appear under ``path``.
+
 ``zmq_info`` entries are filled by TransferQueue itself and ignored silently. Everything
-else TransferQueue accepts (``metrics``, ``ssd_offload``, other storage backends, ...)
-has no meaning here: it is accepted and ignored with a :class:`CompatWarning` naming
+else TransferQueue accepts (``metrics``, ``ssd_offload.threshold_bytes``, other storage
+backends, ...) has no meaning here: it is accepted and ignored with a :class:`CompatWarning` naming
 it. A key TransferQueue does not know is ignored with a warning too.
 """
 
@@ -74,13 +90,14 @@ DEFAULTS: dict[str, Any] = {
                           "ssd_offload": dict(_SSD)},
     },
     "streamrl": {"transport": "auto", "capacity_bytes": "auto", "put_timeout": None,
-                 "namespace": None, "copy_on_get": True},
+                 "namespace": None, "copy_on_get": True, "spill_memory_bytes": 1 << 30},
 }
 
 _USED = {"controller.polling_mode", "controller.sampler", "controller.get_meta_timeout",
          "backend.storage_backend", "backend.SimpleStorage.total_storage_size",
          "backend.SimpleStorage.num_data_storage_units",
-         "backend.SimpleStorage.required_node_resource"}
+         "backend.SimpleStorage.required_node_resource",
+         "backend.SimpleStorage.ssd_offload.enabled", "backend.SimpleStorage.ssd_offload.path"}
 _KNOWN_TQ = {"metrics.enabled", "metrics.port", "backend.SimpleStorage.ssd_offload"}
 _OTHER_BACKENDS = {"MooncakeStore", "Yuanrong", "RayStore"}
 
@@ -213,6 +230,16 @@ def queue_options(conf: Mapping[str, Any]) -> dict[str, Any]:
     opts: dict[str, Any] = {"capacity": total if total is not None else 1 << 40,
                             "num_shards": units, "capacity_bytes": cap_bytes,
                             "transport": transport_of(conf)}
+    ssd = simple.get("ssd_offload") or {}
+    if not isinstance(ssd.get("enabled", False), bool):
+        raise InvalidArgument(f"backend.SimpleStorage.ssd_offload.enabled must be true or "
+                              f"false, got {ssd.get('enabled')!r}")
+    if ssd.get("enabled"):  # streamrl's spill backend (see the module docstring)
+        path = ssd.get("path")
+        opts["storage"] = {"backend": "spill",
+                           "memory_bytes": ours.get("spill_memory_bytes", 1 << 30),
+                           "dir": (os.path.join(os.fspath(path), "transfer_queue_ssd_offload")
+                                   if path else None)}
     if opts["transport"] == "ray":
         if ours.get("namespace"):
             opts["namespace"] = ours["namespace"]

@@ -10,12 +10,13 @@ row per sample, one stored field per field and dtype, see :func:`.metadata.stora
 which bounds it (capacity in rows and bytes, ``put`` waits for room) and moves it between
 producers, storage units and readers without passing through this controller.
 
-:class:`ControllerService` is its async face: fetch-mode ``get_meta`` waits for samples
-event-driven (a waiting call holds nobody else up), and clearing samples drops their
-rows from the queue. On the Ray transport the service runs as the named actor
-``TransferQueueController`` in namespace ``transfer_queue`` (``num_cpus=0``), where
-TransferQueue keeps its own, so code that inspects it (``get_partition_snapshot``,
-``list_partitions``, ``clear_partition``) keeps working.
+:class:`TQControllerService` is its async face (:class:`~.control.TQControlPlane`):
+fetch-mode ``get_meta`` waits for samples event-driven (a waiting call holds nobody else
+up), and clearing samples drops their rows from the queue. On the Ray transport the
+service runs as the named actor ``TransferQueueController`` in namespace
+``transfer_queue`` (``num_cpus=0``), where TransferQueue keeps its own, so code that
+inspects it (``get_partition_snapshot``, ``list_partitions``, ``clear_partition``) keeps
+working.
 
 A sample is *bound* once its first fields are stored (it has a row); a field is
 *produced* for a sample once a ``put`` of it committed. Fetch mode hands out bound samples
@@ -40,18 +41,13 @@ from streamrl.errors import InvalidArgument, StreamTimeout
 from .metadata import BatchMeta, storage_name
 from .sampler import BaseSampler
 
-__all__ = ["TQController", "ControllerService", "PartitionSnapshot", "ACTOR_NAME",
+__all__ = ["TQController", "TQControllerService", "PartitionSnapshot", "ACTOR_NAME",
            "ACTOR_NAMESPACE"]
 
 #: where TransferQueue keeps its controller actor (and so where tools look for it)
 ACTOR_NAME = "TransferQueueController"
 ACTOR_NAMESPACE = "transfer_queue"
 
-#: why TransferQueue checkpoints cannot be taken (this streamrl has no queue checkpoints)
-NO_QUEUE_CHECKPOINTS = (
-    "TransferQueue checkpoints (save_checkpoint/load_checkpoint) are streamrl queue "
-    "checkpoints (StreamQueue.checkpoint/restore), which this streamrl does not have yet; "
-    "until it does, keep what you need to resume outside the queue")
 #: the version of :meth:`TQController.state`'s layout (checkpoints name it)
 STATE_FORMAT = "streamrl.compat.transferqueue/controller-1"
 
@@ -189,7 +185,7 @@ class TQController:
     Args:
         sampler: the policy of fetch-mode ``get_meta`` (a :class:`~.sampler.BaseSampler`).
         polling_mode: fetch mode gives an empty batch instead of waiting (the waiting is
-            :class:`ControllerService`'s).
+            :class:`TQControllerService`'s).
     """
 
     def __init__(self, sampler: BaseSampler, polling_mode: bool = False):
@@ -558,10 +554,10 @@ class TQController:
                 for pid in pids if pid in self.parts}
 
 
-class ControllerService:
-    """The controller as clients call it, on the embedded transport (in the client's
-    event loop) or as the Ray actor: :class:`TQController` plus waiting and the deletion
-    of cleared data from ``queue``.
+class TQControllerService:
+    """The controller as clients call it (:class:`~.control.TQControlPlane`), on the
+    embedded transport (in the client's event loop) or as the Ray actor:
+    :class:`TQController` plus waiting and the deletion of cleared data from ``queue``.
 
     Args:
         config: the merged TransferQueue configuration (returned by :meth:`get_config`).
@@ -700,14 +696,10 @@ class ControllerService:
         of puts that ran meanwhile; loading leaves them out).
 
         Raises:
-            NotSupported: this streamrl has no queue checkpoints.
+            CheckpointError: the queue's checkpoint could not be written.
         """
         import pickle
 
-        from streamrl.errors import NotSupported
-
-        if not hasattr(self.queue, "checkpoint"):
-            raise NotSupported(NO_QUEUE_CHECKPOINTS)
         async with self._saving:
             units = self.queue.num_shards
             self._held = []
@@ -741,7 +733,7 @@ class ControllerService:
 
     # -- introspection, with TransferQueue's names
 
-    def list_partitions(self) -> list[str]:
+    async def list_partitions(self) -> list[str]:
         return self.ctl.list_partitions()
 
     def get_partition_snapshot(self, partition_id: str) -> PartitionSnapshot | None:

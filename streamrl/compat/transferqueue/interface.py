@@ -29,11 +29,12 @@ from typing import Any
 import torch
 from tensordict import NonTensorStack, TensorDict
 
-from streamrl.errors import InvalidArgument, NotSupported
+from streamrl.errors import InvalidArgument
 
 from . import config as _config
-from .client import System, TransferQueueClient, _Loop, _LocalController, _RayController
-from .controller import ACTOR_NAME, ACTOR_NAMESPACE, NO_QUEUE_CHECKPOINTS, ControllerService
+from .client import System, TransferQueueClient, _Loop
+from .control import RayTQControl
+from .controller import ACTOR_NAME, ACTOR_NAMESPACE, TQControllerService
 from .metadata import BatchMeta, KVBatchMeta
 
 __all__ = ["init", "close", "get_client", "get_metrics_endpoint", "kv_put", "kv_batch_put",
@@ -97,8 +98,34 @@ def _attach() -> bool:
     queue: Any
     conf: Any
     queue, conf = ray.get([actor.get_queue.remote(), actor.get_config.remote()])
-    _set(System(queue, _RayController(actor), conf, owner=False, actor=actor))
+    _set(System(queue, RayTQControl(actor), conf, owner=False, actor=actor))
     return True
+
+
+_ACTOR_CLASS: list[type] = []
+
+
+def _actor_class() -> type:
+    """:class:`TQControllerService` as the class of the controller actor: a subclass
+    holding copies of its methods, because ``ray.remote`` adds its tracing parameter
+    (``_ray_trace_ctx``) to the signatures of the functions it is given, in place (and
+    the service must keep :class:`~.control.TQControlPlane`'s)."""
+    if not _ACTOR_CLASS:
+        import types
+
+        def copy(f: types.FunctionType) -> types.FunctionType:
+            g = types.FunctionType(f.__code__, f.__globals__, f.__name__, f.__defaults__,
+                                   f.__closure__)
+            g.__kwdefaults__ = f.__kwdefaults__
+            g.__qualname__, g.__doc__, g.__module__ = f.__qualname__, f.__doc__, f.__module__
+            g.__annotations__ = dict(f.__annotations__)
+            return g
+
+        methods = {n: copy(f) for n, f in vars(TQControllerService).items()
+                   if isinstance(f, types.FunctionType)}
+        _ACTOR_CLASS.append(type("TQControllerActor", (TQControllerService,),
+                                 {**methods, "__module__": __name__}))
+    return _ACTOR_CLASS[0]
 
 
 def _as_conf(merged: dict[str, Any]) -> Any:
@@ -137,7 +164,7 @@ def init(conf: Any = None) -> Any:
         import streamrl
 
         queue = streamrl.StreamQueue(**opts)
-        actor_cls = ray.remote(ControllerService)
+        actor_cls: Any = ray.remote(_actor_class())
         # Ray's stubs type ActorClass.remote() as "ActorHandle | the class itself"
         # (ActorProxy); it returns an ActorHandle, whose methods' .remote() they cannot type
         actor: Any
@@ -155,16 +182,16 @@ def init(conf: Any = None) -> Any:
             ray.kill(actor)
             loop.run(queue.shutdown())
             raise
-        _set(System(queue, _RayController(actor), merged, owner=True, actor=actor))
+        _set(System(queue, RayTQControl(actor), merged, owner=True, actor=actor))
     else:
         async def start():
             import streamrl
 
             q = streamrl.StreamQueue(**opts)
-            return q, ControllerService(merged, q, settings)
+            return q, TQControllerService(merged, q, settings)
 
         queue, service = loop.run(start())
-        _set(System(queue, _LocalController(service), merged, owner=True, service=service))
+        _set(System(queue, service, merged, owner=True, service=service))
     return _as_conf(merged)
 
 
@@ -179,7 +206,7 @@ def close() -> None:
 
     async def stop():
         try:
-            await system.controller.call("shutdown")
+            await system.controller.shutdown()
         except Exception:
             pass
         try:
@@ -434,8 +461,6 @@ def save_checkpoint(checkpoint_dir: str | Path, *, include_storage: bool = True,
 
     Raises:
         RuntimeError: TransferQueue is not initialized.
-        NotSupported: this streamrl has no queue checkpoints
-            (``StreamQueue.checkpoint``).
         CheckpointError: the queue's checkpoint could not be written.
         TypeError: ``metadata`` is not JSON-serialisable.
     """
@@ -443,10 +468,6 @@ def save_checkpoint(checkpoint_dir: str | Path, *, include_storage: bool = True,
     import json
     import shutil
 
-    import streamrl
-
-    if not hasattr(streamrl.StreamQueue, "checkpoint"):
-        raise NotSupported(NO_QUEUE_CHECKPOINTS)
     if metadata is not None and not isinstance(metadata, Mapping):
         raise TypeError(f"metadata must be a dict, got {type(metadata).__name__}")
     text = json.dumps({"storage_saved": True, "user_metadata": dict(metadata or {}),
@@ -486,7 +507,6 @@ def load_checkpoint(checkpoint_dir: str | Path) -> None:
         RuntimeError: TransferQueue is not initialized.
         FileNotFoundError: no such directory, or a file of it (``metadata.json``...) is
             missing.
-        NotSupported: this streamrl has no queue checkpoints (``StreamQueue.restore``).
         CheckpointError: not a checkpoint of this layer, or a damaged one.
     """
     _check_initialized()

@@ -14,13 +14,23 @@ How they map onto streamrl's own options:
 ==========================  ===============================================================
 sampler                     streamrl ``stream``/``get``
 ==========================  ===============================================================
-``SequentialSampler``       the default FIFO order
+``SequentialSampler``       the default ``"fifo"`` sampler
 ``GRPOGroupNSampler(n)``    ``group_by=<prompt key>, group_size=n`` (here the group is the n
                             consecutive samples of the puts, counted from the partition's
                             first sample, see below)
 ``RankAwareSampler``        one process takes the batch and sends it to its peers
-``SeqlenBalancedSampler``   ``dp_size=R, balance_by="total_lengths", group_size=n``
+``SeqlenBalancedSampler``   ``dp_size=R, balance_by="total_lengths", group_size=n``; the
+                            split is streamrl's own (:func:`streamrl.sampling.balanced_split`)
 ==========================  ===============================================================
+
+The mapping is one of meaning, not of code, except for the balanced split: these
+samplers choose among TransferQueue *samples* in this layer's own controller
+(:class:`~.controller.TQController`), which keeps what streamrl's controller does not
+(global indexes, consumption marked when metadata is handed out, a cache per ``dp_rank``
+and ``batch_index``), while a :class:`streamrl.sampling.Sampler` orders the ready rows of
+streamrl's controller for ``stream``/``get``. A TransferQueue sampler sees a list of
+global indexes and returns two; a streamrl sampler sees ready units and yields them in
+order. Code moving to the native API replaces the sampler by the options in the table.
 
 One fix against TransferQueue: ``GRPOGroupNSampler`` groups samples by their *insertion
 sequence* in the partition (sample ``k`` of the partition belongs to group ``k // n``),
@@ -34,14 +44,28 @@ documented usage) give the same groups either way.
 from __future__ import annotations
 
 import abc
-import heapq
-from typing import Any
+from collections.abc import Sequence
+from typing import Any, Protocol
 
 from streamrl.errors import InvalidArgument
+from streamrl.sampling import balanced_split
 
 
 __all__ = ["BaseSampler", "SequentialSampler", "GRPOGroupNSampler", "RankAwareSampler",
-           "SeqlenBalancedSampler", "resolve_sampler"]
+           "SeqlenBalancedSampler", "PartitionView", "resolve_sampler"]
+
+
+class PartitionView(Protocol):
+    """What a sampler may ask about the partition it samples from (the controller passes
+    one as ``partition``)."""
+
+    def get_custom_meta(self, global_indices: Sequence[int]) -> dict[int, dict[str, Any]]:
+        """The ``custom_meta`` of those samples that have one."""
+        ...
+
+    def sequence(self, global_indices: Sequence[int]) -> list[int | None]:
+        """Insertion order of each sample in the partition (``None``: not in it)."""
+        ...
 
 
 class BaseSampler(abc.ABC):
@@ -133,10 +157,11 @@ class GRPOGroupNSampler(BaseSampler):
                              f"{n_samples_per_prompt!r}")
         self.n_samples_per_prompt = n_samples_per_prompt
 
-    def _groups(self, ready_indexes: list[int], partition: Any) -> list[list[int]]:
+    def _groups(self, ready_indexes: list[int], partition: PartitionView | None
+                ) -> list[list[int]]:
         """Complete groups among ``ready_indexes``, earliest first."""
         n = self.n_samples_per_prompt
-        if partition is not None and hasattr(partition, "sequence"):
+        if partition is not None:
             seq = partition.sequence(ready_indexes)
             by_group: dict[int, list[tuple[int, int]]] = {}
             for idx, s in zip(ready_indexes, seq):
@@ -181,10 +206,11 @@ class SeqlenBalancedSampler(GRPOGroupNSampler):
     The first rank asking for ``(partition_id, task_name, batch_index)`` takes
     ``batch_size * dp_size`` samples in whole groups (as :class:`GRPOGroupNSampler`),
     weighs each group by the sum of its samples' ``custom_meta["total_lengths"]``
-    (1 when absent), and deals the groups to the ranks so that every rank gets the same
-    number of groups and the heaviest rank is as light as a greedy longest-first pass
-    makes it (streamrl's ``balance_by`` does the same). Every rank then gets its share
-    from the cache; ``batch_size`` is per rank.
+    (1 when absent), and splits the groups over the ranks with streamrl's own balanced
+    split (:func:`streamrl.sampling.balanced_split`, what ``balance_by`` uses): every rank
+    the same number of groups (when they do not divide evenly, some ranks get one fewer:
+    nothing is repeated), the heaviest rank as light as a longest-first pass and swaps
+    make it. Every rank then gets its share from the cache; ``batch_size`` is per rank.
     """
 
     def __init__(self, n_samples_per_prompt: int = 1, dp_size: int = 1):
@@ -213,7 +239,8 @@ class SeqlenBalancedSampler(GRPOGroupNSampler):
             meta = partition.get_custom_meta([i for g in groups for i in g]) \
                 if partition is not None else {}
             weights = [sum(meta.get(i, {}).get("total_lengths", 1) for i in g) for g in groups]
-            shares = balance(weights, self.dp_size)
+            shares, _ = balanced_split([[g] for g in range(len(groups))], self.dp_size,
+                                       weights)  # (its padding of short ranks unused)
             self._balanced[key] = [sorted(i for g in share for i in groups[g])
                                    for share in shares]
             cache = self._cache(partition_id, task_name)
@@ -234,26 +261,6 @@ class SeqlenBalancedSampler(GRPOGroupNSampler):
     def load_checkpoint(self, state: dict) -> None:
         super().load_checkpoint(state)
         self._balanced = state.get("_balanced", {})
-
-
-def balance(weights: list[float], parts: int) -> list[list[int]]:
-    """Deal items (by position) to ``parts`` bins of equal count (the first
-    ``len % parts`` bins get one more), heaviest item first to the lightest bin that still
-    has room. Returns the positions in each bin."""
-    cap = [len(weights) // parts + (1 if r < len(weights) % parts else 0) for r in range(parts)]
-    heap = [(0.0, r) for r in range(parts)]
-    bins: list[list[int]] = [[] for _ in range(parts)]
-    for i in sorted(range(len(weights)), key=lambda i: -weights[i]):
-        skipped = []
-        load, r = heapq.heappop(heap)
-        while len(bins[r]) >= cap[r]:
-            skipped.append((load, r))
-            load, r = heapq.heappop(heap)
-        bins[r].append(i)
-        heapq.heappush(heap, (load + weights[i], r))
-        for s in skipped:
-            heapq.heappush(heap, s)
-    return bins
 
 
 _BY_NAME = {c.__name__: c for c in (SequentialSampler, GRPOGroupNSampler, RankAwareSampler,

@@ -43,8 +43,11 @@ Direct Transport):
 
 * :mod:`.wire` -- torch columns <-> wire form (WireTensors, encoded objects);
 * :mod:`.calls` -- how the pieces call each other (errors, undo waits, background tasks);
-* :mod:`.unit` -- the storage-unit actor, its arena and its small-put admission;
+* :mod:`.unit` -- the storage-unit actor and its arena;
 * :mod:`.data` -- :class:`RayDataPlane`, the data-plane client;
+* :mod:`.admit` -- small puts admitted by a unit: the unit's half and the client's;
+* :mod:`.checkpoint` -- checkpoints: each unit writes and loads its own files, the
+  client fans the calls out;
 * :mod:`.controller` -- the controller actor, serving the control plane;
 * :mod:`.control` -- :class:`RayControl`, the control-plane client;
 * :mod:`.transport` -- :class:`RayTransport` and the registered factory :func:`create`.
@@ -56,10 +59,10 @@ from .calls import UNDO_TIMEOUT, Endpoints
 from .control import RayControl, pickle_by_value
 from .controller import ActorService, ControllerActor, ControllerActorImpl
 from .data import FAST_MAX, RayDataPlane
-from .transport import RayTransport, _clients, create
+from .transport import RAY_OPTIONS, RayTransport, _clients, create
 from .unit import ID_BLOCK, StorageActor, StorageActorImpl
 from .wire import SHM_MIN
 
 __all__ = ["RayTransport", "ControllerActor", "StorageActor", "create", "RayControl",
            "RayDataPlane", "ControllerActorImpl", "StorageActorImpl", "ActorService",
-           "SHM_MIN", "FAST_MAX", "ID_BLOCK", "UNDO_TIMEOUT", "Endpoints", "pickle_by_value"]
+           "SHM_MIN", "FAST_MAX", "ID_BLOCK", "RAY_OPTIONS", "UNDO_TIMEOUT", "Endpoints", "pickle_by_value"]

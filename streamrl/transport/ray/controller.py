@@ -26,7 +26,7 @@ import asyncio
 import logging
 from collections import OrderedDict
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import ray
 
@@ -39,6 +39,9 @@ from ...stats import Stats
 from ..rpc import RpcServer
 from .calls import Endpoints, spawn
 from .data import DataPlaneFactory, RayDataPlane
+
+if TYPE_CHECKING:
+    from ...metrics import MetricsServer
 
 log = logging.getLogger("streamrl")
 
@@ -118,6 +121,7 @@ class ControllerActorImpl:
         self._recent: OrderedDict[str, tuple | None] = OrderedDict()  # their undo, once done
         self._rpc = RpcServer(self, ray.util.get_node_ip_address())
         self._endpoints: Endpoints | None = None
+        self._metrics: MetricsServer | None = None  # serve_metrics's, once asked
 
     # -- the control plane
 
@@ -198,7 +202,7 @@ class ControllerActorImpl:
         free one), and record them as Ray metrics every ``interval`` seconds; the URL."""
         from ...metrics import MetricsServer, RayMirror
 
-        if getattr(self, "_metrics", None) is None:
+        if self._metrics is None:
             loop = asyncio.get_running_loop()
             self._metrics = MetricsServer(self._svc.stats, loop, queue, (host, port))
             mirror = RayMirror()

@@ -17,12 +17,12 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextvars
+import dataclasses
 import functools
 import logging
 import os
 import random
-import time
-import uuid
 import weakref
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any, Protocol
@@ -30,23 +30,23 @@ from typing import Any, Protocol
 import numpy as np
 import ray
 
-from ..._aio import wait_whole
-from ...arena import ShmRef, map_segment
-from ...errors import RowsLost, TransportError, rows_preview
-from ...messages import PutStatus
+from ...arena import ShmRef, map_private, map_segment
+from ...errors import RowsLost, rows_preview
 from ...session import note_moved
 from ...wire import WireTensor
 from ..base import Column, DataCaps, DataPlane
-from ..rpc import ConnectFailed, Endpoint, RpcClient
-from .calls import send, undone, unwrap
+from ..rpc import Endpoint, RpcClient
+from .admit import FAST_MAX, PlaneAdmission
+from .calls import send, unwrap
+from .checkpoint import PlaneCheckpoint
 from .wire import SHM_MIN, bytes_by_path, from_wire, map_col, refs_in, tensors_in, to_wire
 
-__all__ = ["RayDataPlane", "DataPlaneFactory", "FAST_MAX"]
+__all__ = ["RayDataPlane", "DataPlaneFactory", "FAST_MAX"]  # (FAST_MAX: .admit's)
 
 log = logging.getLogger("streamrl")
 
-FAST_MAX = 1 << 20  # puts up to this many bytes may be admitted by a unit (put_rows)
-_BUSY_PAUSE = 0.02  # seconds without put_rows after a unit found the queue full
+#: set while a read is for get_owned: arena blocks are mapped copy-on-write
+_OWNED: contextvars.ContextVar[bool] = contextvars.ContextVar("streamrl_owned", default=False)
 
 
 class DataPlaneFactory(Protocol):
@@ -58,12 +58,14 @@ class DataPlaneFactory(Protocol):
                  on_lost: Callable[[int], Awaitable[Any]] | None = None) -> RayDataPlane: ...
 
 
-class RayDataPlane(DataPlane):
+class RayDataPlane(PlaneAdmission, PlaneCheckpoint, DataPlane):
     """Storage-unit actors, called concurrently, one call per unit per request; tensor
-    bytes through the units' shared-memory arenas when on the same node."""
+    bytes through the units' shared-memory arenas when on the same node. Small puts
+    admitted by a unit are :class:`.admit.PlaneAdmission`'s, checkpoints
+    :class:`.checkpoint.PlaneCheckpoint`'s."""
 
     caps = DataCaps(unit_admitted_puts=True, zero_copy_reads=True, shared_memory=True,
-                    cross_process=True)
+                    cross_process=True, owned_reads=True)
 
     def __init__(self, units: Sequence[Any], endpoints: Sequence[Endpoint | None] | None = None,
                  on_lost: Callable[[int], Awaitable[Any]] | None = None):
@@ -77,13 +79,9 @@ class RayDataPlane(DataPlane):
         self.on_lost = on_lost
         self._unpins: collections.deque = collections.deque()  # (unit, pin) of dead views
         self._loop: asyncio.AbstractEventLoop | None = None
-        # round robin of put_rows, from a random unit: processes that put a few rows each
-        # do not all start on unit 0
-        self._next_unit = random.randrange(max(self.num_shards, 1))
-        self._busy_until = 0.0  # no put_rows before (the queue was full)
-        self._unreachable: set[int] = set()  # units put_rows could not connect to
-        self._unit_nodes: dict[int, str] = {}  # unit -> its Ray node id (asked once)
-        self._node: str | None = None  # this process's Ray node id
+        # small puts: round robin from a random unit, so that processes that put a few
+        # rows each do not all start on unit 0
+        self._init_admission(random.randrange(max(self.num_shards, 1)))
         #: bytes this process moved, per path (``"shm"``, ``"inline"``; subclasses add theirs)
         self.moved: collections.Counter = collections.Counter()
         self._unreported: collections.Counter = collections.Counter()
@@ -93,6 +91,9 @@ class RayDataPlane(DataPlane):
         self.report_moved: Callable[[dict[str, int]], bool] | None = None
         if endpoints is not None:
             self.use_endpoints(endpoints)
+        if type(self).get is not RayDataPlane.get:  # a data path that reads its own way:
+            # its get_owned copies, unless it declares owned reads itself
+            self.caps = dataclasses.replace(self.caps, owned_reads=False)
 
     def use_endpoints(self, endpoints: Sequence[Endpoint | None]) -> None:
         """Call the units over their socket channels (see :mod:`streamrl.transport.rpc`) from now on."""
@@ -265,70 +266,6 @@ class RayDataPlane(DataPlane):
                     "bytes travel inline in the calls from now on (slower)", shard, e)
         self._local[shard] = False
 
-    async def put_rows(self, partition: str, cols: Mapping[str, Column], n: int,
-                       nbytes: dict, tags: dict, version: int | None,
-                       dtypes: dict | None = None) -> tuple[list[int], list[int], Any] | None:
-        """A small put of ``n`` new rows, admitted and committed by one storage unit
-        (see :meth:`.unit.StorageActorImpl.put_rows`): one call instead of asking the
-        controller for room first. The unit is one on this process's node when there is
-        one (round robin over them), else any (round robin). Returns ``(rows, shards,
-        commit result)``, or ``None`` when it does not apply (big tensors, no socket
-        channel, no room right now): the caller puts the usual way. Raises what the put
-        would raise."""
-        live = [s for s in range(self.num_shards)
-                if self.rpcs[s] is not None and s not in self._unreachable]
-        sizes = [sum(v) for v in nbytes.values()]  # each field's bytes
-        if (not live or n < 1 or time.monotonic() < self._busy_until or sum(sizes) > FAST_MAX
-                or max(sizes, default=0) >= SHM_MIN):  # big tensors go through the arena
-            return None
-        wire = self._wire(cols)
-        pool = await self._on_this_node(live) or live
-        self._next_unit = (self._next_unit + 1) % len(pool)
-        shard = pool[self._next_unit]
-        rid = uuid.uuid4().hex
-        rpc = self.rpcs[shard]
-        assert rpc is not None  # (live units have a socket channel)
-        try:
-            ans = await rpc.call("put_rows", n, wire, partition, list(cols),
-                                              nbytes, tags, version, rid, dtypes)
-        except asyncio.CancelledError:
-            # the unit finishes the put (shielded) and then drops what it committed;
-            # the cancellation goes on once that is done, so a retry cannot race it
-            rpc = self.rpcs[shard]  # (read again: the channel may have been replaced)
-            assert rpc is not None
-            await undone(rpc.call("cancel_put", rid), "put")
-            raise
-        except ConnectFailed:  # nothing sent: the usual path finds out why
-            self._unreachable.add(shard)
-            return None
-        except ConnectionError as e:
-            raise TransportError(
-                f"lost the connection to storage unit {shard} during a put ({e}); the rows "
-                "may or may not have been put") from None
-        if ans.status is PutStatus.BUSY:  # no room now: wait the usual way (and for a while)
-            self._busy_until = time.monotonic() + _BUSY_PAUSE
-            return None
-        if ans.status is not PutStatus.OK:
-            raise ans.error
-        rows, res = ans.rows, ans.result
-        self.count_moved(bytes_by_path(wire))
-        return rows, [shard] * n, res
-
-    async def _on_this_node(self, shards: list[int]) -> list[int]:
-        """The units of ``shards`` on this process's Ray node: a small put goes to one of
-        them when there is one, so a node's producers fill their own node's units and
-        their bytes stay off the network. Each unit is asked for its node once."""
-        unknown = [s for s in shards if s not in self._unit_nodes]
-        if unknown:
-            res = await asyncio.gather(*[self._call(s, "shm_info") for s in unknown],
-                                       return_exceptions=True)
-            for s, r in zip(unknown, res):
-                if not isinstance(r, BaseException):
-                    self._unit_nodes[s] = r[0]
-        if self._node is None:
-            self._node = ray.get_runtime_context().get_node_id()
-        return [s for s in shards if self._unit_nodes.get(s) == self._node]
-
     async def get(self, parts: Sequence[tuple[int, Sequence[int], Sequence[str]]]
                   ) -> list[dict[str, list[Column]]]:
         self._loop = asyncio.get_running_loop()
@@ -336,9 +273,26 @@ class RayDataPlane(DataPlane):
         return list(await asyncio.gather(*[self._read(s, list(rows), list(fields))
                                            for s, rows, fields in parts]))
 
+    async def get_owned(self, parts: Sequence[tuple[int, Sequence[int], Sequence[str]]]
+                        ) -> list[dict[str, list[Column]]]:
+        """As :meth:`get`, with data the caller owns, without copying the big tensors:
+        arena blocks are mapped copy-on-write for this read (a write into them makes a
+        private page; the blocks stay pinned, so the unit never changes them meanwhile);
+        inline bytes (small tensors, other nodes) are copied."""
+        if not self.caps.owned_reads:
+            return await super().get_owned(parts)
+        token = _OWNED.set(True)
+        try:
+            return await self.get(parts)
+        finally:
+            _OWNED.reset(token)
+
     async def _read(self, shard: int, rows: list[int], fields: list[str]) -> dict[str, list[Column]]:
         pieces, arrays = await self._read_raw(shard, rows, fields)
-        return from_wire(pieces, arrays)
+        out = from_wire(pieces, arrays)
+        if _OWNED.get():
+            _own_inline(out, pieces, arrays)
+        return out
 
     async def _read_raw(self, shard: int, rows: list[int], fields: list[str]
                         ) -> tuple[dict[str, list], dict]:
@@ -354,11 +308,14 @@ class RayDataPlane(DataPlane):
             assert pid is not None  # (a pin comes only with a pid asked for)
             bases: dict[int, np.ndarray] = {}
             try:
+                private = _OWNED.get()
                 for ref in refs_in(pieces):
                     base = bases.get(ref.seg)
                     if base is None:
-                        base = bases[ref.seg] = np.frombuffer(
-                            self._segment(shard, pid, ref.seg, where), dtype=np.uint8)
+                        mm = (map_private(f"/proc/{pid}/fd/{where[ref.seg][0]}",
+                                          where[ref.seg][1]) if private
+                              else self._segment(shard, pid, ref.seg, where))
+                        base = bases[ref.seg] = np.frombuffer(mm, dtype=np.uint8)
                     arrays[ref] = base[ref.off:ref.off + ref.size]
             except OSError as e:  # this process may not map the unit's memory
                 self._no_shm(shard, e)
@@ -403,46 +360,6 @@ class RayDataPlane(DataPlane):
                                    return_exceptions=True)
         return [(0, 0) if isinstance(r, BaseException) else r for r in res]
 
-    async def checkpoint_write(self, directory: str, plans: Mapping[int, Mapping],
-                               rows: Mapping[int, Sequence[int]]) -> list[dict]:
-        """Every unit actor writes its rows of the cut to its own files, all at once
-        (Ray actor calls: they take seconds, and run on an actor thread, beside the
-        unit's other calls). If this is cancelled or a unit fails, the others are told
-        to stop, and this returns once no unit writes into ``directory`` any more."""
-        calls = [asyncio.ensure_future(
-            self._actor_call(s, "checkpoint_write", directory, dict(plans.get(s, {})),
-                             list(rows.get(s, ()))))
-            for s in range(self.num_shards)]
-        try:
-            return list(await asyncio.gather(*calls))
-        except BaseException:
-            # (to its end, however often this is cancelled: the caller removes the
-            # directory once this raises, and no unit may still write into it then)
-            await wait_whole(self._stop_writes(directory, calls))
-            raise
-
-    async def _stop_writes(self, directory: str, calls: Sequence[asyncio.Future]) -> None:
-        if all(c.done() for c in calls):
-            return
-        await asyncio.gather(*[self._actor_call(s, "checkpoint_stop", directory)
-                               for s in range(self.num_shards)], return_exceptions=True)
-        await asyncio.gather(*calls, return_exceptions=True)
-
-    async def checkpoint_load(self, directory: str,
-                              sources: Mapping[int, Sequence[dict]]) -> None:
-        """Every unit actor reads and checks its part of a checkpoint, all at once."""
-        await asyncio.gather(*[self._actor_call(s, "checkpoint_load", directory, list(src))
-                               for s, src in sources.items() if src])
-
-    async def _actor_call(self, shard: int, method: str, *args: Any) -> Any:
-        """``method(*args)`` on unit ``shard`` as a Ray actor call."""
-        try:
-            return await getattr(self.units[shard], method).remote(*args)
-        except (ray.exceptions.RayActorError, ray.exceptions.ObjectLostError) as e:
-            raise TransportError(f"storage unit {shard} is gone ({type(e).__name__})") from None
-        except ray.exceptions.RayTaskError as e:
-            raise unwrap(e, "storage unit") from None
-
     async def arena_stats(self) -> list[dict[str, int]]:
         """Each unit's arena (see :meth:`.unit.StorageActorImpl.arena_stats`); ``{}`` for
         a unit that does not answer."""
@@ -457,3 +374,21 @@ def _sum_paths(cols_list) -> dict[str, int]:
     for cols in cols_list:
         out.update(bytes_by_path(cols))
     return dict(out)
+
+
+def _own_inline(out: dict[str, list[Column]], pieces: Mapping[str, list], arrays: dict) -> None:
+    """Copy, in ``out`` (:func:`.wire.from_wire` of ``pieces``), the tensors whose bytes
+    are not in ``arrays`` (the copy-on-write views of this read): inline bytes may be
+    read-only memory (a Ray object) or shared with others."""
+    def own(t: Any, p: Any) -> Any:
+        if isinstance(p, WireTensor) and not (p.ref is not None and p.ref in arrays):
+            return t.clone()
+        return t
+
+    for f, plist in pieces.items():
+        cols = out[f]
+        for i, p in enumerate(plist):
+            if isinstance(p, WireTensor):
+                cols[i] = own(cols[i], p)
+            else:  # a list of per-row values: tensors among them are inline
+                cols[i] = [own(t, x) for t, x in zip(cols[i], p)]

@@ -27,7 +27,11 @@ from .controller import ControllerActor
 from .data import DataPlaneFactory, RayDataPlane
 from .unit import StorageActor
 
-__all__ = ["RayTransport", "create"]
+__all__ = ["RayTransport", "create", "RAY_OPTIONS"]
+
+#: the Ray transport's options (``QueueConfig.options``; see :meth:`RayTransport.create`)
+RAY_OPTIONS = ("namespace", "unit_options", "controller_options", "detached", "direct_calls",
+               "arena_reserve", "arena_ahead")
 
 #: This process's clients of each queue (by controller actor id and data-plane class),
 #: shared by every handle of it that arrives here (a queue passed to an actor method is a
@@ -117,8 +121,7 @@ class RayTransport(Transport):
           the cold start of a fresh queue off its first puts (see
           :class:`~streamrl.arena.Arena`)."""
         opts = dict(config.options)
-        valid = ("namespace", "unit_options", "controller_options", "detached", "direct_calls",
-                 "arena_reserve", "arena_ahead")
+        valid = RAY_OPTIONS
         unknown = sorted(set(opts) - set(valid))
         if unknown:
             gone = (" (`ownership` is gone: rows now always live in their storage unit's "

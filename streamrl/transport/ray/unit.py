@@ -1,5 +1,4 @@
-"""The storage unit as a Ray actor, with its shared-memory arena and its small-put
-admission.
+"""The storage unit as a Ray actor, with its shared-memory arena.
 
 A :class:`StorageActorImpl` holds one :class:`~streamrl.storage.StorageUnit` (built by
 :func:`streamrl.storage.create_unit`) whose tensors are :class:`~streamrl.wire.WireTensor`
@@ -8,8 +7,7 @@ reserve blocks (:meth:`~StorageActorImpl.reserve`), copy into them and ``put`` t
 references; readers on the node get references pinned until their views are gone
 (:meth:`~StorageActorImpl.read`, :meth:`~StorageActorImpl.unpin`); everyone else sends
 and receives bytes inline. A small put of new rows is admitted by the unit itself
-(:meth:`~StorageActorImpl.put_rows`): it stores the rows under ids the controller leased
-to it and has the controller admit and commit them through the control plane.
+(:mod:`.admit`); its part of a checkpoint it writes and loads itself (:mod:`.checkpoint`).
 
 The unit serves its methods as a threaded Ray actor and over a socket channel
 (:mod:`streamrl.transport.rpc`) from an event loop on a thread of its own; every method
@@ -23,27 +21,23 @@ import itertools
 import logging
 import os
 import threading
-from collections import OrderedDict
 from typing import Any
 
 import ray
 
 from ...arena import Arena, ShmRef
 from ...errors import TransportError
-from ...messages import PutAnswer, PutStatus
 from ...wire import WireTensor
-from ..rpc import ConnectFailed, Endpoint, RpcServer
-from .calls import new_loop, spawn
+from ..rpc import Endpoint, RpcServer
+from .admit import ID_BLOCK, UnitAdmission
+from .calls import new_loop
+from .checkpoint import UnitCheckpoint
 from .control import RayControl
-from ...checkpoint.units import Sink
-from .wire import SHM_MIN, map_col, map_pieces, refs_in, tensors_in
+from .wire import map_col, map_pieces, refs_in, tensors_in
 
-__all__ = ["StorageActorImpl", "StorageActor", "ID_BLOCK"]
+__all__ = ["StorageActorImpl", "StorageActor", "ID_BLOCK"]  # (ID_BLOCK: .admit's)
 
 log = logging.getLogger("streamrl")
-
-ID_BLOCK = 4096  # row ids a unit leases at a time for the puts it admits
-
 
 def _alive(pid: int) -> bool:
     """Whether process ``pid`` (on this node) still runs."""
@@ -62,8 +56,10 @@ class _Block:
         self.writer = writer  # pid of the producer writing it
 
 
-class StorageActorImpl:
-    """One storage unit as a (threaded) actor, with its shared-memory arena."""
+class StorageActorImpl(UnitAdmission, UnitCheckpoint):
+    """One storage unit as a (threaded) actor, with its shared-memory arena; small puts
+    it admits are :class:`.admit.UnitAdmission`'s, checkpoints
+    :class:`.checkpoint.UnitCheckpoint`'s."""
 
     def __init__(self, index: int, storage: Any = "memory", arena: dict | None = None):
         from ...storage import create_unit
@@ -75,13 +71,11 @@ class StorageActorImpl:
         self._pin_ids = itertools.count(1)
         self.unit = create_unit(storage, index, on_release=self._released)
         self.lock = threading.Lock()
-        self._ckpt_stops: set[str] = set()  # checkpoint directories told to stop
         self._endpoint: Endpoint | None = None
         self._controller: RayControl | None = None  # for put_rows (socket thread)
-        self._ids = [0, 0]  # [next, end) of the row ids leased for put_rows (socket thread)
-        self._ids_lock: asyncio.Lock | None = None
-        self._puts: OrderedDict[str, asyncio.Task] = OrderedDict()  # put_rows by request id
         self._rpc_loop: asyncio.AbstractEventLoop | None = None  # its socket channel's loop
+        self._init_admission()
+        self._init_checkpoint()
 
     def endpoint(self, controller: Endpoint | None = None) -> Endpoint:
         """Start serving this unit's methods over a socket (see :mod:`streamrl.transport.rpc`), from an
@@ -230,39 +224,6 @@ class StorageActorImpl:
         """``parts`` were stored (called under the lock; a data path that keeps tensors
         elsewhere records their references here)."""
 
-    def put_rows(self, n: int, cols: dict, partition: str, fields: list[str], nbytes: dict,
-                 tags: dict, version: int | None, rid: str | None = None,
-                 dtypes: dict | None = None):
-        """A small put of ``n`` new rows (inline data), admitted by this unit: it stores
-        them under row ids the controller leased to it, then asks the controller to
-        admit and commit them in one step, without waiting for room. Consumers waiting
-        for them hear of them two hops sooner than if the producer asked for room first.
-        Socket channel only (it returns a coroutine). Answers a :class:`PutAnswer`:
-        ``OK`` (with rows and commit result); ``BUSY`` (nothing kept: the producer puts
-        the usual way); ``REFUSED`` (nothing kept) or ``FAILED`` (committed, then a
-        filter failed, or the controller is gone), with the error."""
-        fut = spawn(_put_rows(self, n, cols, partition, fields, nbytes, tags, version, dtypes),
-                    f"a small put admitted by storage unit {self.index}")
-        if rid is not None:  # the producer may give up: see cancel_put
-            self._puts[rid] = fut
-            while len(self._puts) > 4096:
-                self._puts.popitem(last=False)
-        return asyncio.shield(fut)
-
-    async def cancel_put(self, rid: str) -> None:
-        """The producer of put ``rid`` was cancelled while it waited for the answer:
-        once the put is done, rows it committed are dropped (``"cancelled"``), so a
-        cancelled put leaves nothing behind. Socket channel only."""
-        fut = self._puts.pop(rid, None)
-        if fut is None:
-            return
-        try:
-            ans = await fut
-        except Exception:  # noqa: BLE001 - nothing committed
-            return
-        if ans.status is PutStatus.OK and self._controller is not None:
-            await self._controller.retract_rows(ans.rows)
-
     def read(self, rows: list[int], fields: list[str], pid: int | None = None
              ) -> tuple[dict, int | None, dict | None]:
         """Pieces of ``fields`` of ``rows``, plus a pin and where their blocks' segments are.
@@ -311,76 +272,6 @@ class StorageActorImpl:
     def node_id(self) -> str:
         return ray.get_runtime_context().get_node_id()
 
-    # -- checkpoints
-
-    def checkpoint_write(self, directory: str, plan: dict, rows: list[int]) -> dict:
-        """Write this unit's rows of a checkpoint's cut under ``directory`` (see
-        :func:`streamrl.checkpoint.units.write_unit`): each batch of rows is read under
-        the lock, its arena blocks pinned until written (an overwrite or a spill may
-        release them meanwhile), and written outside the lock, so puts and reads go on.
-        Ray actor call (it takes seconds): it runs on one of the actor's threads."""
-        from ...checkpoint.units import write_unit
-
-        def fetch(batch: list[int], field: str):
-            with self.lock:
-                pieces = self.unit.get(batch, [field])[field]
-                refs = refs_in({field: pieces})
-                for ref in refs:
-                    self.blocks[ref].pins += 1
-
-            def release() -> None:
-                with self.lock:
-                    for ref in refs:
-                        b = self.blocks.get(ref)
-                        if b is not None:
-                            b.pins -= 1
-                            self._maybe_free(ref, b)
-
-            return pieces, release
-
-        def raw(piece):
-            if isinstance(piece, WireTensor):
-                t = piece.inlined()
-                return ("t", t.dtype, t.itemsize, t.shape, t.buf)
-            return ("o", list(piece))  # objects: encoded bytes already
-
-        stops = self._ckpt_stops
-        try:
-            return write_unit(os.path.join(directory, f"unit-{self.index:05d}"), self.index,
-                              plan, rows, self._checkpoint_fetch(fetch), raw,
-                              node=self.node_id(), stopped=lambda: directory in stops)
-        finally:
-            stops.discard(directory)
-
-    def _checkpoint_fetch(self, fetch: Any) -> Any:
-        """Hook: the ``fetch`` :meth:`checkpoint_write` reads the unit's rows with (a data
-        path that keeps some tensors elsewhere wraps it to bring their bytes in)."""
-        return fetch
-
-    def checkpoint_stop(self, directory: str) -> None:
-        """Stop a :meth:`checkpoint_write` into ``directory`` at its next read (the
-        checkpoint was cancelled or another unit failed). Ray actor call."""
-        self._ckpt_stops.add(directory)
-
-    def checkpoint_load(self, directory: str, sources: list[dict]) -> int:
-        """Fill this new unit from the checkpoint's units ``sources`` (manifest entries)
-        under ``directory``: every file is read and checked first; tensors of at least
-        ``SHM_MIN`` bytes are read straight into blocks of the arena (one read, no
-        copy), smaller ones inline. Returns rows held. Ray actor call."""
-        from ...checkpoint.units import read_unit, unit_state
-
-        sink = _ArenaSink(self)
-        rows: list[int] = []
-        chunks: list = []
-        for entry in sources:
-            r, c = read_unit(os.path.join(directory, entry["dir"]), entry, sink,
-                             f"storage unit {entry['shard']}'s part")
-            rows += r
-            chunks += c
-        with self.lock:
-            self.unit.load_state_dict(unit_state(self.index, rows, chunks))
-            return self.unit.stats()[0]
-
     def memory(self) -> dict[str, int]:
         """This process's memory (bytes): ``VmRSS``, ``VmHWM`` (peak RSS), ``RssAnon``
         (private) and ``RssShmem`` (mapped shared memory: the arena), from /proc (Linux)."""
@@ -388,85 +279,6 @@ class StorageActorImpl:
 
     def ping(self) -> bool:
         return True
-
-
-class _ArenaSink(Sink):
-    """Where a unit's checkpoint is read into: arena blocks for big tensors (what a put
-    through the arena stores), numpy arrays for the rest; objects stay encoded."""
-
-    def __init__(self, unit: StorageActorImpl):
-        self.unit = unit
-
-    def alloc(self, nbytes: int) -> tuple[Any, Any]:
-        import numpy as np
-
-        if nbytes >= SHM_MIN:
-            u = self.unit
-            with u.lock:
-                try:
-                    ref = u._alloc(nbytes, os.getpid())
-                except OSError:  # no shared memory left: inline
-                    ref = None
-                if ref is not None:
-                    b = u.blocks[ref]
-                    b.stored, b.writer = True, None
-                    return u.arena.view(ref), ref
-        buf = np.empty(nbytes, dtype=np.uint8)
-        return buf, buf
-
-    def tensor(self, dtype: str, itemsize: int, shape: tuple, handle: Any) -> WireTensor:
-        if isinstance(handle, ShmRef):
-            return WireTensor(dtype, itemsize, shape, None, handle).pinned(
-                self.unit.arena.view(handle))
-        return WireTensor(dtype, itemsize, shape, handle)
-
-    def objects(self, values: list) -> list:
-        return values
-
-    def discard(self, handle: Any) -> None:
-        if isinstance(handle, ShmRef):
-            u = self.unit
-            with u.lock:
-                b = u.blocks.get(handle)
-                if b is not None:
-                    b.stored = False
-                    u._maybe_free(handle, b)
-
-
-async def _put_rows(unit: StorageActorImpl, n: int, cols: dict, partition: str,
-                    fields: list[str], nbytes: dict, tags: dict, version: int | None,
-                    dtypes: dict | None = None) -> PutAnswer:
-    # shielded from the producer's cancellation (see put_rows): what it stores is either
-    # committed or deleted here, never left behind
-    ctl = unit._controller
-    if ctl is None:
-        return PutAnswer(PutStatus.BUSY)
-    if unit._ids_lock is None:
-        unit._ids_lock = asyncio.Lock()
-    try:
-        async with unit._ids_lock:  # blocks are leased one at a time, used in order
-            if unit._ids[1] - unit._ids[0] < n:
-                unit._ids = list(await ctl.unit_ids(unit.index, max(n, ID_BLOCK)))
-            start = unit._ids[0]
-            unit._ids[0] += n
-    except Exception:  # noqa: BLE001 - no ids (controller busy or gone): the usual path says why
-        return PutAnswer(PutStatus.BUSY)
-    ids = list(range(start, start + n))
-    try:
-        unit.put([(ids, cols)])
-    except Exception as e:  # noqa: BLE001 - nothing stored
-        return PutAnswer(PutStatus.REFUSED, error=e)
-    try:
-        ans = await ctl.put_rows(partition, fields, ids, unit.index, nbytes, tags, version,
-                                 dtypes)
-    except ConnectFailed:
-        ans = PutAnswer(PutStatus.BUSY)  # nothing sent
-    except Exception as e:  # noqa: BLE001 - committed (or the connection broke: it may
-        # have been); the controller dropped what it had to
-        return PutAnswer(PutStatus.FAILED, error=e)
-    if ans.status is not PutStatus.OK:
-        unit.delete(ids)
-    return ans
 
 
 def _proc_memory() -> dict[str, int]:

@@ -1,0 +1,217 @@
+"""Small puts admitted by a storage unit: both halves of the protocol.
+
+A put of a few new rows with small data need not ask the controller for room first. The
+producer's data plane (:class:`PlaneAdmission`, mixed into
+:class:`~streamrl.transport.ray.data.RayDataPlane`) sends the rows inline to one storage
+unit in one call; the unit (:class:`UnitAdmission`, mixed into
+:class:`~streamrl.transport.ray.unit.StorageActorImpl`) stores them under row ids the
+controller leased to it in blocks of :data:`ID_BLOCK`, then has the controller admit and
+commit them in one step (:meth:`streamrl.control.ControlPlane.put_rows`). A waiting
+consumer hears of the rows three hops after the producer's ``put`` began (producer ->
+unit -> controller -> consumer) instead of five.
+
+The answer is a :class:`~streamrl.messages.PutAnswer`. Where it does not apply (big
+tensors, no socket channel, no room right now: ``BUSY``) nothing is kept and the
+producer puts the usual way. A producer cancelled while it waits has the unit drop what
+it committed (:meth:`UnitAdmission.cancel_put`), so a cancelled put leaves nothing behind.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections import OrderedDict
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
+
+from ...errors import TransportError
+from ...messages import PutAnswer, PutStatus
+from ..base import Column
+from ..rpc import ConnectFailed
+from .calls import spawn, undone
+from .wire import SHM_MIN, bytes_by_path
+
+if TYPE_CHECKING:
+    from ..rpc import RpcClient
+    from .control import RayControl
+
+__all__ = ["UnitAdmission", "PlaneAdmission", "ID_BLOCK", "FAST_MAX"]
+
+ID_BLOCK = 4096  # row ids a unit leases at a time for the puts it admits
+FAST_MAX = 1 << 20  # puts up to this many bytes may be admitted by a unit (put_rows)
+_BUSY_PAUSE = 0.02  # seconds without put_rows after a unit found the queue full
+
+
+class UnitAdmission:
+    """The storage unit's half: admits small puts of new rows (socket channel only)."""
+
+    if TYPE_CHECKING:  # (what the storage unit it is mixed into provides)
+        index: int
+        _controller: RayControl | None
+
+        def put(self, parts: list, write: int = 0) -> None: ...
+        def delete(self, rows: list[int]) -> tuple[int, int]: ...
+
+    def _init_admission(self) -> None:
+        self._ids = [0, 0]  # [next, end) of the row ids leased for put_rows (socket thread)
+        self._ids_lock: asyncio.Lock | None = None
+        self._puts: OrderedDict[str, asyncio.Task] = OrderedDict()  # put_rows by request id
+
+    def put_rows(self, n: int, cols: dict, partition: str, fields: list[str], nbytes: dict,
+                 tags: dict, version: int | None, rid: str | None = None,
+                 dtypes: dict | None = None):
+        """A small put of ``n`` new rows (inline data), admitted by this unit: it stores
+        them under row ids the controller leased to it, then asks the controller to
+        admit and commit them in one step, without waiting for room. Consumers waiting
+        for them hear of them two hops sooner than if the producer asked for room first.
+        Socket channel only (it returns a coroutine). Answers a :class:`PutAnswer`:
+        ``OK`` (with rows and commit result); ``BUSY`` (nothing kept: the producer puts
+        the usual way); ``REFUSED`` (nothing kept) or ``FAILED`` (committed, then a
+        filter failed, or the controller is gone), with the error."""
+        fut = spawn(self._admit(n, cols, partition, fields, nbytes, tags, version, dtypes),
+                    f"a small put admitted by storage unit {self.index}")
+        if rid is not None:  # the producer may give up: see cancel_put
+            self._puts[rid] = fut
+            while len(self._puts) > 4096:
+                self._puts.popitem(last=False)
+        return asyncio.shield(fut)
+
+    async def cancel_put(self, rid: str) -> None:
+        """The producer of put ``rid`` was cancelled while it waited for the answer:
+        once the put is done, rows it committed are dropped (``"cancelled"``), so a
+        cancelled put leaves nothing behind. Socket channel only."""
+        fut = self._puts.pop(rid, None)
+        if fut is None:
+            return
+        try:
+            ans = await fut
+        except Exception:  # noqa: BLE001 - nothing committed
+            return
+        if ans.status is PutStatus.OK and self._controller is not None:
+            await self._controller.retract_rows(ans.rows)
+
+    async def _admit(self, n: int, cols: dict, partition: str, fields: list[str],
+                     nbytes: dict, tags: dict, version: int | None,
+                     dtypes: dict | None = None) -> PutAnswer:
+        # shielded from the producer's cancellation (see put_rows): what it stores is
+        # either committed or deleted here, never left behind
+        ctl = self._controller
+        if ctl is None:
+            return PutAnswer(PutStatus.BUSY)
+        if self._ids_lock is None:
+            self._ids_lock = asyncio.Lock()
+        try:
+            async with self._ids_lock:  # blocks are leased one at a time, used in order
+                if self._ids[1] - self._ids[0] < n:
+                    self._ids = list(await ctl.unit_ids(self.index, max(n, ID_BLOCK)))
+                start = self._ids[0]
+                self._ids[0] += n
+        except Exception:  # noqa: BLE001 - no ids (controller busy or gone): the usual
+            # path says why
+            return PutAnswer(PutStatus.BUSY)
+        ids = list(range(start, start + n))
+        try:
+            self.put([(ids, cols)])
+        except Exception as e:  # noqa: BLE001 - nothing stored
+            return PutAnswer(PutStatus.REFUSED, error=e)
+        try:
+            ans = await ctl.put_rows(partition, fields, ids, self.index, nbytes, tags,
+                                     version, dtypes)
+        except ConnectFailed:
+            ans = PutAnswer(PutStatus.BUSY)  # nothing sent
+        except Exception as e:  # noqa: BLE001 - committed (or the connection broke: it
+            # may have been); the controller dropped what it had to
+            return PutAnswer(PutStatus.FAILED, error=e)
+        if ans.status is not PutStatus.OK:
+            self.delete(ids)
+        return ans
+
+
+class PlaneAdmission:
+    """The producer's half: sends a small put to one unit (round robin, this node's
+    units first) instead of asking the controller for room."""
+
+    if TYPE_CHECKING:  # (what the data plane it is mixed into provides)
+        num_shards: int
+        rpcs: list[RpcClient | None]
+
+        def _wire(self, cols: Mapping[str, Column]) -> dict[str, Any]: ...
+        async def _call(self, shard: int, method: str, *args: Any,
+                        rows: Any = ()) -> Any: ...
+        def count_moved(self, by_path: Mapping[str, int]) -> None: ...
+
+    def _init_admission(self, first: int) -> None:
+        # round robin of put_rows from unit ``first``: processes that put a few rows
+        # each do not all start on unit 0
+        self._next_unit = first
+        self._busy_until = 0.0  # no put_rows before (the queue was full)
+        self._unreachable: set[int] = set()  # units put_rows could not connect to
+        self._unit_nodes: dict[int, str] = {}  # unit -> its Ray node id (asked once)
+        self._node: str | None = None  # this process's Ray node id
+
+    async def put_rows(self, partition: str, cols: Mapping[str, Column], n: int,
+                       nbytes: dict, tags: dict, version: int | None,
+                       dtypes: dict | None = None) -> tuple[list[int], list[int], Any] | None:
+        """A small put of ``n`` new rows, admitted and committed by one storage unit
+        (see :meth:`UnitAdmission.put_rows`): one call instead of asking the
+        controller for room first. The unit is one on this process's node when there is
+        one (round robin over them), else any (round robin). Returns ``(rows, shards,
+        commit result)``, or ``None`` when it does not apply (big tensors, no socket
+        channel, no room right now): the caller puts the usual way. Raises what the put
+        would raise."""
+        live = [s for s in range(self.num_shards)
+                if self.rpcs[s] is not None and s not in self._unreachable]
+        sizes = [sum(v) for v in nbytes.values()]  # each field's bytes
+        if (not live or n < 1 or time.monotonic() < self._busy_until or sum(sizes) > FAST_MAX
+                or max(sizes, default=0) >= SHM_MIN):  # big tensors go through the arena
+            return None
+        wire = self._wire(cols)
+        pool = await self._on_this_node(live) or live
+        self._next_unit = (self._next_unit + 1) % len(pool)
+        shard = pool[self._next_unit]
+        rid = uuid.uuid4().hex
+        rpc = self.rpcs[shard]
+        assert rpc is not None  # (live units have a socket channel)
+        try:
+            ans = await rpc.call("put_rows", n, wire, partition, list(cols),
+                                 nbytes, tags, version, rid, dtypes)
+        except asyncio.CancelledError:
+            # the unit finishes the put (shielded) and then drops what it committed;
+            # the cancellation goes on once that is done, so a retry cannot race it
+            rpc = self.rpcs[shard]  # (read again: the channel may have been replaced)
+            assert rpc is not None
+            await undone(rpc.call("cancel_put", rid), "put")
+            raise
+        except ConnectFailed:  # nothing sent: the usual path finds out why
+            self._unreachable.add(shard)
+            return None
+        except ConnectionError as e:
+            raise TransportError(
+                f"lost the connection to storage unit {shard} during a put ({e}); the rows "
+                "may or may not have been put") from None
+        if ans.status is PutStatus.BUSY:  # no room now: wait the usual way (and for a while)
+            self._busy_until = time.monotonic() + _BUSY_PAUSE
+            return None
+        if ans.status is not PutStatus.OK:
+            raise ans.error
+        rows, res = ans.rows, ans.result
+        self.count_moved(bytes_by_path(wire))
+        return rows, [shard] * n, res
+
+    async def _on_this_node(self, shards: list[int]) -> list[int]:
+        """The units of ``shards`` on this process's Ray node: a small put goes to one of
+        them when there is one, so a node's producers fill their own node's units and
+        their bytes stay off the network. Each unit is asked for its node once."""
+        import ray
+
+        unknown = [s for s in shards if s not in self._unit_nodes]
+        if unknown:
+            res = await asyncio.gather(*[self._call(s, "shm_info") for s in unknown],
+                                       return_exceptions=True)
+            for s, r in zip(unknown, res):
+                if not isinstance(r, BaseException):
+                    self._unit_nodes[s] = r[0]
+        if self._node is None:
+            self._node = ray.get_runtime_context().get_node_id()
+        return [s for s in shards if self._unit_nodes.get(s) == self._node]
