@@ -461,6 +461,24 @@ async def _all_free(producers):
     return all(h == {"tensors": 0, "bytes": 0} for h in held)
 
 
+async def test_a_batch_of_many_small_rows_moves_in_few_transfers(group):
+    """Reads are batched per holder: 64 rows of 1 KiB put by one producer and read as one
+    micro-batch move in at most one transfer per held field (not one per row), all by RDT,
+    none over the holder's socket. A read that went row by row would make 64 or more."""
+    async with streamrl.StreamQueue(transport="rdt", num_shards=2, consumers=["t"]) as q:
+        sums = await group["producers"][1].run.remote(q, 11, 1, "p", ragged=False,
+                                                      rows_per_put=64, width=256)
+        await q.seal("p")
+        before = (await asyncio.to_thread(group["group"].info))["transfers"]
+        got, errors = await group["consumer"].run.remote(q, "p", 1, 64, ["x", "uid"])
+        transfers = (await asyncio.to_thread(group["group"].info))["transfers"] - before
+        assert errors == [] and got == sums
+        assert 1 <= transfers <= 2, transfers  # fields x and uid, one holder, one batch
+        st = await wait_for(lambda: _settled(q))
+        assert st.bytes_by_path.get("rdt", 0) >= 64 * 256 * 4
+        assert not st.bytes_by_path.get("socket"), st.bytes_by_path
+
+
 async def test_the_blocking_twin_reads_held_fields_in_a_sync_actor(group):
     async with streamrl.StreamQueue(transport="rdt", num_shards=2, consumers=["s"]) as q:
         sums = await group["producers"][0].run.remote(q, 7, 4, "p", ragged=False)
