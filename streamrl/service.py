@@ -786,6 +786,7 @@ class ControllerService:
                 delivery_latency=hd.merge(Histogram()) if hd else None,
                 wait=hw.merge(Histogram()) if hw else None)
         units = await self.data.unit_stats() if with_units else []
+        usage = await self.data.unit_usage() if with_units else []
         waits = sorted(self._waits)
         return Stats(
             rows=len(ctl.rows), bytes=ctl.bytes_held + ctl.reserved_bytes,
@@ -806,6 +807,7 @@ class ControllerService:
             writes_expired=ctl.c_writes_expired,
             wait_p50=_pct(waits, 0.5), wait_p99=_pct(waits, 0.99),
             unit_rows=[u[0] for u in units], unit_bytes=[u[1] for u in units],
+            unit_usage=list(usage),
             closed=ctl.closed, last_filter_errors=list(self._filter_failures))
 
     async def leaked(self) -> dict[str, int]:

@@ -154,6 +154,10 @@ class Stats:
         wait_p99: 99th percentile of the same.
         unit_rows: rows each storage unit reports holding itself.
         unit_bytes: bytes each storage unit reports holding itself.
+        unit_usage: where each storage unit keeps those bytes, from its backend's
+            ``usage()``: at least ``memory`` and ``disk`` (summing to its ``unit_bytes``);
+            the spill backend adds ``memory_tensors``, ``file``, ``bytes_spilled`` and
+            ``bytes_read_back``. ``{}`` for a unit that did not answer.
         unit_shared_bytes: Ray transport: shared memory each storage unit's arena holds
             (used or free; its high-water mark). Empty for the embedded transport.
         unit_pinned_bytes: Ray transport: bytes of each arena that readers still view
@@ -213,6 +217,7 @@ class Stats:
     wait_p99: float | None = None
     unit_rows: list[int] = field(default_factory=list)
     unit_bytes: list[int] = field(default_factory=list)
+    unit_usage: list[dict[str, int]] = field(default_factory=list)
     unit_shared_bytes: list[int] = field(default_factory=list)
     unit_pinned_bytes: list[int] = field(default_factory=list)
     bytes_by_path: dict[str, int] = field(default_factory=dict)

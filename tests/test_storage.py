@@ -525,3 +525,26 @@ def test_spill_holds_what_memory_holds(tmp_path_factory, ops, budget):
     assert u.stats() == (0, 0) and u.usage()["file"] == 0 and not u.segments
     assert u._mem == 0 and not u._lru and not u._origin
     u.close()
+
+
+@pytest.mark.parametrize("where", ["embedded", pytest.param("ray", marks=pytest.mark.ray)])
+async def test_stats_say_where_each_unit_keeps_its_bytes(where, tmp_path, request):
+    """``stats().unit_usage`` is each unit's backend ``usage()``, from outside the package:
+    with a spill budget of 256 bytes most rows go to disk, memory + disk add up to the
+    unit's bytes, and a drained queue keeps nothing anywhere."""
+    opts = {}
+    if where == "ray":
+        request.getfixturevalue("ray_session")
+        opts = {"transport": "ray"}
+    spec = {"backend": "spill", "memory_bytes": 256, "dir": str(tmp_path)}
+    async with streamrl.StreamQueue(num_shards=2, storage=spec, **opts) as q:
+        rows = await q.put({"x": torch.randn(64, 256)}, partition="p")
+        st = await q.stats()
+        assert len(st.unit_usage) == 2
+        for use, held in zip(st.unit_usage, st.unit_bytes):
+            assert use["memory"] + use["disk"] == held
+            assert use["bytes_spilled"] >= use["disk"]
+        assert sum(u["disk"] for u in st.unit_usage) > 64 * 256 * 4 - 2 * 256
+        await q.drop(rows)
+        st = await q.stats()
+        assert [u["memory"] + u["disk"] for u in st.unit_usage] == [0, 0]

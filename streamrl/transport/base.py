@@ -107,6 +107,12 @@ class DataPlane(abc.ABC):
     async def unit_stats(self) -> list[tuple[int, int]]:
         """(rows, bytes) held by each storage unit, read from the units themselves."""
 
+    async def unit_usage(self) -> list[dict[str, int]]:
+        """Where each storage unit keeps its bytes (its backend's
+        :meth:`~streamrl.storage.StorageBackend.usage`: at least ``memory`` and ``disk``).
+        The default, for data planes that cannot ask: every byte in memory."""
+        return [{"memory": b, "disk": 0} for _, b in await self.unit_stats()]
+
     async def checkpoint_write(self, directory: str, plans: Mapping[int, Mapping[str, Any]],
                                rows: Mapping[int, Sequence[int]]) -> list[dict]:
         """Have every storage unit write its rows of a checkpoint's cut to files of its

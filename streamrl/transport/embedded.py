@@ -74,6 +74,10 @@ class LocalDataPlane(DataPlane):
         """(rows, bytes) held by each unit."""
         return [u.stats() for u in self.units]
 
+    async def unit_usage(self) -> list[dict[str, int]]:
+        """Each unit's :meth:`~streamrl.storage.StorageBackend.usage`."""
+        return [u.usage() for u in self.units]
+
     async def checkpoint_write(self, directory: str, plans: Mapping[int, Mapping],
                                rows: Mapping[int, Sequence[int]]) -> list[dict]:
         """Each unit's rows of a cut, written by a worker thread per unit (see

@@ -360,6 +360,12 @@ class RayDataPlane(PlaneAdmission, PlaneCheckpoint, DataPlane):
                                    return_exceptions=True)
         return [(0, 0) if isinstance(r, BaseException) else r for r in res]
 
+    async def unit_usage(self) -> list[dict[str, int]]:
+        """Each unit's backend usage (``{}`` for a unit that does not answer)."""
+        res = await asyncio.gather(*[self._call(s, "usage") for s in range(self.num_shards)],
+                                   return_exceptions=True)
+        return [{} if isinstance(r, BaseException) else r for r in res]
+
     async def arena_stats(self) -> list[dict[str, int]]:
         """Each unit's arena (see :meth:`.unit.StorageActorImpl.arena_stats`); ``{}`` for
         a unit that does not answer."""

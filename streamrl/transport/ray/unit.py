@@ -261,6 +261,11 @@ class StorageActorImpl(UnitAdmission, UnitCheckpoint):
         with self.lock:
             return self.unit.stats()
 
+    def usage(self) -> dict[str, int]:
+        """The backend's :meth:`~streamrl.storage.StorageBackend.usage`."""
+        with self.lock:
+            return self.unit.usage()
+
     def arena_stats(self) -> dict[str, int]:
         """Bytes of the arena: ``size`` (shared memory held), ``used`` (in blocks),
         ``pinned`` (blocks readers still view), ``pins`` (open reads)."""
