@@ -164,8 +164,8 @@ def main() -> None:
     if args.transport == "ray":
         import ray
 
-        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False,
-                 object_store_memory=int(args.size * GiB) + GiB)
+        ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False,
+                 object_store_memory=int(args.size * GiB) + GiB, _node_ip_address="127.0.0.1")
     res = asyncio.run(run(args))
     print(f"{res['bytes'] / GiB:.2f} GiB in {res['rows']} rows of {args.row_kib} KiB, "
           f"transport {args.transport}")

@@ -71,7 +71,8 @@ async def main() -> None:
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--json", default=None)
     a = ap.parse_args()
-    ray.init(include_dashboard=False, log_to_driver=False)
+    ray.init(address="local", include_dashboard=False, log_to_driver=False,
+             _node_ip_address="127.0.0.1")
     reps = [await rep(a.mib) for _ in range(a.reps)]
     res = {k: statistics.median(r[k] for r in reps) for k in reps[0]}
     res["reps"] = reps

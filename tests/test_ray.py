@@ -255,6 +255,8 @@ async def main():
     await q.put({"x": torch.arange(3)}, partition="p")
     mb = await q.get("t", ["x"], 3, partition="p", timeout=30)
     print("AUTO-OK", (await mb.materialize())["x"].tolist())
+    import ray
+    print("NODES", sorted(n["NodeManagerAddress"] for n in ray.nodes()))
     await q.shutdown()
 
 asyncio.run(main())
@@ -265,7 +267,8 @@ asyncio.run(main())
 @pytest.mark.parametrize("address", ["", None])
 def test_a_ray_queue_starts_ray_as_ray_would(tmp_path, transport, address):
     """Ray not initialised: the queue starts a local Ray the way ``ray.init()`` does,
-    whether RAY_ADDRESS is unset or empty (Ray treats both alike)."""
+    whether RAY_ADDRESS is unset or empty (Ray treats both alike), listening on loopback
+    only (``init_ray``)."""
     script = tmp_path / "auto.py"
     script.write_text(AUTO_INIT)
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
@@ -275,6 +278,7 @@ def test_a_ray_queue_starts_ray_as_ray_would(tmp_path, transport, address):
     out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
                          timeout=180, env=env)
     assert "AUTO-OK [0, 1, 2]" in out.stdout, out.stdout[-2000:] + out.stderr[-3000:]
+    assert "NODES ['127.0.0.1']" in out.stdout, out.stdout[-2000:]
 
 
 @ray.remote(num_cpus=0)

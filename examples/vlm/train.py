@@ -659,8 +659,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if args.transport == "ray":
         import ray
 
-        if not ray.is_initialized():
-            ray.init(num_cpus=os.cpu_count(), include_dashboard=False, log_to_driver=False)
+        from streamrl.transport.ray import init_ray
+
+        if not ray.is_initialized():  # a local Ray starts on loopback (see init_ray)
+            init_ray(log_to_driver=False)
     summary = asyncio.run(run(args))
     baseline = None
     if args.fetch == "lazy" and args.baseline_steps:

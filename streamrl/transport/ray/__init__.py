@@ -59,10 +59,11 @@ from .calls import UNDO_TIMEOUT, Endpoints
 from .control import RayControl, pickle_by_value
 from .controller import ActorService, ControllerActor, ControllerActorImpl
 from .data import FAST_MAX, RayDataPlane
-from .transport import RAY_OPTIONS, RayTransport, _clients, create
+from .transport import RAY_OPTIONS, RayTransport, _clients, create, init_ray
 from .unit import ID_BLOCK, StorageActor, StorageActorImpl
 from .wire import SHM_MIN
 
 __all__ = ["RayTransport", "ControllerActor", "StorageActor", "create", "RayControl",
            "RayDataPlane", "ControllerActorImpl", "StorageActorImpl", "ActorService",
-           "SHM_MIN", "FAST_MAX", "ID_BLOCK", "RAY_OPTIONS", "UNDO_TIMEOUT", "Endpoints", "pickle_by_value"]
+           "SHM_MIN", "FAST_MAX", "ID_BLOCK", "RAY_OPTIONS", "UNDO_TIMEOUT", "Endpoints", "pickle_by_value",
+           "init_ray"]

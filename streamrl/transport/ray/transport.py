@@ -139,8 +139,8 @@ class RayTransport(Transport):
             raise InvalidArgument(f"direct_calls must be True or False, got {direct_calls!r}")
         arena = _arena_options(opts.get("arena_reserve", 0), opts.get("arena_ahead", 0),
                                config.capacity_bytes, config.num_shards)
-        if not ray.is_initialized():  # as Ray itself would (it reads RAY_ADDRESS)
-            ray.init(ignore_reinit_error=True, include_dashboard=False)
+        if not ray.is_initialized():
+            init_ray()
         name, num_shards = config.name, config.num_shards
         if isinstance(unit_options, Mapping) or unit_options is None:
             per_unit = [dict(unit_options or {}) for _ in range(num_shards)]
@@ -257,6 +257,26 @@ class RayTransport(Transport):
                 ray.kill(a)
             except Exception:  # already gone
                 pass
+
+
+def init_ray(**kwargs: Any) -> None:
+    """Join or start Ray as ``ray.init()`` would, for a queue made before it: the cluster
+    named by ``RAY_ADDRESS``, or one started with ``ray start`` on this machine; with
+    neither, the local Ray it starts listens on 127.0.0.1 only (a one-machine Ray needs no
+    other address, and nothing outside the machine can reach it). No dashboard unless
+    ``include_dashboard=True``; other ``kwargs`` go to ``ray.init`` (``log_to_driver``,
+    ...). Call ``ray.init(...)`` yourself instead to choose anything else."""
+    kwargs = {"ignore_reinit_error": True, "include_dashboard": False, **kwargs}
+    try:  # where ray.init() would go: RAY_ADDRESS, then the last `ray start` (None: new)
+        from ray._private.services import canonicalize_bootstrap_address
+
+        join = canonicalize_bootstrap_address(None) is not None  # type: ignore[arg-type]
+    except Exception:  # noqa: BLE001 - a Ray without it: let ray.init() decide
+        join = True
+    if join:
+        ray.init(**kwargs)
+    else:  # (not address="auto": that joins any Ray running here, another user's too)
+        ray.init(address="local", _node_ip_address="127.0.0.1", **kwargs)
 
 
 def create(config: QueueConfig) -> RayTransport:
