@@ -178,6 +178,16 @@ _TORCH_DTYPES: dict[str, torch.dtype] = {
 }
 
 
+def torch_dtype(name: str) -> torch.dtype:
+    """The torch dtype named ``name`` in encoded data (the inverse of :func:`dtype_name`).
+    A name that is none (or a quantized one) fails as a corrupt frame, as in
+    :func:`tensor_from_raw`."""
+    dt = _TORCH_DTYPES.get(name) if type(name) is str else None
+    if dt is None:
+        _fail(f"unknown torch dtype {name!r}")
+    return dt
+
+
 def _type_name(cls: type) -> str:
     if cls.__module__ == "builtins":
         return cls.__qualname__
@@ -786,9 +796,7 @@ def tensor_from_raw(dtype: str, shape: Sequence[int], buf: Any) -> torch.Tensor:
     """The inverse of :func:`tensor_to_raw`: a tensor over ``buf`` without copying (unless
     ``buf`` is misaligned for the dtype). ``buf`` may be read-only memory (for example a
     Ray object): writing to the tensor then writes into that memory."""
-    dt = _TORCH_DTYPES.get(dtype)
-    if dt is None:
-        _fail(f"unknown torch dtype {dtype!r}")
+    dt = torch_dtype(dtype)
     shape = tuple(shape)
     if math.prod(shape) == 0:
         return torch.empty(shape, dtype=dt)

@@ -112,7 +112,7 @@ class RdtDataPlane(RayDataPlane):
             ref, _ = rt.hold(t)
             if made is not None:
                 made.append(ref.key)
-            return WireTensor(codec._dtype_name(t.dtype), t.element_size(), tuple(t.shape), None,
+            return WireTensor(codec.dtype_name(t.dtype), t.element_size(), tuple(t.shape), None,
                               ref)
 
         out: dict[str, Any] = {}
@@ -340,7 +340,7 @@ def _from_wire(pieces: Mapping[str, list], arrays: dict, fetched: dict) -> dict[
         buf = fetched[(t.ref.key, t.offset, t.nbytes, t.ref.holder)]
         if isinstance(buf, np.ndarray):
             return codec.tensor_from_raw(t.dtype, shape, buf)
-        dt = codec._TORCH_DTYPES[t.dtype]
+        dt = codec.torch_dtype(t.dtype)
         if not buf.numel():
             return buf.new_empty(tuple(shape), dtype=dt)
         try:  # a view of the received buffer (same storage: adjacent pieces join for free)
@@ -374,7 +374,7 @@ async def _nixl_pull(rt: Any, ref0: HeldRef, ranges: list) -> list[Any]:
     thread reads it with ``ray.get``. Not run on this project's CPU-only machines."""
     import ray
 
-    actor = await _member_actor(rt, ref0.rank)
+    actor = await rt.member_actor(ref0.rank)
     outer = actor.__ray_call__.options(concurrency_group="_ray_system").remote(
         _nixl_export, ranges)
 
@@ -388,12 +388,6 @@ async def _nixl_pull(rt: Any, ref0: HeldRef, ranges: list) -> list[Any]:
     return [buf[o:o + n] for o, (_, _, n) in zip(offs, ranges)]
 
 
-async def _member_actor(rt: Any, rank: int) -> Any:
-    """The actor handle of member ``rank`` of this process's group (from its coordinator)."""
-    cache = rt.__dict__.setdefault("_actors", {})
-    if rank not in cache:
-        cache[rank] = await rt._coordinator.call("member_actor", rank)
-    return cache[rank]
 
 
 def _nixl_export(_self: Any, ranges: list) -> list:

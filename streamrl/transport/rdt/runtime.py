@@ -355,6 +355,16 @@ class Runtime:
         self._coordinator = RpcClient(info.coordinator)
         return self.id, endpoint
 
+    async def member_actor(self, rank: int) -> Any:
+        """The Ray actor handle of member ``rank`` of this process's group, asked of the
+        group's coordinator once and kept (members do not change)."""
+        actors: dict[int, Any] = self.__dict__.setdefault("_actors", {})
+        if rank not in actors:
+            if self._coordinator is None:
+                raise TransportError("this process is in no RDT group: it has no members to name")
+            actors[rank] = await self._coordinator.call("member_actor", rank)
+        return actors[rank]
+
     def leave(self, name: str) -> None:
         """Leave RDT group ``name`` (its making failed): this process holds and reads as
         one of no group again (its transfer thread stays, idle)."""
