@@ -39,7 +39,7 @@ from .messages import (END, CommitResult, Delivery, DropReason, FilterJob, Filte
 from .checkpoint.cut import CheckpointCut, Hold
 from .errors import (CheckpointError, FilterError, InvalidArgument, QueueClosed, QueueFull,
                      RowsDropped, StreamRLError, StreamTimeout)
-from .stats import Histogram, Stats, TaskStats
+from .stats import Histogram, Stats, TaskStats, partition_stats
 from .transport.base import DataPlane
 
 if TYPE_CHECKING:
@@ -494,6 +494,10 @@ class ControllerService:
                 if hist is None:
                     hist = self._wait_hist[req.task] = Histogram()
                 hist.observe(waited)
+                if req.partition is not None:  # (per partition: takes that name one)
+                    part = ctl.parts.get(req.partition)
+                    if part is not None:
+                        part.counts.hist(part.counts.wait, req.task).observe(waited)
                 try:
                     await self._after()  # (it may run filter jobs: a real wait)
                 except BaseException:
@@ -806,7 +810,8 @@ class ControllerService:
             writes_expired=ctl.c_writes_expired,
             wait_p50=_pct(waits, 0.5), wait_p99=_pct(waits, 0.99),
             unit_rows=[u[0] for u in units], unit_bytes=[u[1] for u in units],
-            closed=ctl.closed, last_filter_errors=list(self._filter_failures))
+            closed=ctl.closed, last_filter_errors=list(self._filter_failures),
+            **partition_stats(ctl.parts.values()))
 
     async def leaked(self) -> dict[str, int]:
         """Leaked rows per sealed partition (see :meth:`Controller.leaked`)."""

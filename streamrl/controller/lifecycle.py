@@ -160,6 +160,8 @@ class Lifecycle(ControllerBase):
                     if row.pending & self._fbits[name] and p.sealed:
                         regroup.append((name, p, row.tags))
             freed += row.nbytes
+            if reason is not None:
+                p.counts.drop(reason, 1, row.nbytes)
             self.deletes.setdefault(row.shard, []).append(row.id)
             parts.add(p)
         self.bytes_held -= freed

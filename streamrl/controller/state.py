@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 
 from ..errors import InvalidArgument
 from ..messages import FilterJob, FilterSpec, Undo, WriteToken
-from ..stats import Histogram
+from ..stats import Histogram, PartitionCounters
 
 if TYPE_CHECKING:
     from ..config import QueueConfig
@@ -67,7 +67,7 @@ class Partition:
     """A named set of rows with one lifetime. Internal."""
 
     __slots__ = ("name", "rows", "sealed", "consumers", "cmask", "acked", "groups", "tasks",
-                 "put", "bytes_put")
+                 "put", "bytes_put", "counts")
 
     def __init__(self, name: str, consumers: frozenset[str] | None, cmask: int = 0):
         self.name = name
@@ -80,6 +80,7 @@ class Partition:
         self.tasks: set[str] = set()  # tasks that took rows from here
         self.put = 0  # rows ever admitted here (counters of the partition's lifetime)
         self.bytes_put = 0  # bytes ever written here
+        self.counts = PartitionCounters()  # delivered, acked, dropped... (metrics labels)
 
     def remaining(self, task: str) -> int:
         return len(self.rows) - self.acked.get(task, 0)
