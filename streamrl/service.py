@@ -774,7 +774,7 @@ class ControllerService:
         tasks = {}
         states = ctl.task_states()
         for t in set(ctl.c_delivered) | set(ctl.c_acked) | {s.task for s in ctl.subs.values()}:
-            hd, hw = ctl.h_delivery.get(t), self._wait_hist.get(t)
+            hd, hw = ctl.delivery_histogram(t), self._wait_hist.get(t)
             st = states.get(t, {})
             tasks[t] = TaskStats(
                 delivered=ctl.c_delivered.get(t, 0), acked=ctl.c_acked.get(t, 0),
@@ -787,7 +787,7 @@ class ControllerService:
                 delivery_p99=hd.quantile(0.99) if hd else None,
                 wait_p50=hw.quantile(0.5) if hw else None,
                 wait_p99=hw.quantile(0.99) if hw else None,
-                delivery_latency=hd.merge(Histogram()) if hd else None,
+                delivery_latency=hd,
                 wait=hw.merge(Histogram()) if hw else None)
         units = await self.data.unit_stats() if with_units else []
         waits = sorted(self._waits)

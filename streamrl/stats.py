@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 from dataclasses import asdict, dataclass, field
 
 __all__ = ["Stats", "TaskStats", "Histogram", "PartitionCounters"]
@@ -26,9 +25,9 @@ class Histogram:
 
     def observe(self, seconds: float) -> None:
         """Record one value (seconds)."""
-        us = seconds * 1e6
-        i = math.frexp(us)[1] if us >= 1.0 else 0
-        self.counts[i if i < self.NBUCKETS else self.NBUCKETS - 1] += 1
+        # the bucket of us in [2**(i-1), 2**i) is i, the bit length of int(us)
+        i = int(seconds * 1e6).bit_length() if seconds > 0 else 0
+        self.counts[i if i < 37 else 36] += 1  # (37: NBUCKETS)
         self.count += 1
         self.sum += seconds
 

@@ -157,13 +157,23 @@ async def test_partition_labels_of_every_drop_reason_and_of_forgotten_partitions
                 and k.endswith(f",reason={reason}}}"))
         assert m["streamrl_partition_rows_acked_total{partition=keep,task=train}"] == 2
         assert any("partition=old" in k for k in m)
-        await q.seal("old")  # empty and sealed: forgotten, and its series end
-        await q.seal("gone")
+        await q.put({"x": torch.arange(3)}, partition="done", version=2)
+        mb = await q.get("train", ["x"], 3, partition="done", timeout=10)
+        await mb.ack()  # consumed: "done" is empty
+        m = await asyncio.to_thread(_scrape, q.metrics_url)
+        assert m["streamrl_partition_delivery_latency_seconds_count{partition=done,task=train}"] \
+            == 3
+        assert m["streamrl_delivery_latency_seconds_count{task=train}"] == 2 + 3
+        for part in ("old", "gone", "done"):  # empty and sealed: forgotten, series end
+            await q.seal(part)
         st = await q.stats()
         m = await asyncio.to_thread(_scrape, q.metrics_url)
         assert "old" not in st.partitions and "old" not in st.partition_dropped_by
-        assert not any("partition=old" in k or "partition=gone" in k for k in m)
+        assert not any(f"partition={p}" in k for k in m for p in ("old", "gone", "done"))
         assert m["streamrl_partition_rows_acked_total{partition=keep,task=train}"] == 2
+        # the task's histogram keeps the rows of forgotten partitions
+        assert m["streamrl_delivery_latency_seconds_count{task=train}"] == 5 \
+            == st.tasks["train"].delivery_latency.count
 
 
 def test_the_ray_mirror_forgets_series_of_forgotten_partitions():

@@ -64,6 +64,9 @@ class Lifecycle(ControllerBase):
         if not p.sealed or p.rows or self.parts.get(p.name) is not p:
             return
         del self.parts[p.name]
+        for task, h in p.counts.delivery.items():  # kept in the task's histogram
+            self.h_delivery[task] = h.merge(self.h_delivery[task]) if task in self.h_delivery \
+                else h
         self.part_tags.pop(p.name, None)
         self.retired.add(p.name)
         self.changed.add(p.name)

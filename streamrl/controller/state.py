@@ -164,7 +164,9 @@ class State:
         self.c_bytes_delivered: dict[str, int] = {}  # task -> bytes of asked-for fields
         self.c_bytes_acked: dict[str, int] = {}  # (the same bytes, of rows acknowledged)
         self.c_bytes_redelivered: dict[str, int] = {}  # (of rows handed out again)
-        # task -> latency from a row's admission to its first delivery to the task
+        # task -> latency from a row's admission to its first delivery to the task, of
+        # the rows of partitions forgotten (each partition held keeps its own, in
+        # Partition.counts.delivery: see Introspect.delivery_histogram)
         self.h_delivery: dict[str, Histogram] = {}
         self.c_expired: dict[str, int] = {}
 
