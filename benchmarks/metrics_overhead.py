@@ -89,6 +89,51 @@ async def observations_per_row(rows: int) -> float:
     return calls[0] / rows
 
 
+async def chunked(rows: int, chunk: int) -> list[float]:
+    """The bookkeeping's cost at a fine grain: one run of the case whose build flips
+    between bare and off every ``chunk`` rows (the order alternating per pair), each
+    chunk timed (CPU of the process) from its first put until the consumer has
+    materialized its last row; returns, per pair, off/bare - 1. Adjacent chunks share
+    the machine's load of that moment, which whole runs do not."""
+    samples = [small_puts.sample(i) for i in range(rows)]
+    ratios: list[float] = []
+    async with streamrl.StreamQueue(capacity=4096, num_shards=4, consumers=["train"]) as q:
+        got = 0
+        target = 0
+        caught_up = asyncio.Event()
+
+        async def consume():
+            nonlocal got
+            async for mb in q.stream("train", ["tokens", "reward"], small_puts.BATCH,
+                                     partition="p"):
+                td = await mb.materialize()
+                got += td.batch_size[0]
+                if got >= target:
+                    caught_up.set()
+
+        task = asyncio.ensure_future(consume())
+        await asyncio.sleep(0)
+        pair: dict[str, float] = {}
+        for k in range(0, rows - chunk + 1, chunk):
+            i = k // chunk
+            name = ("bare", "off")[(i + i // 2) % 2]  # bare off, off bare, bare off...
+            build(name)
+            target = k + chunk
+            caught_up.clear()
+            c0 = time.process_time()
+            for smp in samples[k:k + chunk]:
+                await q.put(smp, partition="p")
+            await caught_up.wait()
+            pair[name] = time.process_time() - c0
+            if len(pair) == 2:
+                ratios.append(pair["off"] / pair["bare"] - 1)
+                pair = {}
+        build("off")
+        await q.seal("p")
+        await task
+    return ratios
+
+
 def observe_cost(n: int = 200_000) -> float:
     h = Histogram()
     return timeit.timeit(lambda: _OBSERVE(h, 0.00123), number=n) / n - timeit.timeit(
@@ -100,6 +145,10 @@ async def main() -> None:
     ap.add_argument("--rows", type=int, default=5000)
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--scrape-every", type=float, default=1.0)
+    ap.add_argument("--chunk", type=int, default=256,
+                    help="rows per chunk of the fine-grained bare/off measure (0: skip)")
+    ap.add_argument("--chunk-rows", type=int, default=20_000)
+    ap.add_argument("--chunk-runs", type=int, default=5)
     ap.add_argument("--json", default=None)
     a = ap.parse_args()
     base = []
@@ -109,6 +158,14 @@ async def main() -> None:
         base.append((time.process_time() - c0) / a.rows)
     samples_cpu = statistics.median(base)
     obs_per_row = await observations_per_row(min(a.rows, 2000))
+    fine: list[float] = []
+    if a.chunk:
+        for _ in range(a.chunk_runs):
+            fine += await chunked(a.chunk_rows, a.chunk)
+            q1, q3 = _quartiles(fine)
+            print(f"chunks of {a.chunk} rows, {len(fine)} pairs so far: off/bare median "
+                  f"{statistics.median(fine):+.1%} (quartiles {q1:+.1%} .. {q3:+.1%})",
+                  flush=True)
     names = ["bare", "off", "on"]
     cpu: dict[str, list[float]] = {n: [] for n in names}
     wall: dict[str, list[float]] = {n: [] for n in names}
@@ -146,6 +203,11 @@ async def main() -> None:
            "on_vs_off": ratio("on", "off"),
            "observations_per_row": obs_per_row, "observe_us": obs * 1e6,
            "histograms_direct": obs * obs_per_row / off, "target": 0.05,
+           "chunk_rows": a.chunk, "chunk_pairs": len(fine),
+           "chunked_off_vs_bare": ({"median": statistics.median(fine),
+                                    "q1": _quartiles(fine)[0], "q3": _quartiles(fine)[1]}
+                                   if len(fine) > 1 else None),
+           "scrape_cpu_ms": (await small_puts.scrape_cost()) * 1e3,
            "load": os.getloadavg(), "streamrl": streamrl.__file__}
     print(f"CPU per row (median of {a.reps}): " + ", ".join(
         f"{n} {res['cpu_us_per_row'][n]:.1f} us" for n in names))
@@ -153,6 +215,11 @@ async def main() -> None:
         r = res[k]
         print(f"{k}: median {r['median']:+.1%}, quartiles {r['q1']:+.1%} .. {r['q3']:+.1%}, "
               f"range {r['min']:+.1%} .. {r['max']:+.1%}")
+    if res["chunked_off_vs_bare"]:
+        c = res["chunked_off_vs_bare"]
+        print(f"chunked off/bare ({len(fine)} pairs of {a.chunk} rows): median "
+              f"{c['median']:+.1%}, quartiles {c['q1']:+.1%} .. {c['q3']:+.1%}")
+    print(f"one scrape: {res['scrape_cpu_ms']:.2f} ms CPU")
     print(f"histograms, directly: {obs_per_row:.3f} observations a row x "
           f"{obs * 1e6:.2f} us = {res['histograms_direct']:+.2%} of off's CPU per row")
     print(f"wall per row: " + ", ".join(f"{n} {res['wall_us_per_row'][n]:.1f} us"

@@ -42,6 +42,8 @@ def snapshot(st: Stats, prev: tuple[float, Stats] | None, now: float) -> dict[st
         d["lag"] = t.ready + t.waiting + t.leased
         d.pop("delivery_latency", None)
         d.pop("wait", None)
+    out.pop("partition_delivery", None)  # (histograms: for exporters)
+    out.pop("partition_wait", None)
     out["rate_put"] = ((st.put - prev[1].put) / dt) if prev and dt else None
     return out
 
