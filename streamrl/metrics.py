@@ -20,6 +20,11 @@ series                                       what
 ``streamrl_rows_redelivered_total``          rows handed out again, per task
 ``streamrl_bytes_redelivered_total``         bytes of the asked-for fields handed out again
 ``streamrl_rows_expired_total``              rows whose lease timed out, per task
+``streamrl_partition_rows_delivered_total``  rows of a partition handed out, per partition and
+                                             task (also ``_acked``, ``_redelivered``, and
+                                             ``streamrl_partition_bytes_*`` of each)
+``streamrl_partition_rows_dropped_total``    rows that left a partition, per partition and
+                                             reason (and ``..._bytes_dropped_total``)
 ``streamrl_rows_dropped_total``              rows that left, per reason (consumed, filtered, ...)
 ``streamrl_bytes_dropped_total``             bytes of those rows, per reason
 ``streamrl_rows_filtered_total``             rows rejected, per filter
@@ -33,11 +38,21 @@ series                                       what
 ``streamrl_leases``                          open leases
 ``streamrl_delivery_latency_seconds``        histogram: a row's put to its first delivery, per task
 ``streamrl_wait_seconds``                    histogram: how long takes waited, per task
+``streamrl_partition_delivery_latency_...``  the same two histograms per partition and task
+``streamrl_partition_wait_seconds``          (a take over every partition is only in
+                                             ``streamrl_wait_seconds``)
 ``streamrl_unit_rows`` / ``_bytes``          what each storage unit holds
 ``streamrl_materialize_seconds``             histogram: this process's materialize calls, per
                                              task and path
 ``streamrl_materialize_bytes_total``         bytes this process read, per task and path
 ===========================================  ====================================================
+
+Series labelled by ``partition`` name the partitions held now only (those of
+:attr:`streamrl.Stats.partitions`): a sealed partition is forgotten once its last row
+left, and its series end with it (Prometheus sees the series stop), so their number
+stays that of the partitions alive at once, whatever the length of the run. A
+``_total`` series per partition counts over the partition's lifetime (saved in a
+checkpoint); the queue-wide series without ``partition`` count over the queue's.
 
 On the Ray transport with ``metrics=`` the controller actor serves the queue-wide series
 on its node, and also records them as Ray metrics (``ray.util.metrics``, see
@@ -124,6 +139,34 @@ def families(st: Stats, queue: str, reads: Reads | None = None) -> Iterator[Any]
         for task, t in sorted(st.tasks.items()):
             c.add_metric([queue, task], getattr(t, attr))
         yield c
+    pt = st.partition_tasks
+    for name, key, doc in [
+            ("partition_rows_delivered", "delivered",
+             "Rows of the partition handed out (redeliveries included), per task."),
+            ("partition_bytes_delivered", "bytes",
+             "Bytes of the asked-for fields of the partition's rows handed out, per task."),
+            ("partition_rows_acked", "acked", "Rows of the partition acknowledged, per task."),
+            ("partition_bytes_acked", "bytes_acked",
+             "Bytes of the asked-for fields of the partition's rows acked, per task."),
+            ("partition_rows_redelivered", "redelivered",
+             "Rows of the partition handed out again, per task."),
+            ("partition_bytes_redelivered", "bytes_redelivered",
+             "Bytes of the asked-for fields of the partition's rows handed out again.")]:
+        c = counter(name, doc, ["partition", "task"])
+        for part, by_task in sorted(pt.items()):
+            for task, counts in sorted(by_task.items()):
+                c.add_metric([queue, part, task], counts.get(key, 0))
+        yield c
+    for name, table, doc in [
+            ("partition_rows_dropped", st.partition_dropped_by,
+             "Rows that left the partition, per reason."),
+            ("partition_bytes_dropped", st.partition_bytes_dropped_by,
+             "Bytes of the rows that left the partition, per reason.")]:
+        c = counter(name, doc, ["partition", "reason"])
+        for part, by_reason in sorted(table.items()):
+            for reason, n in sorted(by_reason.items()):
+                c.add_metric([queue, part, reason], n)
+        yield c
     c = counter("rows_dropped", "Rows that left the queue, per reason.", ["reason"])
     for reason, n in sorted(st.dropped_by.items()):
         c.add_metric([queue, reason], n)
@@ -174,6 +217,18 @@ def families(st: Stats, queue: str, reads: Reads | None = None) -> Iterator[Any]
             hist = getattr(t, attr)
             if hist is not None:
                 h.add_metric([queue, task], _buckets(hist), hist.sum)
+        yield h
+    hists: list[tuple[str, dict[str, dict[str, Histogram]], str]] = [
+            ("partition_delivery_latency_seconds", st.partition_delivery,
+             "Seconds from the put of a row of the partition to its first delivery to the "
+             "task."),
+            ("partition_wait_seconds", st.partition_wait,
+             "Seconds a take that named the partition waited for a batch.")]
+    for name, by_part, doc in hists:
+        h = HistogramMetricFamily(f"streamrl_{name}", doc, labels=["queue", "partition", "task"])
+        for part, hists_of in sorted(by_part.items()):
+            for task, ph in sorted(hists_of.items()):
+                h.add_metric([queue, part, task], _buckets(ph), ph.sum)
         yield h
     for name, values, doc in [("unit_rows", st.unit_rows, "Rows a storage unit holds."),
                               ("unit_bytes", st.unit_bytes, "Bytes a storage unit holds.")]:
@@ -292,6 +347,13 @@ class RayMirror:
     :attr:`MAX_OBSERVATIONS` per update: beyond that the rest waits for the next update
     (Ray's histograms take one value per call, a few us each).
 
+    A series that leaves the snapshot (those of a sealed partition once forgotten) is
+    forgotten here too: a gauge of it is set to 0 once, a counter of it stays at its
+    last value in Ray's export (Ray has no way to remove a series) until the process
+    ends, so Ray's export holds one stopped series per partition ever made and
+    labelled; a run that makes a partition per step can leave ``metrics=`` off on Ray,
+    or scrape the controller's own endpoint, which names live partitions only.
+
     Args:
         metrics: the ``ray.util.metrics`` module (or a stand-in; ``None``: imported at the
             first update).
@@ -305,6 +367,7 @@ class RayMirror:
         self._metrics: dict[str, Any] = {}
         self._last: dict[tuple, float] = {}
         self._seen: dict[tuple, dict[str, int]] = {}  # histogram series -> le -> observed
+        self._gauges: dict[tuple, dict[str, str]] = {}  # gauge series set -> its tags
 
     def update(self, st: Stats, queue: str, reads: Reads | None = None) -> None:
         if self._rm is None:
@@ -313,9 +376,12 @@ class RayMirror:
             self._rm = importlib.import_module("ray.util.metrics")
         rm = self._rm
         budget = self.MAX_OBSERVATIONS
+        counters: set[tuple] = set()
+        gauges: dict[tuple, dict[str, str]] = {}
+        hists: set[tuple] = set()
         for fam in families(st, queue, reads):
             if fam.type == "histogram":
-                budget = self._histogram(rm, fam, budget)
+                budget = self._histogram(rm, fam, budget, hists)
                 continue
             if fam.type not in ("counter", "gauge"):
                 continue
@@ -329,17 +395,32 @@ class RayMirror:
                     m = self._metrics[name] = kind(
                         name, description=fam.documentation, tag_keys=tuple(sorted(sample.labels)))
                 tags = dict(sample.labels)
+                key = (name, tuple(sorted(tags.items())))
                 if fam.type == "counter":
-                    key = (name, tuple(sorted(tags.items())))
+                    counters.add(key)
                     delta = sample.value - self._last.get(key, 0.0)
                     self._last[key] = sample.value
                     if delta > 0:
                         m.inc(delta, tags=tags)
                 else:
+                    gauges[key] = tags
                     m.set(sample.value, tags=tags)
+        # series gone since the last update (a forgotten partition): Ray keeps exporting
+        # a gauge's last value, so it is set to 0 once; what is remembered of them goes,
+        # so that this memory stays that of the series alive now, and a partition made
+        # again under the same name counts from 0 again
+        for key, tags in self._gauges.items():
+            if key not in gauges:
+                self._metrics[key[0]].set(0, tags=tags)
+        self._gauges = gauges
+        for key in [k for k in self._last if k not in counters]:
+            del self._last[key]
+        for key in [k for k in self._seen if k not in hists]:
+            del self._seen[key]
 
-    def _histogram(self, rm: Any, fam: Any, budget: int) -> int:
-        """Observe what each series of histogram family ``fam`` gained; the budget left."""
+    def _histogram(self, rm: Any, fam: Any, budget: int, alive: set[tuple]) -> int:
+        """Observe what each series of histogram family ``fam`` gained (adding each
+        series' key to ``alive``); the budget left."""
         series: dict[tuple, list[tuple[float, str, float]]] = {}
         for sample in fam.samples:
             if not sample.name.endswith("_bucket"):
@@ -353,6 +434,7 @@ class RayMirror:
                 m = self._metrics[fam.name] = rm.Histogram(
                     fam.name, description=fam.documentation, boundaries=self.BOUNDARIES,
                     tag_keys=tuple(k for k, _ in labels))
+            alive.add((fam.name, labels))
             seen = self._seen.setdefault((fam.name, labels), {})
             tags = dict(labels)
             below, last_bound = 0.0, 0.0

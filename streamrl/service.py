@@ -39,7 +39,7 @@ from .messages import (END, CommitResult, Delivery, DropReason, FilterJob, Filte
 from .checkpoint.cut import CheckpointCut, Hold
 from .errors import (CheckpointError, FilterError, InvalidArgument, QueueClosed, QueueFull,
                      RowsDropped, StreamRLError, StreamTimeout)
-from .stats import Histogram, Stats, TaskStats
+from .stats import Histogram, Stats, TaskStats, partition_stats
 from .transport.base import DataPlane
 
 if TYPE_CHECKING:
@@ -494,6 +494,10 @@ class ControllerService:
                 if hist is None:
                     hist = self._wait_hist[req.task] = Histogram()
                 hist.observe(waited)
+                if req.partition is not None:  # (per partition: takes that name one)
+                    part = ctl.parts.get(req.partition)
+                    if part is not None:
+                        part.counts.hist(part.counts.wait, req.task).observe(waited)
                 try:
                     await self._after()  # (it may run filter jobs: a real wait)
                 except BaseException:
@@ -770,7 +774,7 @@ class ControllerService:
         tasks = {}
         states = ctl.task_states()
         for t in set(ctl.c_delivered) | set(ctl.c_acked) | {s.task for s in ctl.subs.values()}:
-            hd, hw = ctl.h_delivery.get(t), self._wait_hist.get(t)
+            hd, hw = ctl.delivery_histogram(t), self._wait_hist.get(t)
             st = states.get(t, {})
             tasks[t] = TaskStats(
                 delivered=ctl.c_delivered.get(t, 0), acked=ctl.c_acked.get(t, 0),
@@ -783,7 +787,7 @@ class ControllerService:
                 delivery_p99=hd.quantile(0.99) if hd else None,
                 wait_p50=hw.quantile(0.5) if hw else None,
                 wait_p99=hw.quantile(0.99) if hw else None,
-                delivery_latency=hd.merge(Histogram()) if hd else None,
+                delivery_latency=hd,
                 wait=hw.merge(Histogram()) if hw else None)
         units = await self.data.unit_stats() if with_units else []
         usage = await self.data.unit_usage() if with_units else []
@@ -808,7 +812,8 @@ class ControllerService:
             wait_p50=_pct(waits, 0.5), wait_p99=_pct(waits, 0.99),
             unit_rows=[u[0] for u in units], unit_bytes=[u[1] for u in units],
             unit_usage=list(usage),
-            closed=ctl.closed, last_filter_errors=list(self._filter_failures))
+            closed=ctl.closed, last_filter_errors=list(self._filter_failures),
+            **partition_stats(ctl.parts.values()))
 
     async def leaked(self) -> dict[str, int]:
         """Leaked rows per sealed partition (see :meth:`Controller.leaked`)."""

@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-import math
 from dataclasses import asdict, dataclass, field
 
-__all__ = ["Stats", "TaskStats", "Histogram"]
+__all__ = ["Stats", "TaskStats", "Histogram", "PartitionCounters"]
 
 
 class Histogram:
@@ -26,9 +25,9 @@ class Histogram:
 
     def observe(self, seconds: float) -> None:
         """Record one value (seconds)."""
-        us = seconds * 1e6
-        i = math.frexp(us)[1] if us >= 1.0 else 0
-        self.counts[i if i < self.NBUCKETS else self.NBUCKETS - 1] += 1
+        # the bucket of us in [2**(i-1), 2**i) is i, the bit length of int(us)
+        i = int(seconds * 1e6).bit_length() if seconds > 0 else 0
+        self.counts[i if i < 37 else 36] += 1  # (37: NBUCKETS)
         self.count += 1
         self.sum += seconds
 
@@ -67,6 +66,90 @@ def _histogram(d: dict) -> Histogram:
     h = Histogram()
     h.counts, h.count, h.sum = list(d["counts"]), d["count"], d["sum"]
     return h
+
+
+#: the per-task counters of a partition (:attr:`Stats.partition_tasks`), in the order
+#: :class:`PartitionCounters` keeps them
+PART_TASK_KEYS = ("delivered", "bytes", "redelivered", "bytes_redelivered", "acked",
+                  "bytes_acked")
+
+
+class PartitionCounters:
+    """Counters of one partition over its lifetime, kept by the controller on the
+    partition (and saved with it), so they go when a sealed partition is forgotten:
+    the metrics labelled by partition only ever name partitions held now. Internal.
+
+    Attributes:
+        tasks: task -> ``[delivered, bytes, redelivered, bytes_redelivered, acked,
+            bytes_acked]`` (see :data:`PART_TASK_KEYS`).
+        dropped: reason -> ``[rows, bytes]`` of the rows that left the partition.
+        delivery: task -> histogram of put -> first delivery of the partition's rows.
+        wait: task -> histogram of how long takes naming the partition waited.
+    """
+
+    __slots__ = ("tasks", "dropped", "delivery", "wait")
+
+    def __init__(self) -> None:
+        self.tasks: dict[str, list[int]] = {}
+        self.dropped: dict[str, list[int]] = {}
+        self.delivery: dict[str, Histogram] = {}
+        self.wait: dict[str, Histogram] = {}
+
+    def task(self, task: str) -> list[int]:
+        """The counters of ``task`` (made at first use)."""
+        c = self.tasks.get(task)
+        if c is None:
+            c = self.tasks[task] = [0] * len(PART_TASK_KEYS)
+        return c
+
+    def hist(self, table: dict[str, Histogram], task: str) -> Histogram:
+        """The histogram of ``task`` in ``table`` (:attr:`delivery` or :attr:`wait`)."""
+        h = table.get(task)
+        if h is None:
+            h = table[task] = Histogram()
+        return h
+
+    def drop(self, reason: str, rows: int, nbytes: int) -> None:
+        d = self.dropped.get(reason)
+        if d is None:
+            d = self.dropped[reason] = [0, 0]
+        d[0] += rows
+        d[1] += nbytes
+
+    def state_dict(self) -> dict:
+        """The counters, as plain data (histograms are not saved: they restart)."""
+        return {"tasks": {t: list(c) for t, c in self.tasks.items()},
+                "dropped": {r: list(d) for r, d in self.dropped.items()}}
+
+    def load_state_dict(self, d: dict | None) -> None:
+        for t, c in ((d or {}).get("tasks") or {}).items():
+            self.tasks[str(t)] = [int(v) for v in c]
+        for r, c in ((d or {}).get("dropped") or {}).items():
+            self.dropped[str(r)] = [int(v) for v in c]
+
+
+def partition_stats(parts) -> dict:
+    """The per-partition fields of :class:`Stats` from the controller's partitions
+    (objects with ``name`` and ``counts``, a :class:`PartitionCounters`)."""
+    tasks: dict[str, dict[str, dict[str, int]]] = {}
+    dropped: dict[str, dict[str, int]] = {}
+    bdropped: dict[str, dict[str, int]] = {}
+    delivery: dict[str, dict[str, Histogram]] = {}
+    wait: dict[str, dict[str, Histogram]] = {}
+    for p in parts:
+        c: PartitionCounters = p.counts
+        if c.tasks:
+            tasks[p.name] = {t: dict(zip(PART_TASK_KEYS, v)) for t, v in c.tasks.items()}
+        if c.dropped:
+            dropped[p.name] = {r: d[0] for r, d in c.dropped.items()}
+            bdropped[p.name] = {r: d[1] for r, d in c.dropped.items()}
+        if c.delivery:
+            delivery[p.name] = {t: h.merge(Histogram()) for t, h in c.delivery.items()}
+        if c.wait:
+            wait[p.name] = {t: h.merge(Histogram()) for t, h in c.wait.items()}
+    return {"partition_tasks": tasks, "partition_dropped_by": dropped,
+            "partition_bytes_dropped_by": bdropped, "partition_delivery": delivery,
+            "partition_wait": wait}
 
 
 @dataclass
@@ -144,6 +227,19 @@ class Stats:
             ``leased``, ``consumed``); ``bytes`` written and held (without the bytes
             reserved by puts in flight); ``put`` and ``bytes_put``, rows and bytes ever
             put into it; whether it is ``sealed`` (0 or 1).
+        partition_tasks: per partition held now, per task: rows and bytes (of the
+            asked-for fields) ``delivered``, ``redelivered`` and ``acked`` from it
+            (``bytes``, ``bytes_redelivered``, ``bytes_acked``), over the partition's
+            lifetime. Like :attr:`partitions`, a sealed partition is forgotten once its
+            last row left, and its counters with it.
+        partition_dropped_by: per partition held now, rows that left it per reason
+            (the reasons of :attr:`dropped_by`).
+        partition_bytes_dropped_by: bytes of those rows.
+        partition_delivery: per partition held now, per task: the histogram of put ->
+            first delivery of the partition's rows.
+        partition_wait: per partition held now, per task: the histogram of how long
+            takes that named the partition waited (takes over every partition are in
+            :attr:`TaskStats.wait` only).
         leaked: rows held in sealed partitions that no task will take any more (should be
             0 at the end of a run).
         leases: open leases.
@@ -209,6 +305,13 @@ class Stats:
     delivered: int = 0
     tasks: dict[str, TaskStats] = field(default_factory=dict)
     partitions: dict[str, dict[str, int]] = field(default_factory=dict)
+    partition_tasks: dict[str, dict[str, dict[str, int]]] = field(default_factory=dict)
+    partition_dropped_by: dict[str, dict[str, int]] = field(default_factory=dict)
+    partition_bytes_dropped_by: dict[str, dict[str, int]] = field(default_factory=dict)
+    partition_delivery: dict[str, dict[str, Histogram]] = field(
+        default_factory=dict, repr=False, compare=False)
+    partition_wait: dict[str, dict[str, Histogram]] = field(
+        default_factory=dict, repr=False, compare=False)
     leaked: int = 0
     leases: int = 0
     waiting_puts: int = 0
@@ -231,6 +334,9 @@ class Stats:
             for k in ("delivery_latency", "wait"):
                 h = getattr(t, k)
                 out["tasks"][name][k] = None if h is None else h.to_dict()
+        for k in ("partition_delivery", "partition_wait"):
+            out[k] = {p: {t: h.to_dict() for t, h in by_task.items()}
+                      for p, by_task in getattr(self, k).items()}
         return out
 
     def summary(self) -> str:

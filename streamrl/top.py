@@ -6,7 +6,7 @@ seconds: the queue's holdings against its capacity; its partitions with rows by 
 each task with its rates, lag, leases and latencies; the filters and what they dropped;
 the storage units and their memory. ``--once`` prints one snapshot and exits; ``--json``
 (with ``--once``) prints it as JSON (for scripts). A checkpoint directory is read without
-Ray (always one snapshot).
+Ray (always one snapshot), from its metadata only: no row data is read.
 
 Examples:
     python -m streamrl top rollouts --address auto --namespace rl
@@ -22,11 +22,11 @@ import logging
 import os
 import sys
 import time
-from typing import Any
+from typing import Any, cast
 
 from .stats import Stats, _dur
 
-__all__ = ["main", "render", "snapshot"]
+__all__ = ["checkpoint_stats", "main", "render", "snapshot"]
 
 
 def snapshot(st: Stats, prev: tuple[float, Stats] | None, now: float) -> dict[str, Any]:
@@ -42,6 +42,8 @@ def snapshot(st: Stats, prev: tuple[float, Stats] | None, now: float) -> dict[st
         d["lag"] = t.ready + t.waiting + t.leased
         d.pop("delivery_latency", None)
         d.pop("wait", None)
+    out.pop("partition_delivery", None)  # (histograms: for exporters)
+    out.pop("partition_wait", None)
     out["rate_put"] = ((st.put - prev[1].put) / dt) if prev and dt else None
     return out
 
@@ -99,7 +101,14 @@ def render(snap: dict[str, Any], name: str) -> Any:
     for i, (r, b) in enumerate(zip(snap["unit_rows"], snap["unit_bytes"])):
         units.add_row(str(i), str(r), _size(b), _size(shared[i]) if i < len(shared) else "-",
                       _size(pinned[i]) if i < len(pinned) else "-")
-    return Group(head, parts, tasks, drops, units)
+    out: list[Any] = [head]
+    saved = snap.get("saved_leases")
+    if saved is not None:  # a checkpoint's view
+        rows = ", ".join(f"{t} {n}" for t, n in sorted(saved["rows"].items()))
+        out.append(f"saved with {saved['leases']} open lease(s)"
+                   + (f" ({rows} rows)" if rows else "")
+                   + ": shown released, as a restore brings them back")
+    return Group(*out, parts, tasks, drops, units)
 
 
 def _size(n: int | None) -> str:
@@ -112,29 +121,74 @@ def _size(n: int | None) -> str:
     return f"{n}B"
 
 
-def _keep(td: Any) -> bool:
-    """The stand-in of every filter when a checkpoint is viewed: nothing runs."""
-    return True
+class _NoData:
+    """The data plane of a checkpoint's view: the storage units as the manifest
+    describes them (rows and bytes each wrote), and no data at all. Deletes are
+    nothing (the view changes nothing); any read raises."""
+
+    def __init__(self, manifest: dict[str, Any]):
+        units: dict[int, list[int]] = {}
+        for u in manifest.get("units") or ():
+            acc = units.setdefault(int(u["shard"]), [0, 0])
+            acc[0] += int(u.get("rows", 0))
+            acc[1] += int(u.get("bytes", 0))
+        n = max([int(manifest.get("num_shards") or 0), *(s + 1 for s in units)])
+        self._units = [tuple(units.get(s, (0, 0))) for s in range(n)]
+
+    async def unit_stats(self) -> list[tuple[int, int]]:
+        return [(r, b) for r, b in self._units]
+
+    async def delete(self, parts: Any) -> None:
+        pass
+
+    async def delete_fields(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    def __getattr__(self, name: str) -> Any:
+        from .errors import CheckpointError
+
+        raise CheckpointError(f"a checkpoint's view reads no row data (asked for {name})")
+
+
+async def checkpoint_stats(path: str) -> tuple[Stats, dict[str, Any]]:
+    """The :class:`Stats` of the queue saved at ``path`` (a checkpoint, or a directory of
+    periodic ones), read from its manifest and its controller's state only: no row data
+    is read (the storage units' rows and bytes are those the manifest records), nothing
+    is written, no filter runs (rows a filter had not judged show as pending). Leases
+    open at the save show as a restore brings them back, released; the second value
+    describes them as saved: ``{"leases": n, "rows": {task: rows leased}}``."""
+    from .checkpoint.client import open_checkpoint
+    from .checkpoint.cut import read_state
+    from .controller import Controller
+    from .service import ControllerService
+
+    directory, manifest = open_checkpoint(path)
+    state = await asyncio.to_thread(read_state, directory, manifest["controller"])
+    saved = dict(manifest.get("config") or {})
+    consumers = saved.get("consumers")
+    ctl = Controller(
+        capacity=int(saved.get("capacity", 4096)), capacity_bytes=saved.get("capacity_bytes"),
+        num_shards=int(manifest.get("num_shards") or saved.get("num_shards", 4)),
+        lease_timeout=float(saved.get("lease_timeout", 600.0)),
+        max_staleness=saved.get("max_staleness"), max_lead=saved.get("max_lead"),
+        consumers=tuple(consumers) if consumers is not None else None)
+    leases: dict[str, int] = {}
+    for le in state.get("leases") or ():
+        leases[le["task"]] = leases.get(le["task"], 0) + len(le["rows"])
+    ctl.load_state_dict(state)
+    ctl.drain()  # filter jobs to judge again, deletes: nothing is run in a view
+    service = ControllerService(ctl, cast(Any, _NoData(manifest)))
+    st = await service.stats()
+    return st, {"leases": len(state.get("leases") or ()), "rows": leases}
 
 
 async def _from_checkpoint(args: argparse.Namespace) -> int:
-    """One snapshot of a checkpoint directory, read-only: the checkpoint is loaded into a
-    throwaway embedded queue (no filter, periodic checkpoint or metrics of its own runs),
-    whose stats are shown, then dropped. Nothing is written to the directory."""
-    from .checkpoint.client import open_checkpoint
-    from .queue import StreamQueue
-
-    _, manifest = open_checkpoint(args.name)
-    names = list(manifest.get("filters") or {})
-    q = await StreamQueue.restore(
-        args.name, filters={n: _keep for n in names}, transport="embedded", metrics=None,
-        checkpoint_every=None, checkpoint_dir=None)
-    try:
-        snap = snapshot(await q.stats(), None, time.monotonic())
-    finally:
-        await q.close()
-        await q.shutdown()
+    """One snapshot of a checkpoint directory, read-only, from its metadata alone (see
+    :func:`checkpoint_stats`)."""
+    st, leases = await checkpoint_stats(args.name)
+    snap = snapshot(st, None, time.monotonic())
     snap["checkpoint"] = args.name
+    snap["saved_leases"] = leases
     if args.json:
         print(json.dumps(snap, default=str))
     else:
@@ -202,10 +256,15 @@ def main(argv: list[str] | None = None) -> int:
             print("python -m streamrl top needs rich: pip install 'streamrl[metrics]' "
                   "(or use --once --json)", file=sys.stderr)
             return 2
+    from .errors import CheckpointError
+
     try:
         return asyncio.run(_from_checkpoint(args) if checkpoint else _run(args))
     except KeyboardInterrupt:
         return 0
+    except CheckpointError as e:  # a damaged or newer checkpoint: said plainly
+        print(f"python -m streamrl top: {e}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

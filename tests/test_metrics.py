@@ -69,6 +69,33 @@ async def test_metrics_agree_with_stats(make_queue):
     assert m["streamrl_capacity_rows{}"] == 64 and m["streamrl_leases{}"] == 1
     assert m["streamrl_delivery_latency_seconds_count{task=train}"] == 12  # first deliveries
     assert m["streamrl_wait_seconds_count{task=train}"] == 3
+    # labelled by partition too: what was delivered, acked, redelivered and dropped from
+    # each partition, and the latency and wait histograms of each
+    pt = st.partition_tasks["p"]["train"]
+    assert pt == {"delivered": 15, "bytes": 6 * row_bytes + 9 * 8, "redelivered": 3,
+                  "bytes_redelivered": 3 * 8, "acked": 6, "bytes_acked": 6 * row_bytes}
+    assert "other" not in st.partition_tasks  # nothing taken from it
+    series = {"delivered": "rows_delivered", "bytes": "bytes_delivered",
+              "redelivered": "rows_redelivered", "bytes_redelivered": "bytes_redelivered",
+              "acked": "rows_acked", "bytes_acked": "bytes_acked"}
+    for key, value in pt.items():
+        name = f"streamrl_partition_{series[key]}_total{{partition=p,task=train}}"
+        assert m[name] == value, name
+    assert st.partition_dropped_by == {"p": {"filtered": 4, "consumed": 6}}
+    assert st.partition_bytes_dropped_by == {"p": {"filtered": 4 * row_bytes,
+                                                   "consumed": 6 * row_bytes}}
+    for reason in ("filtered", "consumed"):
+        assert m[f"streamrl_partition_rows_dropped_total{{partition=p,reason={reason}}}"] \
+            == st.partition_dropped_by["p"][reason]
+        assert m[f"streamrl_partition_bytes_dropped_total{{partition=p,reason={reason}}}"] \
+            == st.partition_bytes_dropped_by["p"][reason]
+    h = st.partition_delivery["p"]["train"]
+    assert m["streamrl_partition_delivery_latency_seconds_count{partition=p,task=train}"] \
+        == h.count == 12
+    assert m["streamrl_partition_delivery_latency_seconds_sum{partition=p,task=train}"] \
+        == pytest.approx(h.sum)
+    assert m["streamrl_partition_wait_seconds_count{partition=p,task=train}"] \
+        == st.partition_wait["p"]["train"].count == 3
     if q.transport == "embedded":  # this process's reads (on Ray: the Ray metrics)
         assert m["streamrl_materialize_seconds_count{path=local,task=train}"] == 1
         assert m["streamrl_materialize_bytes_total{path=local,task=train}"] == 6 * row_bytes
@@ -82,10 +109,95 @@ async def test_metrics_agree_with_stats(make_queue):
         # the controller's mirror (every 5 s), and this process's reads
         want = {"ray_streamrl_rows_put_total": 18,
                 "ray_streamrl_partition_rows_put_total": 16,  # (partition p)
+                "ray_streamrl_partition_rows_acked_total": 6,
                 "ray_streamrl_delivery_latency_seconds_count": 12,
                 "ray_streamrl_materialize_seconds_count": 1}
         got = await asyncio.to_thread(_ray_exported, want, {"queue": "mq"})
         assert got == want, got
+
+
+async def test_partition_labels_of_every_drop_reason_and_of_forgotten_partitions():
+    """Rows dropped as stale, cleared and lost are labelled by their partition, as
+    stats() counts them; a sealed partition whose last row left is forgotten, and so
+    are its series (the number of series stays that of the partitions held)."""
+    import streamrl
+
+    async with streamrl.StreamQueue(capacity=64, num_shards=2, max_staleness=1,
+                                    consumers=["train"], metrics=True) as q:
+        await q.put({"x": torch.arange(4)}, partition="old")  # version 0
+        await q.put({"x": torch.arange(5)}, partition="gone", version=2)
+        await q.put({"x": torch.arange(3)}, partition="keep", version=2)
+        mb = await q.get("train", ["x"], 2, partition="keep", timeout=10)
+        await mb.ack()
+        assert await q.set_version(2) == 4  # "old" is stale now
+        assert await q.clear("gone") == 5
+        await q.put({"x": torch.arange(6)}, partition="lost", version=2)
+        await q.session.control.report_lost(0)  # what a transport reports when a unit dies
+        st = await q.stats()
+        m = await asyncio.to_thread(_scrape, q.metrics_url)
+        assert st.dropped_by["stale"] == 4 and st.dropped_by["cleared"] == 5
+        lost = st.dropped_by["lost"]
+        assert 0 < lost and lost == sum(d.get("lost", 0)
+                                        for d in st.partition_dropped_by.values())
+        assert st.partition_dropped_by["old"] == {"stale": 4}
+        assert st.partition_dropped_by["gone"] == {"cleared": 5}
+        assert st.partition_bytes_dropped_by["gone"] == {"cleared": 5 * 8}
+        assert st.partition_dropped_by["keep"]["consumed"] == 2
+        for part, by_reason in st.partition_dropped_by.items():
+            for reason, n in by_reason.items():
+                key = f"{{partition={part},reason={reason}}}"
+                assert m[f"streamrl_partition_rows_dropped_total{key}"] == n, key
+                assert m[f"streamrl_partition_bytes_dropped_total{key}"] \
+                    == st.partition_bytes_dropped_by[part][reason], key
+        # the queue-wide series are the sums of the partitions'
+        for reason, n in st.dropped_by.items():
+            assert m[f"streamrl_rows_dropped_total{{reason={reason}}}"] == n == sum(
+                v for k, v in m.items()
+                if k.startswith("streamrl_partition_rows_dropped_total{")
+                and k.endswith(f",reason={reason}}}"))
+        assert m["streamrl_partition_rows_acked_total{partition=keep,task=train}"] == 2
+        assert any("partition=old" in k for k in m)
+        await q.put({"x": torch.arange(3)}, partition="done", version=2)
+        mb = await q.get("train", ["x"], 3, partition="done", timeout=10)
+        await mb.ack()  # consumed: "done" is empty
+        m = await asyncio.to_thread(_scrape, q.metrics_url)
+        assert m["streamrl_partition_delivery_latency_seconds_count{partition=done,task=train}"] \
+            == 3
+        assert m["streamrl_delivery_latency_seconds_count{task=train}"] == 2 + 3
+        for part in ("old", "gone", "done"):  # empty and sealed: forgotten, series end
+            await q.seal(part)
+        st = await q.stats()
+        m = await asyncio.to_thread(_scrape, q.metrics_url)
+        assert "old" not in st.partitions and "old" not in st.partition_dropped_by
+        assert not any(f"partition={p}" in k for k in m for p in ("old", "gone", "done"))
+        assert m["streamrl_partition_rows_acked_total{partition=keep,task=train}"] == 2
+        # the task's histogram keeps the rows of forgotten partitions
+        assert m["streamrl_delivery_latency_seconds_count{task=train}"] == 5 \
+            == st.tasks["train"].delivery_latency.count
+
+
+def test_the_ray_mirror_forgets_series_of_forgotten_partitions():
+    """A partition's series that leave the snapshot: its gauges go to 0 in Ray once,
+    and the mirror remembers nothing of it (a partition made again under the same name
+    counts from 0)."""
+    from streamrl.metrics import RayMirror
+
+    rm = _fake_ray_metrics()
+    mirror = RayMirror(rm)
+    mirror.update(_stats(5, [0.01]), "q")
+    held = rm.registry["streamrl_partition_bytes_held"]
+    assert held.calls == [("set", 40, {"queue": "q", "partition": "p"})]
+    assert any(k[0] == "streamrl_partition_rows_put" for k in mirror._last)
+    empty = _stats(0, [0.01])
+    empty.partitions = {}
+    mirror.update(empty, "q")
+    assert held.calls[1:] == [("set", 0, {"queue": "q", "partition": "p"})]
+    assert not any(dict(k[1]).get("partition") for k in mirror._last)
+    mirror.update(empty, "q")
+    assert len(held.calls) == 2  # set to 0 once
+    mirror.update(_stats(3, [0.01]), "q")  # "p" again, from 0
+    assert rm.registry["streamrl_partition_rows_put"].calls[-1] == (
+        "inc", 3, {"queue": "q", "partition": "p"})
 
 
 def _ray_exported(want: dict[str, float], labels: dict[str, str],

@@ -80,3 +80,52 @@ def test_top_json_without_once_is_refused():
     out = _top_without_ray("no-such-queue", "--json")
     assert out.returncode == 2 and "--once" in out.stderr, out.stderr[-2000:]
     assert "Traceback" not in out.stderr and not out.stdout
+
+
+async def test_top_on_a_checkpoint_reads_no_row_data(tmp_path, capsys):
+    """The view is made of the manifest and the controller's state: with every data
+    file of the checkpoint gone it shows the same numbers, the storage units as the
+    manifest records them, and the leases open at the save."""
+    import shutil
+
+    async with streamrl.StreamQueue(capacity=64, num_shards=2, consumers=["train"]) as q:
+        await q.put({"x": torch.arange(12), "y": torch.zeros(12, 4)}, partition="p")
+        mb = await q.get("train", ["x", "y"], 4, partition="p", timeout=10)
+        await mb.ack()
+        held = await q.get("train", ["x"], 3, partition="p", timeout=10)  # open at the save
+        st = await q.stats()
+        path = str(tmp_path / "ckpt")
+        info = await q.checkpoint(path)
+        assert len(held) == 3
+    from streamrl.checkpoint.client import open_checkpoint
+
+    directory, manifest = open_checkpoint(path)
+    data = [os.path.join(directory, u["dir"]) for u in manifest["units"]]
+    assert data and all(os.path.isdir(d) and os.listdir(d) for d in data)
+    for d in data:  # every row's data gone
+        shutil.rmtree(d)
+    from streamrl.top import main
+
+    capsys.readouterr()
+    assert await asyncio.to_thread(main, [path, "--once", "--json"]) == 0
+    snap = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert snap["rows"] == st.rows == 8 and snap["bytes"] == st.bytes == 8 * (8 + 16)
+    assert snap["put"] == 12 and snap["partitions"]["p"]["put"] == 12
+    assert sum(snap["unit_rows"]) == info.rows == 8
+    assert snap["unit_rows"] == [u["rows"] for u in sorted(manifest["units"],
+                                                          key=lambda u: u["shard"])]
+    assert snap["saved_leases"] == {"leases": 1, "rows": {"train": 3}}
+    t = snap["tasks"]["train"]
+    assert t["acked"] == 4 and t["leased"] == 0 and t["ready"] == 8  # shown released
+    assert snap["partition_tasks"]["p"]["train"]["delivered"] == 7
+    # the table says so
+    assert await asyncio.to_thread(main, [path, "--once"]) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert "saved with 1 open lease(s) (train 3 rows): shown released" in out
+    # a damaged state file is still an error, not an empty view
+    with open(os.path.join(directory, "controller.msgpack"), "r+b") as f:
+        f.seek(8)
+        f.write(b"\xff\xff\xff\xff")
+    assert await asyncio.to_thread(main, [path, "--once", "--json"]) == 1
+    captured = capsys.readouterr()
+    assert not captured.out and "corrupt" in captured.err

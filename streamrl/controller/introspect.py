@@ -4,6 +4,7 @@ the read-only views ``stats()`` is built from."""
 from __future__ import annotations
 
 from ..messages import FilterJob
+from ..stats import Histogram
 from .base import ControllerBase
 from .state import Row
 
@@ -17,6 +18,18 @@ class Introspect(ControllerBase):
         self.deletes, self.filter_jobs, self.woken, self.changed = {}, [], set(), set()
         self.space_freed = False
         return out
+
+    def delivery_histogram(self, task: str) -> Histogram | None:
+        """Latency from a row's put to its first delivery to ``task``, over every row
+        (a new histogram; ``None``: the task was handed no row). Recorded once per row,
+        in the row's partition; a partition forgotten leaves its share in
+        ``h_delivery``."""
+        out = self.h_delivery.get(task)
+        for p in self.parts.values():
+            h = p.counts.delivery.get(task)
+            if h is not None:
+                out = h if out is None else out.merge(h)
+        return None if out is None else out.merge(Histogram())
 
     def task_bit(self, task: str) -> int:
         """The bit of ``task`` in rows' ``acked`` masks (0: a task that never asked)."""

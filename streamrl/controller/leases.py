@@ -11,7 +11,6 @@ from typing import TYPE_CHECKING
 from ..config import Request
 from ..errors import LeaseExpired, rows_preview
 from ..messages import Delivery, DropReason
-from ..stats import Histogram
 from .base import ControllerBase
 from .state import LEASE_MEMORY
 
@@ -66,24 +65,31 @@ class Leases(ControllerBase):
         task = lease.task
         bit = self._bit(self._tbits, task)
         redelivered = 0
-        hist = self.h_delivery.get(task)
-        if hist is None:
-            hist = self.h_delivery[task] = Histogram()
         now = self.clock()
         nbytes = 0
         again = 0  # bytes of the rows redelivered
         fields = lease.fields
+        part = None  # the partition of the last row, its counters and histogram of task
         for rid in lease.rows:
             row = self.rows[rid]
+            if row.part is not part:
+                part = row.part
+                pc, ph = part.counts.task(task), part.counts.hist(part.counts.delivery, task)
+            have = row.fields
+            b = 0
+            for f in fields:
+                b += have.get(f, 0)
+            nbytes += b
+            pc[0] += 1
+            pc[1] += b
             if row.delivered & bit:
                 redelivered += 1
-                again += sum(row.fields.get(f, 0) for f in fields)
+                again += b
+                pc[2] += 1
+                pc[3] += b
             else:
-                hist.observe(now - row.born)
+                ph.observe(now - row.born)  # (the task's: the sum of its partitions')
             row.delivered |= bit
-            have = row.fields
-            for f in fields:
-                nbytes += have.get(f, 0)
         self.c_delivered[task] = self.c_delivered.get(task, 0) + len(lease.rows)
         self.c_bytes_delivered[task] = self.c_bytes_delivered.get(task, 0) + nbytes
         if redelivered:
@@ -119,10 +125,15 @@ class Leases(ControllerBase):
                 if row is None or row.leased.get(task) != lid:
                     continue
                 del row.leased[task]
+                b = 0
                 for f in fields:
-                    nbytes += row.fields.get(f, 0)
+                    b += row.fields.get(f, 0)
+                nbytes += b
                 row.acked |= bit
                 p = row.part
+                pc = p.counts.task(task)
+                pc[4] += 1
+                pc[5] += b
                 p.acked[task] = p.acked.get(task, 0) + 1
                 if p.cmask and row.acked & p.cmask == p.cmask and not row.leased:
                     done.append(row)

@@ -64,6 +64,9 @@ class Lifecycle(ControllerBase):
         if not p.sealed or p.rows or self.parts.get(p.name) is not p:
             return
         del self.parts[p.name]
+        for task, h in p.counts.delivery.items():  # kept in the task's histogram
+            self.h_delivery[task] = h.merge(self.h_delivery[task]) if task in self.h_delivery \
+                else h
         self.part_tags.pop(p.name, None)
         self.retired.add(p.name)
         self.changed.add(p.name)
@@ -160,6 +163,8 @@ class Lifecycle(ControllerBase):
                     if row.pending & self._fbits[name] and p.sealed:
                         regroup.append((name, p, row.tags))
             freed += row.nbytes
+            if reason is not None:
+                p.counts.drop(reason, 1, row.nbytes)
             self.deletes.setdefault(row.shard, []).append(row.id)
             parts.add(p)
         self.bytes_held -= freed

@@ -90,7 +90,8 @@ class Snapshot(ControllerBase):
                          "group_size": s.group_size} for s in self.filters.values()],
             "partitions": [{"name": p.name, "sealed": p.sealed,
                             "consumers": None if p.consumers is None else sorted(p.consumers),
-                            "tasks": sorted(p.tasks), "put": p.put, "bytes_put": p.bytes_put}
+                            "tasks": sorted(p.tasks), "put": p.put, "bytes_put": p.bytes_put,
+                            "counts": p.counts.state_dict()}
                            for p in self.parts.values()],
             "retired": sorted(self.retired),
             "rows": None,  # (filled by StateCut.state_dict)
@@ -204,6 +205,7 @@ class Snapshot(ControllerBase):
             p.sealed = bool(pd["sealed"])
             p.tasks = set(pd["tasks"])
             p.put, p.bytes_put = int(pd.get("put", 0)), int(pd.get("bytes_put", 0))
+            p.counts.load_state_dict(pd.get("counts"))
         self._load_rows(st["rows"])
         c = st["counters"]
         self.c_put, self.c_bytes_put = c["put"], c["bytes_put"]

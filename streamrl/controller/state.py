@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 
 from ..errors import InvalidArgument
 from ..messages import FilterJob, FilterSpec, Undo, WriteToken
-from ..stats import Histogram
+from ..stats import Histogram, PartitionCounters
 
 if TYPE_CHECKING:
     from ..config import QueueConfig
@@ -67,7 +67,7 @@ class Partition:
     """A named set of rows with one lifetime. Internal."""
 
     __slots__ = ("name", "rows", "sealed", "consumers", "cmask", "acked", "groups", "tasks",
-                 "put", "bytes_put")
+                 "put", "bytes_put", "counts")
 
     def __init__(self, name: str, consumers: frozenset[str] | None, cmask: int = 0):
         self.name = name
@@ -80,6 +80,7 @@ class Partition:
         self.tasks: set[str] = set()  # tasks that took rows from here
         self.put = 0  # rows ever admitted here (counters of the partition's lifetime)
         self.bytes_put = 0  # bytes ever written here
+        self.counts = PartitionCounters()  # delivered, acked, dropped... (metrics labels)
 
     def remaining(self, task: str) -> int:
         return len(self.rows) - self.acked.get(task, 0)
@@ -163,7 +164,9 @@ class State:
         self.c_bytes_delivered: dict[str, int] = {}  # task -> bytes of asked-for fields
         self.c_bytes_acked: dict[str, int] = {}  # (the same bytes, of rows acknowledged)
         self.c_bytes_redelivered: dict[str, int] = {}  # (of rows handed out again)
-        # task -> latency from a row's admission to its first delivery to the task
+        # task -> latency from a row's admission to its first delivery to the task, of
+        # the rows of partitions forgotten (each partition held keeps its own, in
+        # Partition.counts.delivery: see Introspect.delivery_histogram)
         self.h_delivery: dict[str, Histogram] = {}
         self.c_expired: dict[str, int] = {}
 
