@@ -138,6 +138,9 @@ class _NoData:
     async def unit_stats(self) -> list[tuple[int, int]]:
         return [(r, b) for r, b in self._units]
 
+    async def unit_usage(self) -> list[dict[str, int]]:
+        return [{} for _ in self._units]  # where a unit kept its bytes is not saved
+
     async def delete(self, parts: Any) -> None:
         pass
 
