@@ -213,10 +213,10 @@ def test_lifecycle_fuzz(name, args):
 
 
 def _check_names(e: BaseException, named: dict) -> None:
-    """An error of bad arguments must say which: a ``TypeError``/``ValueError`` that is
-    not a streamrl error (a raw one from deep inside), or an
-    :class:`~streamrl.errors.InvalidArgument`, names one of the arguments given (``named``:
-    name -> value). Schema and encoding errors are about the data (they name its fields)."""
+    """An error of bad arguments must say which: no raw ``TypeError``/``ValueError`` (from
+    deep inside) comes out at all, and an :class:`~streamrl.errors.InvalidArgument` names
+    one of the arguments given (``named``: name -> value). Schema and encoding errors are
+    about the data (they name its fields)."""
     assert _allowed(e), repr(e)
     if isinstance(e, InvalidArgument) or (
             isinstance(e, (TypeError, ValueError)) and not isinstance(e, StreamRLError)):
