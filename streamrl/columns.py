@@ -54,14 +54,16 @@ def to_columns(data: Any) -> tuple[dict[str, Column], int]:
         items = list(data.items())
     else:
         raise InvalidArgument(
-            f"put takes a TensorDict or a dict of field -> per-row values, got {type(data).__name__}")
+            "put's data must be a TensorDict or a dict of field -> per-row values, got "
+            f"{type(data).__name__}")
     if not items:
-        raise InvalidArgument("put needs at least one field")
+        raise InvalidArgument("put's data has no field: it needs at least one")
     cols: dict[str, Column] = {}
     lens: dict[str, int] = {}
     for name, v in items:
         if not isinstance(name, str) or not name:
-            raise InvalidArgument(f"field names must be non-empty str, got {name!r}")
+            raise InvalidArgument(
+                f"put's data: field names must be non-empty str, got {name!r}")
         col = _column(name, v)
         cols[name] = col
         lens[name] = col.shape[0] if isinstance(col, torch.Tensor) else len(col)
@@ -72,7 +74,7 @@ def to_columns(data: Any) -> tuple[dict[str, Column], int]:
             f"all fields of one put need the same number of rows (first dimension); got {desc}")
     n = ns.pop()
     if n == 0:
-        raise InvalidArgument("put needs at least one row; got fields with 0 rows")
+        raise InvalidArgument("put's data has no rows: its fields have 0 rows; put at least one")
     return cols, n
 
 

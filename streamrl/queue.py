@@ -579,6 +579,7 @@ class StreamQueue:
 
     async def clear(self, partition: str) -> int:
         """Drop every row of ``partition``. Returns rows dropped."""
+        _check_partition(partition)
         return await self._control.clear(partition)
 
     async def seal(self, partition: str | None = None) -> None:
@@ -589,11 +590,14 @@ class StreamQueue:
         Without a partition, seal the whole queue: no new rows anywhere, and streams over
         all partitions (``partition=None``) end once drained, while later pipeline stages
         can still write their fields (unlike :meth:`close`)."""
+        if partition is not None:
+            _check_partition(partition)
         await self._control.seal(partition)
 
     async def declare(self, partition: str, consumers: Sequence[str] | None) -> None:
         """Set the tasks whose acknowledgement drops a row of ``partition`` automatically
         (overrides the queue's ``consumers``; ``None`` turns cleanup off)."""
+        _check_partition(partition)
         await self._control.declare(partition, consumers)
 
     async def set_version(self, version: int) -> int:
@@ -946,6 +950,13 @@ def _failure(task: asyncio.Task) -> BaseException | None:
         return task._exception  # (CPython's Task and Future)
     except AttributeError:  # another loop's task class
         return task.exception()
+
+
+def _check_partition(partition: Any) -> None:
+    """A partition name given to seal/clear/declare: a non-empty str (an unhashable value
+    would otherwise surface as a raw TypeError from deep inside the controller)."""
+    if not isinstance(partition, str) or not partition:
+        raise InvalidArgument(f"partition must be a non-empty str, got {partition!r}")
 
 
 def _row_ids(rows: Any) -> list[int]:

@@ -17,7 +17,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import streamrl
-from streamrl.errors import StreamRLError
+from streamrl.errors import EndOfStream, InvalidArgument, StreamRLError, StreamTimeout
 
 pytestmark = [pytest.mark.timeout(300),
               pytest.mark.filterwarnings("ignore::UserWarning")]
@@ -204,6 +204,215 @@ def test_lifecycle_fuzz(name, args):
                 raise AssertionError(f"{name} hung")
             except BaseException as e:  # noqa: BLE001
                 assert _allowed(e), repr(e)
+            await _consistent(q)
+
+    _run(main())
+
+
+# ------------------------------------------------------------------ names in the errors
+
+
+def _check_names(e: BaseException, named: dict) -> None:
+    """An error of bad arguments must say which: no raw ``TypeError``/``ValueError`` (from
+    deep inside) comes out at all, and an :class:`~streamrl.errors.InvalidArgument` names
+    one of the arguments given (``named``: name -> value). Schema and encoding errors are
+    about the data (they name its fields)."""
+    assert _allowed(e), repr(e)
+    if isinstance(e, InvalidArgument) or (
+            isinstance(e, (TypeError, ValueError)) and not isinstance(e, StreamRLError)):
+        assert isinstance(e, StreamRLError), (
+            f"a raw {type(e).__name__} came out: {e!r}; bad arguments raise streamrl errors")
+        msg = str(e)
+        assert any(name in msg for name in named), (
+            f"the error names none of the arguments {sorted(named)}: {e!r}")
+
+
+#: the constructor's options and values around their valid ones
+_CTOR_OPTIONS = {
+    "capacity": st.one_of(st.integers(-2, 64), junk),
+    "num_shards": st.one_of(st.integers(-1, 5), junk),
+    "capacity_bytes": st.one_of(st.none(), st.integers(-1, 1 << 20), junk),
+    "lease_timeout": st.one_of(st.floats(-1, 100), junk),
+    "max_staleness": st.one_of(st.none(), st.integers(-2, 3), junk),
+    "max_lead": st.one_of(st.none(), st.integers(-2, 3), junk),
+    "consumers": st.one_of(st.none(), st.lists(st.sampled_from(["a", "b", ""]), max_size=3),
+                           junk),
+    "name": st.one_of(st.none(), st.text(max_size=4), junk),
+    "storage": st.one_of(st.sampled_from(["memory", "nope", {"backend": "memory"},
+                                          {"backend": "memory", "junk": 1}]), junk),
+    "sampler": st.one_of(st.sampled_from(["fifo", "nope", {"sampler": "fifo"}]), junk),
+    "transport": st.one_of(st.sampled_from(["embedded", "nope", ""]), junk),
+    "checkpoint_every": st.one_of(st.none(), junk),
+    "checkpoint_keep": st.one_of(st.integers(-1, 3), junk),
+    "no_such_option": junk,
+}
+
+
+@SETTINGS
+@given(options=st.fixed_dictionaries({}, optional=_CTOR_OPTIONS))
+def test_constructor_fuzz(options):
+    """StreamQueue(...) with random options: a queue that works, or a clear error that
+    names the option."""
+    async def main():
+        try:
+            q = streamrl.StreamQueue(**options)
+        except BaseException as e:  # noqa: BLE001
+            _check_names(e, options)
+            return
+        try:
+            await _consistent(q)
+        finally:
+            await q.close()
+            await q.shutdown()
+
+    _run(main())
+
+
+_STREAM_OPTIONS = ["partition", "group_by", "group_size", "drop_last", "max_staleness",
+                   "dp_rank", "dp_size", "balance_by", "dp_remainder", "lease_timeout",
+                   "timeout", "sampler"]
+
+
+@SETTINGS
+@given(task=st.one_of(st.text(min_size=1, max_size=3), junk),
+       fields=st.one_of(st.lists(st.sampled_from(["idx", "x", "nope", ""]), max_size=3), junk),
+       batch_size=st.one_of(st.integers(-1, 5), junk),
+       options=st.dictionaries(st.sampled_from(_STREAM_OPTIONS), junk, max_size=3),
+       ctx=st.booleans())
+def test_stream_fuzz(task, fields, batch_size, options, ctx):
+    """stream(...) with random arguments: the errors come when the stream is made or on
+    its first batch, name the argument, and leave nothing leased."""
+    async def main():
+        async with streamrl.StreamQueue(capacity=16, num_shards=2) as q:
+            await q.put({"idx": torch.arange(4), "x": torch.zeros(4, 2)}, partition="p")
+            await q.seal("p")
+            opts = dict(options)
+            opts["timeout"] = 0.05 if opts.get("timeout") is None else opts["timeout"]
+            named = {"task": task, "fields": fields, "batch_size": batch_size, **opts}
+
+            async def one():
+                s = q.stream(task, fields, batch_size, **opts)
+                if ctx:
+                    async with s as batches:
+                        async for mb in batches:
+                            await mb.materialize()
+                            break
+                else:
+                    async for mb in s:
+                        await mb.ack()
+                        break
+            try:
+                await asyncio.wait_for(one(), 5)
+            except (StreamTimeout, EndOfStream):
+                pass
+            except asyncio.TimeoutError:
+                raise AssertionError("stream hung past its own timeout")
+            except BaseException as e:  # noqa: BLE001
+                _check_names(e, named)
+            await _consistent(q)
+
+    _run(main())
+
+
+@SETTINGS
+@given(data=data_strategy, partition=st.one_of(st.none(), junk),
+       version=st.one_of(st.none(), junk), fill=st.booleans())
+def test_put_nowait_fuzz(data, partition, version, fill):
+    """put_nowait: a full queue raises QueueFull; bad arguments a clear error."""
+    async def main():
+        async with streamrl.StreamQueue(capacity=4, num_shards=2) as q:
+            if fill:
+                await q.put({"idx": torch.arange(4)}, partition="p")
+            try:
+                await asyncio.wait_for(q.put_nowait(data, partition=partition,
+                                                    version=version), 5)
+            except asyncio.TimeoutError:
+                raise AssertionError("put_nowait waited")
+            except BaseException as e:  # noqa: BLE001
+                _check_names(e, {"data": data, "partition": partition, "version": version})
+            if fill:
+                await q.clear("p")
+            await _consistent(q)
+
+    _run(main())
+
+
+SYNC_SETTINGS = settings(SETTINGS, max_examples=max(20, SETTINGS.max_examples // 3))
+
+
+@SYNC_SETTINGS
+@given(op=st.sampled_from(["put", "put_nowait", "get", "stream", "seal", "wait_version",
+                           "set_version", "drop", "clear"]),
+       args=st.lists(junk, max_size=3))
+def test_sync_twin_fuzz(op, args):
+    """The blocking twin (streamrl.sync.StreamQueue, embedded): the same errors as the
+    async queue, no hang, and the queue usable afterwards."""
+    from streamrl.sync import StreamQueue as SyncQueue
+
+    with SyncQueue(capacity=16, num_shards=2) as q:
+        q.put({"idx": torch.arange(2)}, partition="p")
+        try:
+            if op in ("get", "stream"):
+                task, fields, bs = (list(args) + ["t", ["idx"], 2])[:3]
+                named = {"task": task, "fields": fields, "batch_size": bs}
+                if op == "get":
+                    q.get(task, fields, bs, partition="p", timeout=0.05).release()
+                else:
+                    for mb in q.stream(task, fields, bs, partition="p", timeout=0.05):
+                        mb.ack()
+                        break
+            elif op in ("put", "put_nowait"):
+                named = {"data": args[0] if args else None,
+                         "partition": args[1] if len(args) > 1 else None}
+                getattr(q, op)(*named.values())
+            else:  # one argument each
+                arg = {"seal": "partition", "clear": "partition", "drop": "rows",
+                       "set_version": "version", "wait_version": "version"}[op]
+                named = {arg: args[0] if args else None}
+                kw = {"timeout": 0.05} if op == "wait_version" else {}
+                getattr(q, op)(named[arg], **kw)
+        except StreamTimeout:
+            pass
+        except BaseException as e:  # noqa: BLE001
+            _check_names(e, named)
+        # consistent and usable afterwards
+        assert q.audit() == []
+        if not q.aqueue._control.ctl.sealed_all:
+            q.put({"__ok": torch.arange(2)}, partition="__check")
+            mb = q.get("__check", ["__ok"], 2, partition="__check", timeout=5)
+            assert mb.materialize()["__ok"].tolist() == [0, 1]
+            mb.drop()
+
+
+# ------------------------------------------------------------------ what the fuzz found
+
+
+@pytest.mark.parametrize("value", [[1], {"a": 1}, np.zeros(2), 1, ""])
+@pytest.mark.parametrize("op", ["seal", "clear", "declare"])
+def test_a_bad_partition_is_refused_naming_it(op, value):
+    """seal/clear/declare of a partition that is not a non-empty str raise InvalidArgument
+    naming ``partition`` (an unhashable one raised a raw ``TypeError: unhashable type``)."""
+    async def main():
+        async with streamrl.StreamQueue(capacity=16, num_shards=2) as q:
+            await q.put({"idx": torch.arange(2)}, partition="p")
+            args = (value, None) if op == "declare" else (value,)
+            with pytest.raises(InvalidArgument, match="partition"):
+                await getattr(q, op)(*args)
+            await _consistent(q)
+
+    _run(main())
+
+
+@pytest.mark.parametrize("data", [None, 3, [1, 2], torch.zeros(2), {}, {"x": torch.zeros(0)},
+                                  {1: torch.zeros(2)}])
+@pytest.mark.parametrize("op", ["put", "put_nowait"])
+def test_bad_data_is_refused_naming_it(op, data):
+    """A put's data that is not a non-empty mapping of fields -> rows: the error names
+    ``data`` (it said "put takes a TensorDict ..." or "put needs at least one field")."""
+    async def main():
+        async with streamrl.StreamQueue(capacity=16, num_shards=2) as q:
+            with pytest.raises(InvalidArgument, match="data"):
+                await getattr(q, op)(data, partition="p")
             await _consistent(q)
 
     _run(main())
