@@ -121,22 +121,9 @@ class TQControlPlane(Protocol):
 
 
 async def _remote(self: "_RayTQControl", name: str, *args: Any, **kwargs: Any) -> Any:
-    """Call ``name`` on the controller actor, over its socket when it serves one (see
-    :meth:`~.controller.TQControllerService.rpc_endpoint`), else as a Ray actor call; its
-    exceptions come back as themselves."""
+    """Call ``name`` on the controller actor; its exceptions come back as themselves."""
     import ray
 
-    if self.rpc is not None:
-        from streamrl.transport.rpc import ConnectFailed
-
-        try:
-            return await self.rpc.call(name, *args, **kwargs)
-        except ConnectFailed:
-            pass  # nothing was sent: Ray tells whether the actor is gone
-        except ConnectionError as e:
-            raise ConnectionError(
-                f"lost the connection to the TransferQueue controller actor during {name} "
-                f"({e}); it is gone or unreachable (transfer_queue.close() ends it)") from None
     try:
         return await getattr(self.actor, name).remote(*args, **kwargs)
     except ray.exceptions.RayTaskError as e:
@@ -147,22 +134,10 @@ async def _remote(self: "_RayTQControl", name: str, *args: Any, **kwargs: Any) -
 
 
 class _RayTQControl:
-    """The controller actor as a :class:`TQControlPlane` (its methods are generated).
+    """The controller actor as a :class:`TQControlPlane` (its methods are generated)."""
 
-    Args:
-        actor: the controller actor's handle.
-        endpoint: its socket (``rpc_endpoint``), or ``None`` for Ray actor calls only.
-    """
-
-    def __init__(self, actor: Any, endpoint: Any = None):
-        from streamrl.transport.rpc import RpcClient
-
+    def __init__(self, actor: Any):
         self.actor = actor
-        self.endpoint = endpoint
-        self.rpc = RpcClient(endpoint) if endpoint is not None else None
-
-    def __reduce__(self) -> Any:  # the socket client stays in its process
-        return (type(self), (self.actor, self.endpoint))
 
     def __repr__(self) -> str:
         return f"<RayTQControl of {self.actor!r}>"

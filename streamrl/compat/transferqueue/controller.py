@@ -624,7 +624,6 @@ class TQControllerService:
         # rows whose drop waits for a checkpoint being written (None: no checkpoint)
         self._held: list[int] | None = None
         self._saving = asyncio.Lock()
-        self._rpc: Any = None  # the socket server of rpc_endpoint (the actor only)
 
     def _changed(self, partition_id: str) -> None:
         entry = self._events.pop(partition_id, None)
@@ -794,19 +793,6 @@ class TQControllerService:
 
     def ping(self) -> bool:
         return True
-
-    async def rpc_endpoint(self) -> Any:
-        """Serve this service's calls over a direct socket too (the controller actor: a
-        Ray actor call costs 1-4 ms here, a call on the socket well under 0.1 ms, and a
-        put, a ``get_meta`` and a clear are one call each); returns its endpoint, which
-        :class:`~.control.RayTQControl` connects to. The Ray actor calls keep working."""
-        import ray
-
-        from streamrl.transport.rpc import RpcServer
-
-        if self._rpc is None:
-            self._rpc = RpcServer(self, ray.util.get_node_ip_address())
-        return await self._rpc.start()
 
     async def shutdown(self) -> None:
         """Wake waiting ``get_meta`` calls with an error."""

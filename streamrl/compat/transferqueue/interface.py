@@ -97,10 +97,8 @@ def _attach() -> bool:
     # Ray's stubs give an actor handle's methods no type (its __getattr__ returns Never)
     queue: Any
     conf: Any
-    endpoint: Any
-    queue, conf, endpoint = ray.get([actor.get_queue.remote(), actor.get_config.remote(),
-                                     actor.rpc_endpoint.remote()])
-    _set(System(queue, RayTQControl(actor, endpoint), conf, owner=False, actor=actor))
+    queue, conf = ray.get([actor.get_queue.remote(), actor.get_config.remote()])
+    _set(System(queue, RayTQControl(actor), conf, owner=False, actor=actor))
     return True
 
 
@@ -179,12 +177,12 @@ def init(conf: Any = None) -> Any:
                 return conf
             raise
         try:
-            endpoint = ray.get(actor.rpc_endpoint.remote())
+            ray.get(actor.ping.remote())
         except BaseException:  # it could not start (a sampler that does not unpickle...)
             ray.kill(actor)
             loop.run(queue.shutdown())
             raise
-        _set(System(queue, RayTQControl(actor, endpoint), merged, owner=True, actor=actor))
+        _set(System(queue, RayTQControl(actor), merged, owner=True, actor=actor))
     else:
         async def start():
             import streamrl
