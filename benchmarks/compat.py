@@ -26,8 +26,17 @@ import json
 import os
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
 import transfer  # noqa: E402  (benchmarks/transfer.py: its cases and workers)
+
+# the workers (and the Ray workers they start) import streamrl from this checkout, not
+# from wherever the installed package points: a worker runs benchmarks/transfer.py, whose
+# directory is benchmarks/, while Ray's workers add the current directory to their path,
+# so the two could otherwise run different copies of streamrl
+_ROOT = os.path.dirname(HERE)
+os.environ["PYTHONPATH"] = os.pathsep.join(
+    [_ROOT] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p])
 
 SYSTEMS = ["streamrl", "transferqueue", "tq-compat", "tq-compat-nocopy"]
 LABELS = {"a:2": "(a) 1024 x 64KiB +int", "b:1": "(b) 256 x 1MiB", "c:32": "(c) 256 x 32 x 16KiB",

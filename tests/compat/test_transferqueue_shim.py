@@ -698,3 +698,50 @@ def test_batchmeta_views_and_pickle():
     assert u.field_names == ["x"]
     with pytest.raises(ValueError):
         m.select_samples([4])
+
+
+def test_bulk_field_updates_match_one_sample_at_a_time():
+    """commit updates a field's shapes for all its samples at once (_Field.set_many);
+    the shapes and per-shape counts (what the schema's shape / is_nested come from) must
+    be those of setting the samples one by one, with overwrites, repeats and ragged
+    shapes."""
+    from streamrl.compat.transferqueue.controller import _Field
+
+    rng = np.random.default_rng(7)
+    for _ in range(300):
+        bulk, one = _Field(torch.float32, "torch.float32", False), _Field(torch.float32, "k", False)
+        for _ in range(4):
+            idx = [int(i) for i in rng.integers(0, 12, int(rng.integers(1, 9)))]
+            if rng.random() < 0.5:
+                shapes: object = (int(rng.integers(1, 4)),)
+            else:
+                shapes = [(int(rng.integers(1, 4)),) for _ in idx]
+            bulk.set_many(idx, shapes)
+            for pos, i in enumerate(idx):
+                one.set(i, shapes[pos] if isinstance(shapes, list) else shapes)
+            for i in idx[:2]:
+                bulk.remove(i)
+                one.remove(i)
+            assert bulk.shapes == one.shapes and dict(bulk.counts) == dict(one.counts)
+            assert bulk.schema(sorted(bulk.shapes)) == one.schema(sorted(one.shapes))
+
+
+def test_commit_and_clear_partition_keep_the_controllers_bookkeeping():
+    """A commit with a conflict (a sample bound to another row) writes only the other
+    samples; clear_partition frees every index (reused in order) and returns each row."""
+    c = _ctl()
+    meta = c.insert("p", ["x"], 4)
+    idx = meta.global_indexes
+    fields = {"x": {"dtype": torch.float32, "_key": "torch.float32", "is_non_tensor": False,
+                    "_shapes": [(2,), (3,), (2,), (2,)]}}
+    c.commit("p", idx[:1], [50], [1], {"x": {**fields["x"], "_shapes": (9,)}})
+    _, conflicts = c.commit("p", idx, [10, 11, 12, 13], [0, 0, 0, 0], fields,
+                            [{"i": i} for i in range(4)])
+    assert conflicts == [(0, 50, 1)]
+    s = c.snapshot("p")
+    assert s.field_schema["x"]["is_nested"] and s.custom_meta == {i: {"i": k} for k, i in
+                                                                   enumerate(idx) if k}
+    assert c.force_fetch(["x"], "p").field_schema["x"]["per_sample_shapes"] == \
+        [(9,), (3,), (2,), (2,)]
+    assert sorted(c.clear_partition("p")) == [(11, 0), (12, 0), (13, 0), (50, 1)]
+    assert c.snapshot("p") is None and c.insert("q", ["x"], 4).global_indexes == idx

@@ -74,6 +74,32 @@ class _Field:
         if shape is not None:
             self.counts[shape] += 1
 
+    def set_many(self, indexes: Sequence[int], shapes: tuple | None | list) -> None:
+        """:meth:`set` for many samples at once: ``shapes`` is one shape for all of them
+        or a list with one per sample. A put of 256 samples x 32 fields made 8192
+        :meth:`set` calls (about 45 ms of the controller's time per put here); this is a
+        few dict and Counter updates per field."""
+        if len(set(indexes)) != len(indexes):  # a sample twice: in order, one at a time
+            for pos, i in enumerate(indexes):
+                self.set(i, shapes[pos] if isinstance(shapes, list) else shapes)
+            return
+        known, counts = self.shapes, self.counts
+        if known:
+            olds = collections.Counter(
+                o for o in (known.get(i) for i in indexes) if o is not None)
+            if olds:
+                counts.subtract(olds)
+                for o in olds:
+                    if counts[o] <= 0:
+                        del counts[o]
+        if isinstance(shapes, list):
+            known.update(zip(indexes, shapes))
+            counts.update(x for x in shapes if x is not None)
+        else:
+            known.update(dict.fromkeys(indexes, shapes))
+            if shapes is not None:
+                counts[shapes] += len(indexes)
+
     def remove(self, index: int) -> None:
         if index in self.shapes:
             self.set(index, None)
@@ -225,7 +251,7 @@ class TQController:
                 schema[f] = dict(_PLACEHOLDER)
         smp = [p.samples[i] for i in indexes]
         return BatchMeta(indexes, [p.name] * len(indexes), schema, status, None,
-                         [dict(p.custom.get(i, {})) for i in indexes], None,
+                         [p.custom.get(i, {}) for i in indexes], None,  # (copied there)
                          _rows=[s.row for s in smp], _shards=[s.shard for s in smp],
                          _store=store)
 
@@ -318,6 +344,7 @@ class TQController:
                 raise InvalidArgument(f"samples {gone[:8]} are not in partition {partition_id!r} "
                                  "(cleared); get fresh metadata")
         conflicts = []
+        took: list[int] = []  # positions of the samples written here
         for pos, (i, row, shard) in enumerate(zip(indexes, rows, shards)):
             s = p.samples[i]
             if s.row is None:
@@ -326,15 +353,27 @@ class TQController:
                 assert s.shard is not None, "a sample's row and shard are set together"
                 conflicts.append((pos, s.row, s.shard))
                 continue
-            for f, meta in schema.items():
-                p.columns.setdefault(f, len(p.columns))
-                fld = p.fields.get(f)
-                if fld is None:
-                    fld = p.fields[f] = _Field(meta["dtype"], meta["_key"], meta["is_non_tensor"])
-                shapes = meta["_shapes"]
-                fld.set(i, shapes[pos] if isinstance(shapes, list) else shapes)
-                s.fields.add(f)
-            if custom_meta is not None:
+            took.append(pos)
+        if not took:
+            return list(indexes), conflicts
+        every = len(took) == len(indexes)
+        idx = list(indexes) if every else [indexes[pos] for pos in took]
+        # field by field (one bulk update each), not sample by sample and field by field
+        for f, meta in schema.items():
+            p.columns.setdefault(f, len(p.columns))
+            fld = p.fields.get(f)
+            if fld is None:
+                fld = p.fields[f] = _Field(meta["dtype"], meta["_key"], meta["is_non_tensor"])
+            shapes = meta["_shapes"]
+            if isinstance(shapes, list) and not every:
+                shapes = [shapes[pos] for pos in took]
+            fld.set_many(idx, shapes)
+        names = schema.keys()
+        samples = p.samples
+        for i in idx:
+            samples[i].fields.update(names)
+        if custom_meta is not None:
+            for pos, i in zip(took, idx):
                 p.custom[i] = dict(custom_meta[pos])
         return list(indexes), conflicts
 
@@ -380,7 +419,13 @@ class TQController:
         p = self.parts.get(partition_id)
         if p is None:
             return []
-        rows = self._release(p, list(p.samples))
+        # the whole partition goes: no per-field bookkeeping to undo sample by sample
+        rows = []
+        for s in p.samples.values():
+            if s.row is not None:
+                assert s.shard is not None, "a sample's row and shard are set together"
+                rows.append((s.row, s.shard))
+        self._free.extend(p.samples)
         del self.parts[partition_id]
         self.sampler.clear_cache(partition_id)
         return rows
