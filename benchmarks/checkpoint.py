@@ -67,7 +67,7 @@ def disk_write(path: str, nbytes: int, direct: bool = False) -> float:
         t0 = time.perf_counter()
         left = nbytes
         while left > 0:
-            left -= os.write(fd, memoryview(chunk)[:min(left, chunk.nbytes)])
+            left -= os.write(fd, memoryview(buf)[:min(left, len(buf))])
         os.fsync(fd)
         return time.perf_counter() - t0
     finally:

@@ -13,7 +13,8 @@ flat ``uint8`` numpy array or any buffer.
 * **Tensors** go to `safetensors <https://huggingface.co/docs/safetensors>`_ files,
   written here directly (an 8-byte little-endian header length, a JSON header, then
   the tensors' bytes back to back) so that the bytes go from the stored tensors to the
-  file with no copy in between, and checksummed on the way. Any safetensors reader
+  file with no copy in between but the aligned staging buffer of direct I/O (see
+  :class:`FileWriter`), and checksummed on the way. Any safetensors reader
   opens them. Tensors whose dtype safetensors has no code for (complex128, sub-byte
   dtypes, ...) are written as ``U8`` bytes; the unit's index says what they are.
 * **Metadata** is msgpack (:func:`write_msgpack`, :func:`read_msgpack`); a list of many
