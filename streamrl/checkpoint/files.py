@@ -13,7 +13,8 @@ flat ``uint8`` numpy array or any buffer.
 * **Tensors** go to `safetensors <https://huggingface.co/docs/safetensors>`_ files,
   written here directly (an 8-byte little-endian header length, a JSON header, then
   the tensors' bytes back to back) so that the bytes go from the stored tensors to the
-  file with no copy in between, and checksummed on the way. Any safetensors reader
+  file with no copy in between but the aligned staging buffer of direct I/O (see
+  :class:`FileWriter`), and checksummed on the way. Any safetensors reader
   opens them. Tensors whose dtype safetensors has no code for (complex128, sub-byte
   dtypes, ...) are written as ``U8`` bytes; the unit's index says what they are.
 * **Metadata** is msgpack (:func:`write_msgpack`, :func:`read_msgpack`); a list of many
@@ -22,7 +23,9 @@ flat ``uint8`` numpy array or any buffer.
 
 from __future__ import annotations
 
+import errno
 import json
+import mmap
 import os
 import struct
 import zlib
@@ -33,6 +36,11 @@ import msgpack
 import numpy as np
 
 from ..errors import CheckpointError
+
+try:
+    import fcntl
+except ImportError:  # (not on Windows: no direct I/O there either)
+    fcntl = None  # type: ignore[assignment]
 
 __all__ = ["FileWriter", "write_msgpack", "read_msgpack", "read_file", "write_safetensors",
            "read_safetensors", "SAFETENSORS_DTYPES", "ITEMSIZE", "fsync_dir", "check_entry"]
@@ -52,6 +60,13 @@ _ST_ITEMSIZE = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I1
 #: bytes per element of the torch dtypes safetensors has a code for
 ITEMSIZE = {name: _ST_ITEMSIZE[code] for name, code in SAFETENSORS_DTYPES.items()}
 
+#: bytes of the staging buffer of a direct writer (one write call each)
+STAGE_BYTES = 8 << 20
+#: what direct writes are aligned to (addresses, offsets and lengths)
+DIRECT_ALIGN = 4096
+_O_DIRECT = getattr(os, "O_DIRECT", 0) if fcntl is not None else 0
+#: set STREAMRL_CHECKPOINT_DIRECT=0 to write data files through the page cache
+_NO_DIRECT = os.environ.get("STREAMRL_CHECKPOINT_DIRECT", "1") == "0"
 _PACK_SLICE = 512  # items of a long list packed per call (a writer thread yields between)
 _READ = 16 << 20  # bytes per read call
 
@@ -61,39 +76,92 @@ class FileWriter:
 
     Args:
         path: the file to create (it must not exist).
+        direct: write around the page cache (``O_DIRECT``, where the OS and filesystem
+            have it; else as usual): the bytes go through an aligned staging buffer of
+            :data:`STAGE_BYTES` straight to the device. For big data files: a buffered
+            write costs the kernel a copy into the page cache and its writeback threads
+            CPU time at a high priority, which on a loaded machine starves every other
+            thread (the queue's event loop included; see docs/checkpoint.md), and
+            leaves gigabytes of dirty pages for ``fsync`` to push out at the end.
     """
 
-    def __init__(self, path: str):
+    def __init__(self, path: str, direct: bool = False):
         self.path = path
         self.fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
         self.crc = 0
         self.nbytes = 0
+        self._stage: Any = None
+        self._filled = 0
+        if direct and _O_DIRECT and not _NO_DIRECT:
+            try:
+                fcntl.fcntl(self.fd, fcntl.F_SETFL,
+                            fcntl.fcntl(self.fd, fcntl.F_GETFL) | _O_DIRECT)
+            except OSError:  # this filesystem has no direct I/O
+                pass
+            else:
+                self._stage = np.frombuffer(mmap.mmap(-1, STAGE_BYTES), dtype=np.uint8)
 
     def write(self, data: Any) -> None:
         """Write ``data`` (any buffer: bytes, a numpy array, a memoryview), without
-        copying it."""
+        copying it (but into the staging buffer, for a direct writer)."""
         view = memoryview(data)
         if view.ndim != 1 or view.format != "B":
             view = view.cast("B")
         n = view.nbytes
         if not n:
             return
-        self.crc = zlib.crc32(view, self.crc)
+        self.crc = zlib.crc32(view, self.crc)  # (releases the GIL)
+        self.nbytes += n
+        if self._stage is None:
+            self._write_all(view)
+            return
+        src = np.frombuffer(view, dtype=np.uint8)
         done = 0
+        while done < n:  # (numpy copies release the GIL)
+            k = min(n - done, STAGE_BYTES - self._filled)
+            self._stage[self._filled:self._filled + k] = src[done:done + k]
+            self._filled += k
+            done += k
+            if self._filled == STAGE_BYTES:
+                self._flush_stage(STAGE_BYTES)
+
+    def _write_all(self, view: memoryview) -> None:
+        done, n = 0, view.nbytes
         while done < n:
             done += os.write(self.fd, view[done:done + (1 << 30)])
-        self.nbytes += n
+
+    def _flush_stage(self, nbytes: int) -> None:
+        """Write the first ``nbytes`` (a multiple of DIRECT_ALIGN) of the stage."""
+        view = memoryview(self._stage)[:nbytes]
+        try:
+            self._write_all(view)
+        except OSError as e:
+            if e.errno != errno.EINVAL or os.lseek(self.fd, 0, os.SEEK_CUR) != 0:
+                raise
+            # the filesystem took O_DIRECT but refuses its writes: go on buffered
+            fcntl.fcntl(self.fd, fcntl.F_SETFL, fcntl.fcntl(self.fd, fcntl.F_GETFL) & ~_O_DIRECT)
+            self._write_all(view)
+        self._filled = 0
 
     def close(self) -> dict[str, Any]:
         """Flush to the disk and close; the file's entry ``{name, bytes, crc32}``."""
         try:
+            if self._stage is not None and self._filled:
+                # the last block, padded to the alignment, then cut to the real size
+                k = self._filled
+                end = -(-k // DIRECT_ALIGN) * DIRECT_ALIGN
+                self._stage[k:end] = 0
+                self._flush_stage(end)
+                os.ftruncate(self.fd, self.nbytes)
             os.fsync(self.fd)
         finally:
             os.close(self.fd)
+            self._stage = None
         return {"name": os.path.basename(self.path), "bytes": self.nbytes, "crc32": self.crc}
 
     def abort(self) -> None:
         """Close without flushing (the file is left to be removed with its directory)."""
+        self._stage = None
         try:
             os.close(self.fd)
         except OSError:
@@ -222,7 +290,7 @@ def write_safetensors(path: str, tensors: list[tuple[str, str, int, tuple, Any]]
         bufs.append(view)
     head = json.dumps(header, separators=(",", ":")).encode()
     head += b" " * (-len(head) % 8)  # the bytes start 8-aligned
-    w = FileWriter(path)
+    w = FileWriter(path, direct=True)
     try:
         w.write(struct.pack("<Q", len(head)) + head)
         for view in bufs:
