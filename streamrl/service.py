@@ -61,7 +61,8 @@ class ControllerService:
     def __init__(self, controller: Controller, data: DataPlane):
         self.ctl = controller
         self.data = data
-        self._sub_waiters: dict[tuple, set[anyio.Event]] = {}
+        # subscription -> its waiters and the batch size each waits for (see _waiting)
+        self._sub_waiters: dict[tuple, dict[anyio.Event, int]] = {}
         self._part_waiters: dict[str | None, set[anyio.Event]] = {}
         self._space_q: OrderedDict[object, anyio.Event] = OrderedDict()
         self._pace_waiters: set[anyio.Event] = set()
@@ -503,7 +504,9 @@ class ControllerService:
                     raise
                 return res
             ev = anyio.Event()
-            self._sub_waiters.setdefault(key, set()).add(ev)
+            # woken by new deliverable rows only once a batch of this size can be met
+            # (grouped and DP requests: by every one; see Controller.wake_at)
+            self._waiting(key, ev, req.batch_size if req.dp_size == 1 else 1)
             self._part_waiters.setdefault(req.partition, set()).add(ev)
             try:
                 await self._after()
@@ -512,8 +515,24 @@ class ControllerService:
                     if not got and _past(ctl, deadline):
                         raise StreamTimeout(self._timeout_message(req, timeout))
             finally:
-                _discard(self._sub_waiters, key, ev)
+                self._waiting(key, ev, None)
                 _discard(self._part_waiters, req.partition, ev)
+
+    def _waiting(self, key: tuple, ev: anyio.Event, size: int | None) -> None:
+        """``ev`` waits for a batch of ``size`` rows of subscription ``key`` (``None``:
+        it waits no more). The controller wakes the subscription when rows become
+        deliverable only once the smallest batch any of its waiters wants can be met."""
+        waiters = self._sub_waiters.get(key)
+        if size is not None:
+            if waiters is None:
+                waiters = self._sub_waiters[key] = {}
+            waiters[ev] = size
+        elif waiters is not None:
+            waiters.pop(ev, None)
+            if not waiters:
+                del self._sub_waiters[key]
+                waiters = None
+        self.ctl.wake_at(key, min(waiters.values()) if waiters else 1)
 
     def _timeout_message(self, req: Request, timeout: float | None) -> str:
         """Why a take found no batch: what the rows in its scope lack, and what to do."""

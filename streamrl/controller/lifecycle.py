@@ -129,39 +129,57 @@ class Lifecycle(ControllerBase):
         parts: set[Partition] = set()
         # grouped filters to look at again: (filter, partition, the row's tags)
         regroup: list[tuple[str, Partition, dict[str, Hashable]]] = []
-        for row in objs:
-            if self.rows.pop(row.id, None) is None:
+        rows, leases, deletes = self.rows, self.leases, self.deletes
+        tbits = list(self._tbits.items())
+        last = None
+        cands: list[_Sub] = []
+        for row in objs:  # (the hot loop of dropping: kept flat)
+            rid = row.id
+            if rows.pop(rid, None) is None:
                 continue
             gone += 1
             p = row.part
-            del p.rows[row.id]
-            for task in self._names(self._tbits, row.acked):
-                p.acked[task] -= 1
-            for f, v in row.tags.items():
-                grp = p.groups.get(f, {}).get(v)
-                if grp is not None:
-                    grp.pop(row.id, None)
-                    if not grp:
-                        del p.groups[f][v]
-            self._unindex(row)
-            for task, lid in row.leased.items():
-                lease = self.leases.get(lid)
-                if lease is not None:
-                    lease.rows.remove(row.id)
-                    if not lease.rows:
-                        del self.leases[lid]
-                        self._remember(lid, "acked")
+            if p is not last:
+                last = p
+                parts.add(p)
+                cands = self._candidates(p.name)
+            del p.rows[rid]
+            if row.acked:
+                for task, b in tbits:
+                    if row.acked & b:
+                        p.acked[task] -= 1
+            if row.tags:
+                for f, v in row.tags.items():
+                    grp = p.groups.get(f, {}).get(v)
+                    if grp is not None:
+                        grp.pop(rid, None)
+                        if not grp:
+                            del p.groups[f][v]
+            for sub in cands:  # (_unindex, inlined)
+                if rid in sub.avail:
+                    self._remove(sub, row)
+            if row.leased:
+                for task, lid in row.leased.items():
+                    lease = leases.get(lid)
+                    if lease is not None:
+                        lease.rows.remove(rid)
+                        if not lease.rows:
+                            del leases[lid]
+                            self._remember(lid, "acked")
             waiting = row.pending | row.judging
             if waiting:
                 for name in self._names(self._fbits, waiting):
                     buckets = self._filter_ready.get(name)
                     if buckets:
-                        _unbucket(buckets, (row.id,))
+                        _unbucket(buckets, (rid,))
                     if row.pending & self._fbits[name] and p.sealed:
                         regroup.append((name, p, row.tags))
             freed += row.nbytes
-            self.deletes.setdefault(row.shard, []).append(row.id)
-            parts.add(p)
+            d = deletes.get(row.shard)
+            if d is None:
+                deletes[row.shard] = [rid]
+            else:
+                d.append(rid)
         self.bytes_held -= freed
         self.c_bytes_freed += freed
         if reason is not None:
