@@ -238,6 +238,10 @@ class Admission(ControllerBase):
         living unit, the next put to the next unit. A put's rows then stay one segment,
         so a batch that is a run of one put is read as one piece (no join copy); load
         spreads over units across puts (producers put many small batches)."""
+        if not self.dead_shards:  # (every unit alive: the common case)
+            shard = self._next_shard % self.num_shards
+            self._next_shard = (shard + 1) % self.num_shards
+            return [shard] * n
         live = [s for s in range(self.num_shards) if s not in self.dead_shards]
         if not live:
             from ..errors import TransportError

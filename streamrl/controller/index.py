@@ -191,6 +191,9 @@ class Index(ControllerBase):
             return
         last = None
         cands: list[_Sub] = []
+        # ungrouped subscriptions that gained rows: whether one of those rows' partitions
+        # is sealed
+        grew: dict[_Sub, bool] = {}
         for row in rows:
             part = row.part
             if part is not last:  # (rows come in runs of one partition)
@@ -199,16 +202,23 @@ class Index(ControllerBase):
                 if tasks is not None:
                     cands = [sub for sub in cands if sub.task in tasks]
             rid = row.id
-            for sub in cands:  # (_eligible, inlined: the hot loop of a commit)
+            for sub in cands:  # (_eligible and _add, inlined: the hot loop of a commit)
                 ok = (not row.acked & sub.tbit and sub.task not in row.leased
                       and sub.fields <= row.fields.keys()
                       and (sub.group_by is None or sub.group_by in row.tags)
                       and not (row.pending | row.judging) & sub.gating)
                 if ok:
                     if rid not in sub.avail:
-                        self._add(sub, row)
+                        if sub.group_by is None:
+                            sub.avail[rid] = None
+                            grew[sub] = grew.get(sub, False) or part.sealed
+                        else:
+                            self._add(sub, row)
                 elif rid in sub.avail:
                     self._remove(sub, row)
+        for sub, sealed in grew.items():  # (whether to wake: as _add decides)
+            if len(sub.avail) >= sub.wake_at or sealed or self.closed or self.sealed_all:
+                self.woken.add(sub.key)
 
     def _candidates(self, name: str) -> list[_Sub]:
         c = self._cands.get(name)
