@@ -513,8 +513,7 @@ class ControllerService:
                     hist = self._wait_hist[req.task] = Histogram()
                 hist.observe(waited)
                 try:
-                    if not self._done_now():
-                        await self._after()  # (it may run filter jobs: a real wait)
+                    await self._after()  # (it may run filter jobs: a real wait)
                 except BaseException:
                     # the caller never gets this batch: give its lease back now
                     ctl.release([res.lease])

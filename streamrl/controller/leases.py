@@ -141,6 +141,7 @@ class Leases(ControllerBase):
             fields, nbytes = lease.fields, 0  # (bytes of the asked-for fields acked)
             done = []
             rows = self.rows
+            parts: set[Partition] = set()  # of the rows acked
             last: Partition | None = None
             count = 0  # rows acked in partition `last` not counted in it yet
             for rid in lease.rows:  # (the hot loop of an ack: kept flat)
@@ -157,6 +158,7 @@ class Leases(ControllerBase):
                     if last is not None and count:
                         last.acked[task] = last.acked.get(task, 0) + count
                     last, count = p, 0
+                    parts.add(p)
                 count += 1
                 if p.cmask and row.acked & p.cmask == p.cmask and not row.leased:
                     done.append(row)
@@ -165,7 +167,7 @@ class Leases(ControllerBase):
             self.c_acked[task] = self.c_acked.get(task, 0) + len(lease.rows)
             self.c_bytes_acked[task] = self.c_bytes_acked.get(task, 0) + nbytes
             self._drop_rows(done, DropReason.CONSUMED)
-            self._lease_changed(lease)
+            self._lease_changed(lease, parts)
         if expired:
             raise LeaseExpired(
                 f"lease(s) {expired} expired or were released before ack; their rows were "
@@ -197,9 +199,14 @@ class Leases(ControllerBase):
             self._reindex(back, (task,))
             self._lease_changed(lease)
 
-    def _lease_changed(self, lease: _Lease) -> None:
-        for p in {self.rows[r].part for r in lease.rows if r in self.rows}:
-            if p.sealed or self.closed:  # remaining() moved: tails and ends may follow
+    def _lease_changed(self, lease: _Lease, parts: Iterable[Partition] | None = None) -> None:
+        """A lease ended: wake what its end may unblock. ``parts``: the partitions of
+        its rows, when the caller knows them (else found from the rows still held)."""
+        if parts is None:
+            parts = {self.rows[r].part for r in lease.rows if r in self.rows}
+        for p in parts:
+            if (p.sealed or self.closed) and self.parts.get(p.name) is p:
+                # remaining() moved: tails and ends may follow
                 self.changed.add(p.name)
                 self._wake_part(p.name)
         if lease.dispatch is not None:
