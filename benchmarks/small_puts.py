@@ -2,6 +2,9 @@
 
 Run: python benchmarks/small_puts.py [--rows 20000] [--ray] [--tq] [--scrape-every 1]
      python benchmarks/small_puts.py --only-metrics [--metrics-rows 10000 --metrics-reps 24]
+     python benchmarks/small_puts.py --against OLD_TREE [--rows 5000 --reps 6]
+         (the embedded and bare-controller cases, this tree against another commit's,
+         interleaved in one run: git archive <commit> streamrl benchmarks | tar -x -C OLD_TREE)
 
 Side by side in one run (ratios, since shared machines are noisy):
 
@@ -299,6 +302,76 @@ def _print_metrics(m: dict) -> None:
               f"({r['observations']} observed)")
 
 
+_AB_CODE = r"""
+import asyncio, cProfile, json, pstats, sys, time
+sys.path.insert(0, "benchmarks")
+import small_puts as sp
+import streamrl
+assert streamrl.__file__.startswith(sys.argv[1]), streamrl.__file__
+rows, case = int(sys.argv[2]), sys.argv[3]
+
+
+async def run():
+    out = {}
+    if case == "calls":  # Python calls per row (cProfile): does not depend on the load
+        await sp.embedded_streamrl(500)
+        pr = cProfile.Profile()
+        pr.enable()
+        await sp.embedded_streamrl(rows)
+        pr.disable()
+        out["embedded_calls_per_row"] = pstats.Stats(pr).total_calls / rows
+        pr = cProfile.Profile()
+        pr.enable()
+        sp.controller_batched(16 * rows)
+        pr.disable()
+        out["controller_batched_calls_per_row"] = pstats.Stats(pr).total_calls / (16 * rows)
+    else:
+        await sp.embedded_streamrl(500)  # warm
+        out["streamrl_us_per_row"] = await sp.embedded_streamrl(rows) * 1e6
+        out["asyncio_queue_us_per_row"] = await sp.embedded_asyncio_queue(rows) * 1e6
+        out["controller_batched_rows_per_s"] = sp.controller_batched(16 * rows)
+        out["controller_one_row_us"] = sp.controller_one_row(rows) * 1e6
+    print(json.dumps(out))
+
+try:
+    import uvloop
+    uvloop.run(run())
+except ImportError:
+    asyncio.run(run())
+"""
+
+
+def against(old: str, rows: int, reps: int) -> dict:
+    """This tree against ``old`` (a copy of another commit's tree holding ``streamrl/``
+    and ``benchmarks/small_puts.py``, e.g. ``git archive <commit> streamrl benchmarks``):
+    the embedded and bare-controller cases in subprocesses, alternating trees (the order
+    flipping every repetition), medians; and cProfile's Python calls per row, once each."""
+    import subprocess
+    import sys
+
+    here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    trees = {"before": os.path.abspath(old), "after": here}
+
+    def one(tree: str, case: str) -> dict:
+        env = dict(os.environ, PYTHONPATH=tree)
+        out = subprocess.run([sys.executable, "-c", _AB_CODE, tree, str(rows), case],
+                             cwd=tree, env=env, capture_output=True, text=True, check=True)
+        return json.loads(out.stdout.strip().splitlines()[-1])
+
+    runs: dict[str, list[dict]] = {k: [] for k in trees}
+    for i in range(reps):
+        for k in (("before", "after") if i % 2 == 0 else ("after", "before")):
+            runs[k].append(one(trees[k], "time"))
+    res = {}
+    for k, rs in runs.items():
+        r = {m: med([x[m] for x in rs]) for m in rs[0]}
+        r["cost_ratio"] = med([x["streamrl_us_per_row"] / x["asyncio_queue_us_per_row"]
+                               for x in rs])
+        r.update(one(trees[k], "calls"))
+        res[k] = r
+    return res
+
+
 async def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--rows", type=int, default=20_000)
@@ -313,9 +386,26 @@ async def main() -> None:
                     help="on/off pairs in the metrics case")
     ap.add_argument("--only-metrics", action="store_true", help="only the metrics case")
     ap.add_argument("--json", default=None)
+    ap.add_argument("--against", default=None, metavar="OLD_TREE",
+                    help="only the embedded and bare-controller cases, this tree against "
+                         "OLD_TREE (git archive <commit> streamrl benchmarks | tar -x -C "
+                         "OLD_TREE), interleaved")
     ap.add_argument("--profile", action="store_true",
                     help="only profile the embedded one-row put path (cProfile, by own time)")
     a = ap.parse_args()
+    if a.against:
+        res = against(a.against, a.rows, a.reps)
+        for k, r in res.items():
+            print(f"{k:6s}: embedded {r['streamrl_us_per_row']:.1f} us/row vs asyncio.Queue "
+                  f"{r['asyncio_queue_us_per_row']:.1f}: {r['cost_ratio']:.1f}x; "
+                  f"{r['embedded_calls_per_row']:.1f} Python calls/row | bare controller "
+                  f"256-row put+take+ack {r['controller_batched_rows_per_s']:,.0f} rows/s, "
+                  f"{r['controller_batched_calls_per_row']:.1f} calls/row | one-row put "
+                  f"{r['controller_one_row_us']:.1f} us")
+        if a.json:
+            with open(a.json, "w") as f:
+                json.dump(res, f, indent=2)
+        return
     if a.profile:
         import cProfile
         import pstats

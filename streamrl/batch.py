@@ -209,6 +209,28 @@ class RowRemoteBatch(RemoteBatch):
         #: put (known without fetching anything). ``None`` for views and other batches.
         self.nbytes: int | None = None
 
+    @classmethod
+    def _put(cls, queue: "StreamQueue", rows: Sequence[int], shards: Sequence[int],
+             cols: Mapping[str, Column], partition: str | None) -> "RowRemoteBatch":
+        """What ``put`` returns: the rows it created, their cache holding ``cols`` (the
+        same as ``RowRemoteBatch(queue, rows, shards, cols, partition=partition)``
+        then ``_learn(cols)``, built in one go: it is made for every put)."""
+        self = cls.__new__(cls)
+        self._s = queue.session
+        r = self._rows = np.array(rows, dtype=np.int64)
+        sh = self._shards = np.array(shards, dtype=np.int32)
+        self._versions = None
+        names = self._fields = tuple(cols)
+        self._known = frozenset(names)
+        self._cache = _Cache({f: [_Chunk(r, c)] for f, c in cols.items()},
+                             (r, sh) if len(r) == 1 else _probe(r, sh))
+        self._lease = _BatchLease(())
+        self._task = None
+        self._partition = partition
+        self._scalar = False
+        self.nbytes = None
+        return self
+
     # ------------------------------------------------------------------ metadata
 
     @property

@@ -44,7 +44,9 @@ def to_columns(data: Any) -> tuple[dict[str, Column], int]:
         SchemaError: fields of different lengths, a value that is not per-row.
         InvalidArgument: empty data or a bad field name.
     """
-    if isinstance(data, TensorDictBase):
+    if type(data) is dict:  # (the common case, before the slower ABC checks)
+        items = list(data.items())
+    elif isinstance(data, TensorDictBase):
         if not data.batch_size:
             raise SchemaError(
                 "a TensorDict put needs a batch dimension (its first dim counts rows); got "
@@ -100,7 +102,7 @@ def _check_tensor(name: str, t: torch.Tensor) -> torch.Tensor:
         raise SchemaError(
             f"field {name!r} is a {t.layout} tensor; streamrl stores dense tensors: pass "
             "t.to_dense() (or put the indices and values as fields of their own)")
-    if t.device.type == "meta":
+    if t.is_meta:
         raise SchemaError(
             f"field {name!r} is a meta tensor, which holds no data; put a tensor with values")
     if t.is_quantized:
@@ -160,7 +162,7 @@ def column_dtype(name: str, col: Column) -> str:
         SchemaError: a list of per-row tensors of different dtypes.
     """
     if isinstance(col, torch.Tensor):
-        return str(col.dtype)
+        return dtype_name(col.dtype)
     dtypes = {x.dtype for x in col if isinstance(x, torch.Tensor)}
     if not dtypes:
         return "object"
@@ -171,6 +173,18 @@ def column_dtype(name: str, col: Column) -> str:
             f"the rows of field {name!r} mix {', '.join(kinds)}; a field has one dtype: "
             "convert the per-row tensors to one dtype (t.to(dtype)) before the put")
     return str(dtypes.pop())
+
+
+#: dtype -> its name (``str(dtype)`` builds a new string per call)
+_DTYPE_NAMES: dict[torch.dtype, str] = {}
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """``str(dtype)``, e.g. ``"torch.int64"``."""
+    name = _DTYPE_NAMES.get(dtype)
+    if name is None:
+        name = _DTYPE_NAMES[dtype] = str(dtype)
+    return name
 
 
 def row_nbytes(col: Column, n: int) -> list[int]:

@@ -18,7 +18,7 @@ from tensordict import TensorDictBase
 
 from ._aio import shielded
 from .batch import ColumnRemoteBatch, RemoteBatch, RowRemoteBatch
-from .columns import (Column, column_dtype, row_nbytes, tag_values, take_rows,
+from .columns import (Column, column_dtype, dtype_name, row_nbytes, tag_values, take_rows,
                       to_columns)
 from .config import QueueConfig, check_timeout
 from .control import ControlPlane
@@ -179,6 +179,12 @@ class StreamQueue:
         self._tags_by_part: OrderedDict[str, frozenset[str]] = OrderedDict()
         self._tags_any: frozenset[str] = frozenset()
         self._transport: Transport = transport
+        # the storage units, when they are in this process and stored to synchronously
+        # (the embedded transport): a one-row put stores into its unit directly
+        from .transport.embedded import LocalDataPlane
+
+        data = transport.data
+        self._units = data.units if type(data) is LocalDataPlane else None
         self._periodic = None
         self._session: Session = Session(self, transport)
         if transport.metrics_url is not None and transport.handle is not None:
@@ -347,6 +353,8 @@ class StreamQueue:
         tags of the rows' partition must be scalars per row (a SchemaError before
         anything is admitted); fields that are tags only elsewhere are sent when they can
         be (a group key of one partition says nothing of another's field)."""
+        if not self._tags_any:  # (no tag anywhere; _tags_by_part holds subsets of it)
+            return {}
         strict = self._tags_by_part.get(part, frozenset()) if part is not None else frozenset()
         tags = {}
         for f, col in cols.items():
@@ -360,6 +368,8 @@ class StreamQueue:
         return tags
 
     def _learn_tags(self, part: str | None, fields: frozenset[str]) -> None:
+        if not fields and part not in self._tags_by_part:
+            return  # (nothing to learn, nothing to forget: the common case)
         self._tags_any = self._tags_any | fields
         if part is not None:
             self._tags_by_part[part] = fields
@@ -378,8 +388,15 @@ class StreamQueue:
                                   f"{partition!r}")
         cols, n = to_columns(data)
         names = tuple(cols)
-        nbytes = {f: row_nbytes(c, n) for f, c in cols.items()}
-        dtypes = {f: column_dtype(f, c) for f, c in cols.items()}
+        nbytes = {}
+        dtypes = {}
+        for f, c in cols.items():
+            if type(c) is torch.Tensor:  # (row_nbytes and column_dtype of a tensor)
+                nbytes[f] = [c.element_size() * (c.numel() // n)] * n
+                dtypes[f] = dtype_name(c.dtype)
+            else:
+                nbytes[f] = row_nbytes(c, n)
+                dtypes[f] = column_dtype(f, c)
         ctl = self._control
         target: RowRemoteBatch | None = None
         part: str | None
@@ -391,10 +408,10 @@ class StreamQueue:
                 done = await self._data.put_rows(part, cols, n, nbytes, tags, version, dtypes)
             if done is not None:
                 self._learn_tags(part, done[2].tag_fields)
-                out = RowRemoteBatch(self, done[0], done[1], names, partition=part)
-                out._learn(cols)
-                return out
-            total = sum(sum(v) for v in nbytes.values())
+                return RowRemoteBatch._put(self, done[0], done[1], cols, part)
+            total = 0
+            for v in nbytes.values():
+                total += sum(v)
             tok = await ctl.allocate(part, n, names, nbytes=total, version=version,
                                      timeout=timeout, nowait=nowait, dtypes=dtypes)
         else:
@@ -422,8 +439,13 @@ class StreamQueue:
             tags = self._tags(part, cols)
             tok = await ctl.begin_write(ids, names, overwrite=overwrite, dtypes=dtypes)
         try:
-            split = _split_by_shard(tok.rows, tok.shards, cols)
-            await self._data.put(split, tok.id)
+            units = self._units
+            if units is not None and len(tok.rows) == 1:
+                # one row, in-process units (embedded): stored here and now, as
+                # LocalDataPlane.put would, without the split and a coroutine
+                units[tok.shards[0]].put(tok.rows, cols, tok.id)
+            else:
+                await self._data.put(_split_by_shard(tok.rows, tok.shards, cols), tok.id)
         except BaseException:  # nothing of it may stay admitted
             await shielded(ctl.abort(tok))
             raise
@@ -445,9 +467,7 @@ class StreamQueue:
         if target is not None:
             target._learn(cols)
             return target
-        out = RowRemoteBatch(self, tok.rows, tok.shards, names, partition=part)
-        out._learn(cols)
-        return out
+        return RowRemoteBatch._put(self, tok.rows, tok.shards, cols, part)
 
     # ------------------------------------------------------------------ get / stream
 

@@ -61,7 +61,8 @@ class ControllerService:
     def __init__(self, controller: Controller, data: DataPlane):
         self.ctl = controller
         self.data = data
-        self._sub_waiters: dict[tuple, set[anyio.Event]] = {}
+        # subscription -> its waiters and the batch size each waits for (see _waiting)
+        self._sub_waiters: dict[tuple, dict[anyio.Event, int]] = {}
         self._part_waiters: dict[str | None, set[anyio.Event]] = {}
         self._space_q: OrderedDict[object, anyio.Event] = OrderedDict()
         self._pace_waiters: set[anyio.Event] = set()
@@ -109,6 +110,21 @@ class ControllerService:
             self.ctl.deletes.setdefault(shard, []).extend(rows)
         self.ctl.filter_jobs.extend(jobs)
         self._wake(woken, changed, freed)
+
+    def _done_now(self) -> bool:
+        """Do at once what :meth:`_after` would, when that is only waking waiters (no
+        storage I/O, filter jobs, deferred releases or checkpoint hold): ``True``; else
+        ``False`` and nothing is done (await :meth:`_after`). Saves the hot paths a
+        coroutine per call."""
+        ctl = self.ctl
+        if (ctl.deletes or ctl.filter_jobs or ctl.field_deletes or self._deferred
+                or self._hold is not None or self._loop is None):
+            return False
+        if ctl.woken or ctl.changed or ctl.space_freed:
+            woken, changed, freed = ctl.woken, ctl.changed, ctl.space_freed
+            ctl.woken, ctl.changed, ctl.space_freed = set(), set(), False
+            self._wake(woken, changed, freed)
+        return True
 
     async def _after(self, raise_filter_errors: bool = False) -> None:
         """Drain the controller's outboxes: wake waiters, delete from storage, run filters.
@@ -228,8 +244,9 @@ class ControllerService:
         if not self._space_q and ctl.admission(n, nbytes, version) is None:
             # fast path: room now and nobody ahead of us
             tok = ctl.allocate(partition, n, fields, nbytes=nbytes, version=version,
-                               dtypes=dtypes)
-            await self._after()
+                               dtypes=dtypes, admitted=True)
+            if not self._done_now():
+                await self._after()
             return tok
         ctl.check_dtypes(dtypes)  # a put that can never be admitted does not wait
         deadline = None if timeout is None else ctl.clock() + timeout
@@ -355,7 +372,8 @@ class ControllerService:
                 await shielded(self._delete(res.dead))
             for f, rows in res.missing_tags.items():
                 await self._backfill_tags(f, _by_shard(self.ctl, rows))
-            await self._after(raise_filter_errors=True)
+            if not self._done_now():
+                await self._after(raise_filter_errors=True)
         except anyio.get_cancelled_exc_class():
             await shielded(self.retract(token))
             raise
@@ -507,7 +525,9 @@ class ControllerService:
                     raise
                 return res
             ev = anyio.Event()
-            self._sub_waiters.setdefault(key, set()).add(ev)
+            # woken by new deliverable rows only once a batch of this size can be met
+            # (grouped and DP requests: by every one; see Controller.wake_at)
+            self._waiting(key, ev, req.batch_size if req.dp_size == 1 else 1)
             self._part_waiters.setdefault(req.partition, set()).add(ev)
             try:
                 await self._after()
@@ -516,8 +536,24 @@ class ControllerService:
                     if not got and _past(ctl, deadline):
                         raise StreamTimeout(self._timeout_message(req, timeout))
             finally:
-                _discard(self._sub_waiters, key, ev)
+                self._waiting(key, ev, None)
                 _discard(self._part_waiters, req.partition, ev)
+
+    def _waiting(self, key: tuple, ev: anyio.Event, size: int | None) -> None:
+        """``ev`` waits for a batch of ``size`` rows of subscription ``key`` (``None``:
+        it waits no more). The controller wakes the subscription when rows become
+        deliverable only once the smallest batch any of its waiters wants can be met."""
+        waiters = self._sub_waiters.get(key)
+        if size is not None:
+            if waiters is None:
+                waiters = self._sub_waiters[key] = {}
+            waiters[ev] = size
+        elif waiters is not None:
+            waiters.pop(ev, None)
+            if not waiters:
+                del self._sub_waiters[key]
+                waiters = None
+        self.ctl.wake_at(key, min(waiters.values()) if waiters else 1)
 
     def _timeout_message(self, req: Request, timeout: float | None) -> str:
         """Why a take found no batch: what the rows in its scope lack, and what to do."""

@@ -85,8 +85,8 @@ class Admission(ControllerBase):
 
     def allocate(self, partition: str, n: int, fields: Sequence[str], *, nbytes: int = 0,
                  version: int | None = None, ids: Sequence[int] | None = None,
-                 shard: int | None = None, dtypes: Mapping[str, str] | None = None
-                 ) -> WriteToken:
+                 shard: int | None = None, dtypes: Mapping[str, str] | None = None,
+                 admitted: bool = False) -> WriteToken:
         """Admit ``n`` new rows in ``partition`` whose ``fields`` are about to be written.
 
         With ``ids`` and ``shard``, the rows are the ones storage unit ``shard`` already
@@ -98,10 +98,14 @@ class Admission(ControllerBase):
         :class:`QueueClosed` after close, :class:`InvalidArgument` for a sealed partition
         (or for ``ids`` that are not the unit's next unused ones) and
         :class:`SchemaError` for a field given another dtype than it has.
+
+        ``admitted``: the caller has just seen :meth:`admission` return ``None`` for these
+        ``n`` rows, ``nbytes`` and ``version`` with no other call in between (the service's
+        fast path), so it is not asked again.
         """
         if not isinstance(n, int) or n <= 0:
             raise InvalidArgument(f"a put needs at least one row, got {n!r}")
-        why = self.admission(n, nbytes, version)
+        why = None if admitted else self.admission(n, nbytes, version)
         if why == "full":
             raise QueueFull(
                 f"no room for {n} rows ({nbytes} bytes): {len(self.rows)}/{self.capacity} rows"
@@ -125,7 +129,11 @@ class Admission(ControllerBase):
             version = self.version
         elif not isinstance(version, int):
             raise InvalidArgument(f"version must be an int, got {version!r}")
-        self.check_dtypes(dtypes)
+        if dtypes:
+            have = self.dtypes
+            for f, d in dtypes.items():
+                if have.get(f, d) != d:
+                    self.check_dtypes(dtypes)  # raises, saying what to do
         if ids is None:
             start = self._next_id
             self._next_id = start + n
@@ -140,23 +148,36 @@ class Admission(ControllerBase):
                     f"{shard}; admit them without ids")
             block[0] = ids[-1] + 1  # used
             ids, shards = list(ids), [shard] * n
-        self._learn_dtypes(dtypes)
+        if dtypes:
+            self._learn_dtypes(dtypes)
         pending = 0
-        for name in self.filters:
-            pending |= self._fbits[name]
+        if self.filters:
+            for name in self.filters:
+                pending |= self._fbits[name]
         wmask = self._wmask(fields)
         born = self.clock()
-        for rid, s in zip(ids, shards):
-            row = Row(rid, p, s, version, born)
+        rows, prows = self.rows, p.rows
+        if n == 1:  # (every one-row put)
+            rid = ids[0]
+            row = Row(rid, p, shards[0], version, born)
             row.pending = pending
             row.writing = wmask
-            self.rows[rid] = row
-            p.rows[rid] = row
+            rows[rid] = prows[rid] = row
+        else:
+            for rid, s in zip(ids, shards):
+                row = Row(rid, p, s, version, born)
+                row.pending = pending
+                row.writing = wmask
+                rows[rid] = prows[rid] = row
         self.reserved_bytes += nbytes
         self.c_put += n
         p.put += n
-        tok = WriteToken(self._new_token_id(), ids, shards, tuple(fields), nbytes, True)
-        self._track(tok)
+        tid = self._next_token
+        self._next_token = tid + 1
+        tok = WriteToken(tid, ids, shards, fields if type(fields) is tuple else tuple(fields),
+                         nbytes, True)
+        self._tokens[tid] = tok
+        heapq.heappush(self._token_heap, (born + self.lease_timeout, tid))
         if self.max_staleness is not None and version < self.version - self.max_staleness:
             # admitted and immediately stale: it will never be delivered
             self._drop_rows([self.rows[r] for r in ids], DropReason.STALE, group=True)
@@ -202,9 +223,14 @@ class Admission(ControllerBase):
                 self.dtypes.setdefault(f, d)
 
     def _wmask(self, fields: Iterable[str]) -> int:
-        m = 0
-        for f in fields:
-            m |= self._bit(self._field_bits, f)
+        key = fields if type(fields) is tuple else tuple(fields)
+        m = self._wmasks.get(key)
+        if m is None:
+            m = 0
+            for f in key:
+                m |= self._bit(self._field_bits, f)
+            if len(self._wmasks) < 4096:  # (a cache of the field sets seen)
+                self._wmasks[key] = m
         return m
 
     def _place(self, n: int) -> list[int]:
@@ -212,6 +238,10 @@ class Admission(ControllerBase):
         living unit, the next put to the next unit. A put's rows then stay one segment,
         so a batch that is a run of one put is read as one piece (no join copy); load
         spreads over units across puts (producers put many small batches)."""
+        if not self.dead_shards:  # (every unit alive: the common case)
+            shard = self._next_shard % self.num_shards
+            self._next_shard = (shard + 1) % self.num_shards
+            return [shard] * n
         live = [s for s in range(self.num_shards) if s not in self.dead_shards]
         if not live:
             from ..errors import TransportError
@@ -387,25 +417,29 @@ class Admission(ControllerBase):
         touched: list[Row] = []
         added = 0
         keep = ~self._wmask(tok.fields)
-        zeros = [0] * len(tok.rows)
-        sizes = [(f, [int(b) for b in nbytes[f]] if f in nbytes else zeros) for f in tok.fields]
+        sizes = [(f, nbytes[f]) for f in tok.fields if f in nbytes]
+        nosize = [f for f in tok.fields if f not in nbytes]  # written with 0 bytes
         rows = self.rows
-        for i, (rid, s) in enumerate(zip(tok.rows, tok.shards)):
+        for i, rid in enumerate(tok.rows):
             row = rows.get(rid)
             if row is None:
-                dead.setdefault(s, []).append(rid)
+                dead.setdefault(tok.shards[i], []).append(rid)
                 continue
             row.writing &= keep
             have = row.fields
             delta = 0
             for f, col in sizes:  # (the hot loop of a put: kept flat)
-                b = col[i]
+                b = int(col[i])
                 delta += b - have.get(f, 0)
                 have[f] = b
+            for f in nosize:
+                delta -= have.get(f, 0)
+                have[f] = 0
             row.nbytes += delta
             added += delta
-            for f, vals in tags.items():
-                self._set_tag(row, f, vals[i])
+            if tags:
+                for f, vals in tags.items():
+                    self._set_tag(row, f, vals[i])
             touched.append(row)
         self.bytes_held += added
         self.c_bytes_put += max(added, 0)
@@ -413,16 +447,22 @@ class Admission(ControllerBase):
             self.space_freed = True
         self._count_part_bytes(touched, added, before)
         missing: dict[str, list[int]] = {}
-        tagged = [f for f in tok.fields if f not in tags and (
-            f in self.tag_fields or any(f in s for s in self.part_tags.values()))]
-        for f in tagged:  # tags the writer did not give: the service reads them
-            rows_ = [r.id for r in touched if self._tagged(f, r.part.name)]
-            if rows_:
-                missing[f] = rows_
-        parts = {r.part.name for r in touched}
-        scope = (self.tags_of(parts.pop()) if len(parts) == 1
-                 else frozenset(self.tag_fields))
-        if touched:
+        if self.tag_fields or self.part_tags:
+            tagged = [f for f in tok.fields if f not in tags and (
+                f in self.tag_fields or any(f in s for s in self.part_tags.values()))]
+            for f in tagged:  # tags the writer did not give: the service reads them
+                rows_ = [r.id for r in touched if self._tagged(f, r.part.name)]
+                if rows_:
+                    missing[f] = rows_
+        if not touched:
+            scope = frozenset(self.tag_fields)
+        else:
+            first = touched[0].part
+            if tok.new_rows or all(r.part is first for r in touched):
+                scope = self.tags_of(first.name)
+            else:
+                scope = frozenset(self.tag_fields)
             self._reindex(touched)
-            self._filter_check(touched)
+            if self.filters:
+                self._filter_check(touched)
         return CommitResult(dead, scope, missing)

@@ -49,6 +49,7 @@ class ControllerBase(State):
     _lease_heap: list[tuple[float, int]]  # (deadline, lease id)
     _token_heap: list[tuple[float, int]]  # (deadline, token id)
     _dispatchers: dict[tuple, _Dispatcher]  # DP dispatch progress (see .dispatch)
+    _wmasks: dict[tuple[str, ...], int]  # fields -> their bits in Row.writing (a cache)
 
     if TYPE_CHECKING:
         # .admission
@@ -85,6 +86,10 @@ class ControllerBase(State):
         def _reindex(self, rows: Iterable[Row], tasks: Iterable[str] | None = None) -> None: ...
         @abstractmethod
         def _unindex(self, row: Row, tasks: Iterable[str] | None = None) -> None: ...
+        @abstractmethod
+        def _remove(self, sub: _Sub, row: Row) -> None: ...
+        @abstractmethod
+        def _candidates(self, name: str) -> list[_Sub]: ...
         @abstractmethod
         def _wake_part(self, name: str) -> None: ...
 

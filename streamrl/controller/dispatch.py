@@ -17,6 +17,7 @@ from .base import ControllerBase
 
 if TYPE_CHECKING:
     from .index import _Sub
+    from .state import Partition
 
 
 class _Dispatcher:
@@ -160,15 +161,26 @@ class Dispatch(ControllerBase):
 
     def _delivery(self, lid: int, req: Request, sub: _Sub, rids: list[int], rank: int = 0,
                   dispatch: int | None = None) -> Delivery:
-        objs = [self.rows[r] for r in rids]
-        common = set(objs[0].fields) if objs else set()
-        for row in objs[1:]:
-            common.intersection_update(row.fields)
+        rows = self.rows
+        objs = [rows[r] for r in rids]
+        common: set[str] = set()
+        nbytes = 0
+        fields = req.fields
+        if objs:
+            keys = objs[0].fields.keys()
+            common = set(keys)
+            one_part: Partition | None = objs[0].part
+            for row in objs:  # (one pass: shared fields, bytes, partition)
+                have = row.fields
+                if have.keys() != keys:
+                    common.intersection_update(have)
+                for f in fields:
+                    nbytes += have.get(f, 0)
+                if row.part is not one_part:
+                    one_part = None
         part = sub.partition
         if part is None and objs:
-            names = {r.part.name for r in objs}
-            part = names.pop() if len(names) == 1 else None
-        nbytes = sum(r.fields.get(f, 0) for r in objs for f in req.fields)
+            part = one_part.name if one_part is not None else None
         return Delivery(lid, req.task, list(rids), [r.shard for r in objs],
                         [r.version for r in objs], req.fields, part, rank, dispatch,
                         tuple(sorted(common)), nbytes)

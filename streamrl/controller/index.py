@@ -24,7 +24,7 @@ class _Sub:
     """One request shape and its index of deliverable rows."""
 
     __slots__ = ("key", "task", "fields", "partition", "group_by", "group_size", "avail",
-                 "buckets", "complete", "gating", "tbit")
+                 "buckets", "complete", "gating", "tbit", "wake_at")
 
     def __init__(self, key: tuple, gating: int, tbit: int):
         self.key = key
@@ -39,6 +39,9 @@ class _Sub:
         self.complete: dict[tuple[str, Hashable], None] = {}  # groups that may go out
         self.gating = gating  # bitmask of filters that must pass a row first
         self.tbit = tbit
+        # deliverable rows at which a row that becomes deliverable wakes the
+        # subscription's waiters (see Index.wake_at); 1: every such row wakes them
+        self.wake_at = 1
 
 
 class Index(ControllerBase):
@@ -55,6 +58,7 @@ class Index(ControllerBase):
         self._lease_heap = []
         self._token_heap = []
         self._dispatchers = {}
+        self._wmasks = {}
 
     def validate_request(self, req: Request) -> None:
         """Raise :class:`InvalidArgument` for a request that can never be served."""
@@ -116,7 +120,7 @@ class Index(ControllerBase):
     def _eligible(self, row: Row, sub: _Sub) -> bool:
         if row.acked & sub.tbit or sub.task in row.leased:
             return False
-        if not sub.fields.issubset(row.fields):
+        if not sub.fields <= row.fields.keys():
             return False
         if sub.group_by is not None and sub.group_by not in row.tags:
             return False
@@ -124,14 +128,29 @@ class Index(ControllerBase):
             return False
         return True
 
+    def wake_at(self, key: tuple, n: int) -> None:
+        """Wake the waiters of subscription ``key`` when rows become deliverable only once
+        it holds ``n`` deliverable rows (the smallest batch one of them waits for), or
+        when its partition (or the queue) is sealed or closed, where a short batch may
+        go out. Ends, seals, acks and drops wake them as before (:meth:`_wake_part`).
+        Only for ungrouped subscriptions, and only until the caller sets it back to 1
+        (:meth:`Controller.load_state_dict` makes new subscriptions: 1 again)."""
+        sub = self.subs.get(key)
+        if sub is not None:
+            sub.wake_at = n if sub.group_by is None else 1
+
     def _add(self, sub: _Sub, row: Row) -> None:
         if sub.group_by is None:
-            sub.avail[row.id] = None
-        else:
-            gk = (row.part.name, row.tags[sub.group_by])
-            sub.buckets.setdefault(gk, {})[row.id] = None
-            sub.avail[row.id] = None
-            self._check_complete(sub, gk)
+            avail = sub.avail
+            avail[row.id] = None
+            if (len(avail) >= sub.wake_at or row.part.sealed or self.closed
+                    or self.sealed_all):
+                self.woken.add(sub.key)
+            return
+        gk = (row.part.name, row.tags[sub.group_by])
+        sub.buckets.setdefault(gk, {})[row.id] = None
+        sub.avail[row.id] = None
+        self._check_complete(sub, gk)
         self.woken.add(sub.key)
 
     def _remove(self, sub: _Sub, row: Row) -> None:
@@ -170,15 +189,36 @@ class Index(ControllerBase):
         """Re-evaluate ``rows`` against subscriptions (of ``tasks`` only, if given)."""
         if not self.subs:
             return
+        last = None
+        cands: list[_Sub] = []
+        # ungrouped subscriptions that gained rows: whether one of those rows' partitions
+        # is sealed
+        grew: dict[_Sub, bool] = {}
         for row in rows:
-            for sub in self._candidates(row.part.name):
-                if tasks is not None and sub.task not in tasks:
-                    continue
-                ok = self._eligible(row, sub)
-                if ok and row.id not in sub.avail:
-                    self._add(sub, row)
-                elif not ok and row.id in sub.avail:
+            part = row.part
+            if part is not last:  # (rows come in runs of one partition)
+                last = part
+                cands = self._candidates(part.name)
+                if tasks is not None:
+                    cands = [sub for sub in cands if sub.task in tasks]
+            rid = row.id
+            for sub in cands:  # (_eligible and _add, inlined: the hot loop of a commit)
+                ok = (not row.acked & sub.tbit and sub.task not in row.leased
+                      and sub.fields <= row.fields.keys()
+                      and (sub.group_by is None or sub.group_by in row.tags)
+                      and not (row.pending | row.judging) & sub.gating)
+                if ok:
+                    if rid not in sub.avail:
+                        if sub.group_by is None:
+                            sub.avail[rid] = None
+                            grew[sub] = grew.get(sub, False) or part.sealed
+                        else:
+                            self._add(sub, row)
+                elif rid in sub.avail:
                     self._remove(sub, row)
+        for sub, sealed in grew.items():  # (whether to wake: as _add decides)
+            if len(sub.avail) >= sub.wake_at or sealed or self.closed or self.sealed_all:
+                self.woken.add(sub.key)
 
     def _candidates(self, name: str) -> list[_Sub]:
         c = self._cands.get(name)

@@ -26,6 +26,7 @@ if TYPE_CHECKING:
     from .leases import _Lease
 
 _MISSING = object()
+_NO_TAGS: frozenset[str] = frozenset()
 
 #: outcomes of finished leases (and ids of expired writes) kept for idempotent acks and
 #: clear errors
@@ -230,7 +231,10 @@ class State:
         """The tag fields of rows of ``partition``."""
         if partition is None:
             return frozenset(self.tag_fields)
-        return frozenset(self.tag_fields | self.part_tags.get(partition, set()))
+        mine = self.part_tags.get(partition)
+        if not mine:
+            return frozenset(self.tag_fields) if self.tag_fields else _NO_TAGS
+        return frozenset(self.tag_fields | mine)
 
     def _remember(self, lid: int, outcome: str | list) -> None:
         """Remember how lease ``lid`` ended, unless it was acked (a lease that is not

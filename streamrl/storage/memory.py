@@ -31,8 +31,19 @@ __all__ = ["StorageUnit", "approx_size", "create"]
 # torch tensors (embedded) and :class:`streamrl.wire.WireTensor` (storage-unit actors).
 
 
+#: types seen to have the tensor surface (a put asks once per type, not per value)
+_TENSOR_TYPES: set[type] = set()
+
+
 def _is_tensor(x: Any) -> bool:
-    return hasattr(x, "element_size") and hasattr(x, "shape") and not isinstance(x, (list, tuple))
+    t = type(x)
+    if t in _TENSOR_TYPES:
+        return True
+    if hasattr(x, "element_size") and hasattr(x, "shape") and not isinstance(x, (list, tuple)):
+        if hasattr(t, "element_size") and hasattr(t, "shape"):  # (of the class itself)
+            _TENSOR_TYPES.add(t)
+        return True
+    return False
 
 
 def approx_size(obj: Any) -> int:
@@ -207,8 +218,18 @@ class StorageUnit(StorageBackend):
             store = self.columns.setdefault(name, {})
             if _is_tensor(col):
                 base = self._segment(col, n, write, name, rows)
-                entries: list = list(range(base, base + n))
                 self.nbytes += self.segments[base >> _OFF_BITS].row_bytes * n
+                if n == 1:  # (every one-row put)
+                    r = rows[0]
+                    old = store.get(r)
+                    if old is None:
+                        row_fields[r] = row_fields.get(r, 0) + 1
+                    else:
+                        self.nbytes -= self._entry_bytes(old)
+                        self._release(old)
+                    store[r] = base
+                    continue
+                entries: list = list(range(base, base + n))
             else:
                 entries = []
                 for r, x in zip(rows, col):
