@@ -115,8 +115,7 @@ _LEFT: set[tuple[str, str]] = set()
 #: private attributes read in a file that does not define them, with why each is allowed:
 #: anything else is a reach-in into another module's state (see the test below)
 _CROSS_FILE = {
-    ("queue.py", "out._learn"): "the queue seeds the cache of the batch it returns",
-    ("queue.py", "target._learn"): "the same, for the batch a write was given",
+    ("queue.py", "target._learn"): "the queue seeds the cache of the batch a write was given",
     ("queue.py", "task._exception"): "CPython's Task: reading it does not mark it retrieved",
     ("transport/ray/transport.py", "controller._actor_id"): "Ray's handle has no public id",
     ("transport/rdt/group.py", "a._actor_id"): "the same",
