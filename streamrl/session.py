@@ -7,7 +7,6 @@ Views never reach into the queue, its transport or the storage units themselves.
 
 from __future__ import annotations
 
-import contextvars
 import time
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
@@ -17,6 +16,7 @@ import torch
 
 from .columns import Column, assemble
 from .stats import Histogram
+from .transport.base import _moving, note_moved
 
 if TYPE_CHECKING:
     from .batch import RowRemoteBatch
@@ -25,21 +25,6 @@ if TYPE_CHECKING:
     from .transport.base import DataPlane, Transport
 
 __all__ = ["Session", "note_moved"]
-
-#: the bytes per path of the read in progress in this task (see :func:`note_moved`)
-_moving: contextvars.ContextVar[dict[str, int] | None] = contextvars.ContextVar(
-    "streamrl_read_paths", default=None)
-
-
-def note_moved(by_path: Mapping[str, int]) -> None:
-    """A data plane moved these bytes, per path (``"shm"``, ``"inline"``, ``"rdt"``,
-    ``"socket"``, ``"local"``): counted in the read in progress in this task, if any (so
-    :meth:`Session.fetch` knows which paths its read took)."""
-    acc = _moving.get()
-    if acc is not None:
-        for path, n in by_path.items():
-            acc[path] = acc.get(path, 0) + n
-
 
 class Session:
     """The calls batch views make, on behalf of one queue handle.

@@ -13,6 +13,7 @@ the Ray transport hands it proxies that call actors. The client never knows whic
 from __future__ import annotations
 
 import abc
+import contextvars
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -24,7 +25,21 @@ if TYPE_CHECKING:
 
 from .._types import Column
 
-__all__ = ["DataCaps", "DataPlane", "Transport"]
+__all__ = ["DataCaps", "DataPlane", "Transport", "note_moved"]
+
+#: the bytes per path of the read in progress in this task (see :func:`note_moved`)
+_moving: contextvars.ContextVar[dict[str, int] | None] = contextvars.ContextVar(
+    "streamrl_read_paths", default=None)
+
+
+def note_moved(by_path: Mapping[str, int]) -> None:
+    """A data plane moved these bytes, per path (``"shm"``, ``"inline"``, ``"rdt"``,
+    ``"socket"``, ``"local"``): counted in the read in progress in this task, if any (so
+    :meth:`streamrl.session.Session.fetch` knows which paths its read took)."""
+    acc = _moving.get()
+    if acc is not None:
+        for path, n in by_path.items():
+            acc[path] = acc.get(path, 0) + n
 
 
 @dataclass(frozen=True)

@@ -32,9 +32,8 @@ import ray
 
 from ...arena import ShmRef, map_private, map_segment
 from ...errors import RowsLost, rows_preview
-from ...session import note_moved
 from ...wire import WireTensor
-from ..base import Column, DataCaps, DataPlane
+from ..base import Column, DataCaps, DataPlane, note_moved
 from ..rpc import Endpoint, RpcClient
 from .admit import FAST_MAX, PlaneAdmission
 from .calls import send, unwrap
