@@ -241,6 +241,39 @@ def test_state_dict_packs_as_msgpack_and_json():
     assert restored.rows[2].tags["uid"] == (2, "k")  # a tuple key stays a tuple
 
 
+def test_a_streamed_state_file_holds_the_same_state(tmp_path):
+    """A checkpoint packs the cut's rows as a stream (each row's dict made and let go
+    while packing, so a big cut does not make the garbage collector stop every thread):
+    the file reads back as the state_dict() of the same cut, rows in the same order."""
+    from streamrl.checkpoint.files import read_msgpack, write_msgpack
+
+    c = Controller(2048, num_shards=2, lease_timeout=10.0, clock=Clock())
+    c.register_tag("uid")
+    for i in range(3):  # more rows than one slice of the writer (512)
+        tok = c.allocate("a" if i % 2 else "b", 400, ("x", "uid"), nbytes=1600)
+        c.commit(tok, {"x": [4] * 400, "uid": [4] * 400}, {"uid": list(range(400))})
+    c.take(Request("t", ("x",), 5, partition="a"))
+    cut = c.state_cut()
+    streamed = cut.stream_dict()
+    assert not isinstance(streamed["rows"], list) and len(streamed["rows"]) == 1200
+    entry = write_msgpack(str(tmp_path / "state.msgpack"), streamed)
+    assert read_msgpack(str(tmp_path / "state.msgpack"), entry, "state") == cut.state_dict()
+
+
+def test_a_stream_that_gives_fewer_items_than_it_said_is_not_written(tmp_path):
+    from streamrl.checkpoint.files import write_msgpack
+
+    class Liar:
+        def __len__(self):
+            return 3
+
+        def __iter__(self):
+            return iter([1, 2])
+
+    with pytest.raises(ValueError, match="said it had 3 items and gave 2"):
+        write_msgpack(str(tmp_path / "x.msgpack"), {"rows": Liar()})
+
+
 def test_load_semantics_leases_released_writes_aborted_jobs_rejudged_ids_not_reused():
     c = make(Clock())
     c.add_filter(FilterSpec("f", frozenset({"r"})))

@@ -95,15 +95,14 @@ def write_state(directory: str, cut: Any, num_shards: int) -> tuple[dict, dict, 
     """Turn a :class:`~streamrl.controller.snapshot.StateCut` into the controller's
     state file under ``directory`` and the units' plans (runs in a worker thread).
     Returns ``(state file entry, plans, rows per unit, summary)``."""
-    state = cut.state_dict()
+    # (from the cut's row tuples: the rows' dicts are made one at a time as the state
+    # file is packed; see StateCut.stream_dict)
     plans: dict[int, dict[str, tuple[list[int], list[int]]]] = {s: {} for s in range(num_shards)}
     rows: dict[int, list[int]] = {s: [] for s in range(num_shards)}
     nbytes = 0
-    for rd in state["rows"]:
-        fields = rd["fields"]
+    for rid, _part, shard, _version, fields, *_ in cut.rows:
         if not fields:  # new rows of a write in flight: aborted on restore
             continue
-        shard, rid = rd["shard"], rd["id"]
         rows[shard].append(rid)
         plan = plans[shard]
         for f, n in fields.items():
@@ -120,6 +119,7 @@ def write_state(directory: str, cut: Any, num_shards: int) -> tuple[dict, dict, 
                 plan[f] = ([rs[i] for i in order], [ns[i] for i in order])
     for rs in rows.values():
         rs.sort()
+    state = cut.stream_dict()
     entry = write_msgpack(os.path.join(directory, STATE_FILE), state)
     summary = {"rows": sum(len(r) for r in rows.values()), "bytes": nbytes,
                "partitions": len(state["partitions"]), "policy_version": state["policy_version"],

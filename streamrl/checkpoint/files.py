@@ -24,12 +24,13 @@ flat ``uint8`` numpy array or any buffer.
 from __future__ import annotations
 
 import errno
+import itertools
 import json
 import mmap
 import os
 import struct
 import zlib
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sized
 from typing import Any
 
 import msgpack
@@ -193,6 +194,19 @@ def _packed(obj: Any, packer: msgpack.Packer) -> Iterable[bytes]:
         yield packer.pack_array_header(len(obj))
         for i in range(0, len(obj), _PACK_SLICE):
             yield b"".join(packer.pack(x) for x in obj[i:i + _PACK_SLICE])
+    elif isinstance(obj, Sized) and isinstance(obj, Iterable) and not isinstance(
+            obj, (list, tuple, str, bytes, bytearray, memoryview, dict)):
+        # a sized stream of items made as they are read (the controller's rows): packed
+        # as an array, a slice at a time, each item let go once packed
+        n = len(obj)
+        yield packer.pack_array_header(n)
+        it, got = iter(obj), 0
+        while items := list(itertools.islice(it, _PACK_SLICE)):
+            got += len(items)
+            yield b"".join([packer.pack(x) for x in items])
+            del items
+        if got != n:
+            raise ValueError(f"a stream said it had {n} items and gave {got}")
     else:
         yield packer.pack(obj)
 
