@@ -668,3 +668,22 @@ async def test_arena_reserve_makes_room_at_start_and_is_validated(rq):
 
 async def _arena_size_is(q, size: int) -> bool:
     return (await _arena(q))["size"] == size
+
+
+async def test_controller_and_unit_actors_start_without_torch(rq):
+    """The controller and storage-unit actors hold metadata and bytes: they never import
+    torch or tensordict, which cost each new actor process seconds of CPU to start (most
+    of a Ray queue's start on this machine), unless a filter of the queue needs them."""
+    q = rq(consumers=["t"])
+    rows = await q.put({"x": torch.arange(8).reshape(2, 4), "o": ["a", "b"]}, partition="p")
+    mb = await q.get("t", ["x", "o"], batch_size=2, partition="p", timeout=30)
+    assert (await mb.materialize())["x"].tolist() == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    await mb.ack()
+    assert len(rows) == 2
+    t = q._transport
+    # (a lambda travels by value: a function of this module would make the actor
+    # import the module, and with it torch)
+    heavy = lambda self: sorted(  # noqa: E731
+        m for m in ("torch", "tensordict") if m in __import__("sys").modules)
+    for actor in [t._controller, *t._units]:
+        assert await actor.__ray_call__.remote(heavy) == []
