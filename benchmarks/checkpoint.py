@@ -139,6 +139,7 @@ async def run(args) -> dict:
     rows = int(args.size * GiB) // row_bytes
     per_put = max(1, (64 * MiB) // row_bytes)
     base = args.dir or os.path.dirname(os.path.abspath(__file__))
+    os.makedirs(base, exist_ok=True)
     work = tempfile.mkdtemp(prefix=".ckpt-bench-", dir=base)
     disk: dict[str, list[float]] = {"buffered": [], "direct": []}
     try:
