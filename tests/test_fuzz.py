@@ -73,8 +73,19 @@ data_strategy = st.one_of(
 )
 
 
+#: seconds one example may take; past it the example fails (a hang then shows as a
+#: failure with its arguments, instead of a run that never ends: pytest-timeout's signal
+#: reaches only the example it interrupts, and hypothesis then goes on shrinking)
+EXAMPLE_TIMEOUT = 60.0
+
+
 def _run(coro):
-    return asyncio.run(coro)
+    async def bounded():
+        try:
+            return await asyncio.wait_for(coro, EXAMPLE_TIMEOUT)
+        except asyncio.TimeoutError:
+            raise AssertionError(f"the example hung for {EXAMPLE_TIMEOUT} s") from None
+    return asyncio.run(bounded())
 
 
 async def _consistent(q: streamrl.StreamQueue) -> None:
@@ -84,9 +95,13 @@ async def _consistent(q: streamrl.StreamQueue) -> None:
     assert st.rows <= st.capacity and st.leases == 0
     if q._control.ctl.sealed_all:  # seal() of the whole queue: no new rows, as promised
         return
-    rows = await q.put({"__ok": torch.arange(2)}, partition="__check")
-    mb = await q.get("__check", ["__ok"], 2, partition="__check", timeout=5)
-    assert (await mb.materialize())["__ok"].tolist() == [0, 1]
+    # rows that fit any capacity (capacity=1 and capacity_bytes=1 are valid options); the
+    # check must find room: put_nowait raises QueueFull where a put would wait forever
+    n = min(2, st.capacity, st.capacity_bytes or 2)
+    rows = await q.put_nowait({"__ok": torch.arange(n, dtype=torch.uint8)},
+                              partition="__check")
+    mb = await q.get("__check", ["__ok"], n, partition="__check", timeout=5)
+    assert (await mb.materialize())["__ok"].tolist() == list(range(n))
     await mb.drop()
     assert rows.rows == mb.rows
 
@@ -320,9 +335,10 @@ def test_stream_fuzz(task, fields, batch_size, options, ctx):
 def test_put_nowait_fuzz(data, partition, version, fill):
     """put_nowait: a full queue raises QueueFull; bad arguments a clear error."""
     async def main():
-        async with streamrl.StreamQueue(capacity=4, num_shards=2) as q:
+        # room for the largest fuzzed put (4 rows) and the consistency check's 2 rows
+        async with streamrl.StreamQueue(capacity=6, num_shards=2) as q:
             if fill:
-                await q.put({"idx": torch.arange(4)}, partition="p")
+                await q.put({"idx": torch.arange(6)}, partition="p")
             try:
                 await asyncio.wait_for(q.put_nowait(data, partition=partition,
                                                     version=version), 5)
