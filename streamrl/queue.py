@@ -183,8 +183,13 @@ class StreamQueue:
         # (the embedded transport): a one-row put stores into its unit directly
         from .transport.embedded import LocalDataPlane
 
+        from .combine import CombiningService
+
         data = transport.data
         self._units = data.units if type(data) is LocalDataPlane else None
+        # the stage that combines one-row puts (the embedded transport): see combine.py
+        control = transport.control
+        self._stage = control if isinstance(control, CombiningService) else None
         self._periodic = None
         self._session: Session = Session(self, transport)
         if transport.metrics_url is not None and transport.handle is not None:
@@ -403,6 +408,11 @@ class StreamQueue:
         if rows is None:
             part = DEFAULT_PARTITION if partition is None else partition
             tags = self._tags(part, cols)
+            stage = self._stage
+            if stage is not None and n == 1 and not tags:  # combined (never awaits)
+                staged = stage.stage_put(part, cols, nbytes, dtypes, version)
+                if staged is not None:
+                    return RowRemoteBatch._put(self, [staged[0]], [staged[1]], cols, part)
             done = None
             if self._data.caps.unit_admitted_puts:  # one call, no waiting (Ray)
                 done = await self._data.put_rows(part, cols, n, nbytes, tags, version, dtypes)
