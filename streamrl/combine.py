@@ -95,15 +95,15 @@ class CombiningService(ControllerService):
 
     # ------------------------------------------------------------------ staging
 
-    def stage_put(self, partition: str, cols: Mapping[str, Column],
-                  nbytes: Mapping[str, list[int]], dtypes: dict[str, str],
-                  version: int | None) -> tuple[int, int] | None:
-        """Stage a put of one new row: ``(row id, storage unit)``, or ``None`` when it
-        must be put the usual way (the stage is flushed then, so that rows keep the order
-        of their puts). Never awaits; raises nothing a put would not."""
+    def stage_put(self, partition: str, cols: Mapping[str, Column], sizes: Mapping[str, int],
+                  dtypes: dict[str, str], version: int | None) -> tuple[int, int] | None:
+        """Stage a put of one new row (``sizes``: its bytes per field): ``(row id,
+        storage unit)``, or ``None`` when it must be put the usual way (the stage is
+        flushed then, so that rows keep the order of their puts). Never awaits; raises
+        nothing."""
         b = 0
-        for v in nbytes.values():
-            b += v[0]
+        for v in sizes.values():
+            b += v
         n = self.staged
         if n and (partition != self._part or version != self._version
                   or dtypes != self._dtypes or self._bytes + b > self.max_bytes):
@@ -130,8 +130,8 @@ class CombiningService(ControllerService):
         for f, c in cols.items():
             cs[f].append(c)
         ss = self._sizes
-        for f, v in nbytes.items():
-            ss[f].append(v[0])
+        for f, v in sizes.items():
+            ss[f].append(v)
         self._bytes += b
         self.staged = n = n + 1
         shard = self._shard
