@@ -95,6 +95,21 @@ async def test_seal_clear_and_close_count_the_staged_rows(make_queue):
         await q.put(one(10), partition="c")
 
 
+async def test_a_batch_sent_elsewhere_reads_its_row_at_once(make_queue):
+    """A put's batch pickled (as it is sent to another task or process: without its
+    cache) reads its row from storage, with no other call of the queue first."""
+    import pickle
+
+    q = make_queue(capacity=64)
+    await first_use(q)
+    await q.put(one(0), partition="p")
+    b = await q.put(one(1), partition="p")
+    assert staged(q) == (2 if combines(q) else 0)
+    again = pickle.loads(pickle.dumps(b))
+    td = await again.materialize(["idx", "x"])
+    assert td["idx"].tolist() == [1] and td["x"].tolist() == [[1.0] * 4]
+
+
 async def test_a_waiting_consumer_gets_the_rows_without_any_other_call(make_queue):
     """A producer that puts and then only awaits something else still hands its rows
     over: the stage is flushed at the end of the event-loop iteration."""
@@ -204,6 +219,24 @@ async def test_a_waiting_producer_is_served_before_later_one_row_puts(make_queue
     got = [(await b.materialize())["idx"].tolist() async for b in
            q.stream("t", ["idx"], 4, partition="p")]
     assert got == [[1, 2]]
+
+
+async def test_a_one_row_put_that_fits_waits_behind_a_waiting_producer(make_queue):
+    """First come, first served: room for a small row is not taken from a producer
+    already waiting for room for a bigger one."""
+    q = make_queue(capacity=64, capacity_bytes=100)
+    await first_use(q)
+    await q.put(one(0), partition="p")  # 24 bytes
+    big = asyncio.ensure_future(q.put({"idx": torch.tensor([1]), "x": torch.zeros(1, 20)},
+                                      partition="p"))  # 88 bytes: waits
+    await anyio.sleep(0.05)
+    assert not big.done()
+    with pytest.raises(QueueFull, match="waiting"):
+        await q.put_nowait(one(2), partition="p")  # would fit, but the big one is first
+    mb = await q.get("t", ["idx"], 1, partition="p", timeout=10)
+    await mb.drop()
+    await big
+    assert (await q.stats()).rows == 1
 
 
 # ---------------------------------------------------------------- errors
