@@ -110,6 +110,27 @@ async def test_a_batch_sent_elsewhere_reads_its_row_at_once(make_queue):
     assert td["idx"].tolist() == [1] and td["x"].tolist() == [[1.0] * 4]
 
 
+async def test_a_checkpoint_holds_the_one_row_puts_that_returned(make_queue, tmp_path):
+    import streamrl
+
+    q = make_queue(capacity=64)
+    await first_use(q)
+    for i in range(5):
+        await q.put(one(i), partition="p")
+    assert staged(q) == (5 if combines(q) else 0)
+    info = await q.checkpoint(tmp_path / "ck")
+    assert info.rows == 5
+    r = await streamrl.StreamQueue.restore(tmp_path / "ck", transport="embedded")
+    try:
+        await r.seal("p")
+        got = [(await b.materialize())["idx"].tolist() async for b in
+               r.stream("t", ["idx"], 8, partition="p")]
+        assert got == [[0, 1, 2, 3, 4]]
+    finally:
+        await r.close()
+        await r.shutdown()
+
+
 async def test_a_waiting_consumer_gets_the_rows_without_any_other_call(make_queue):
     """A producer that puts and then only awaits something else still hands its rows
     over: the stage is flushed at the end of the event-loop iteration."""
