@@ -123,6 +123,14 @@ class _Cache:
         return _Cache(out, self.probe if self.probe is not None else other.probe)
 
 
+#: the shard array of a one-row batch on unit ``i`` (read-only, shared)
+_ONE_SHARD: list[np.ndarray] = []
+for _i in range(64):
+    _ONE_SHARD.append(np.array((_i,), dtype=np.int32))
+    _ONE_SHARD[-1].flags.writeable = False
+del _i
+
+
 class _BatchLease:
     """Acknowledgement state shared by the views of one delivered batch."""
 
@@ -210,15 +218,21 @@ class RowRemoteBatch(RemoteBatch):
         self.nbytes: int | None = None
 
     @classmethod
-    def _put(cls, queue: "StreamQueue", rows: Sequence[int], shards: Sequence[int],
+    def _put(cls, queue: "StreamQueue", rows: Sequence[int] | int, shards: Sequence[int] | int,
              cols: Mapping[str, Column], partition: str | None) -> "RowRemoteBatch":
         """What ``put`` returns: the rows it created, their cache holding ``cols`` (the
         same as ``RowRemoteBatch(queue, rows, shards, cols, partition=partition)``
-        then ``_learn(cols)``, built in one go: it is made for every put)."""
+        then ``_learn(cols)``, built in one go: it is made for every put). ``rows`` and
+        ``shards`` may be one row id and its unit (a one-row put)."""
         self = cls.__new__(cls)
         self._s = queue.session
-        r = self._rows = np.array(rows, dtype=np.int64)
-        sh = self._shards = np.array(shards, dtype=np.int32)
+        if type(rows) is int:
+            r = self._rows = np.array((rows,), dtype=np.int64)
+            sh = self._shards = (_ONE_SHARD[shards] if shards < len(_ONE_SHARD)  # type: ignore[index, operator]
+                                 else np.array((shards,), dtype=np.int32))
+        else:
+            r = self._rows = np.array(rows, dtype=np.int64)
+            sh = self._shards = np.array(shards, dtype=np.int32)
         self._versions = None
         names = self._fields = tuple(cols)
         self._known = frozenset(names)
@@ -509,8 +523,11 @@ class RowRemoteBatch(RemoteBatch):
             out.update(await self._empty_columns(missing))
             missing = []
         if missing:
-            inverse: np.ndarray | None
-            uniq, inverse = np.unique(rows, return_inverse=True)
+            inverse: np.ndarray | None = None
+            if len(rows) < 2 or bool((rows[1:] > rows[:-1]).all()):  # no row twice
+                uniq = rows
+            else:
+                uniq, inverse = np.unique(rows, return_inverse=True)
             if len(uniq) == len(rows):
                 fetch_rows, fetch_shards, inverse = rows, self._shards, None
             else:

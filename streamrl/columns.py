@@ -61,23 +61,35 @@ def to_columns(data: Any) -> tuple[dict[str, Column], int]:
     if not items:
         raise InvalidArgument("put's data has no field: it needs at least one")
     cols: dict[str, Column] = {}
-    lens: dict[str, int] = {}
+    n = -1
+    same = True
     for name, v in items:
-        if not isinstance(name, str) or not name:
+        if type(name) is not str and not isinstance(name, str) or not name:
             raise InvalidArgument(
                 f"put's data: field names must be non-empty str, got {name!r}")
-        col = _column(name, v)
+        if (type(v) is torch.Tensor and v.layout is _STRIDED and v.dim() and not (
+                v.is_nested or v.is_meta or v.is_quantized or v.requires_grad)):
+            col = v  # (a dense tensor, as _column would keep it: the common case)
+            k = v.shape[0]
+        else:
+            col = _column(name, v)
+            k = col.shape[0] if isinstance(col, torch.Tensor) else len(col)
         cols[name] = col
-        lens[name] = col.shape[0] if isinstance(col, torch.Tensor) else len(col)
-    ns = set(lens.values())
-    if len(ns) != 1:
+        if k != n:
+            same = n == -1
+            n = k
+    if not same or n == -1:
+        lens = {k: c.shape[0] if isinstance(c, torch.Tensor) else len(c)
+                for k, c in cols.items()}
         desc = ", ".join(f"{k}: {v}" for k, v in lens.items())
         raise SchemaError(
             f"all fields of one put need the same number of rows (first dimension); got {desc}")
-    n = ns.pop()
     if n == 0:
         raise InvalidArgument("put's data has no rows: its fields have 0 rows; put at least one")
     return cols, n
+
+
+_STRIDED = torch.strided
 
 
 def _td_items(td: TensorDictBase) -> list[tuple[str, Any]]:

@@ -183,8 +183,13 @@ class StreamQueue:
         # (the embedded transport): a one-row put stores into its unit directly
         from .transport.embedded import LocalDataPlane
 
+        from .combine import CombiningService
+
         data = transport.data
         self._units = data.units if type(data) is LocalDataPlane else None
+        # the stage that combines one-row puts (the embedded transport): see combine.py
+        control = transport.control
+        self._stage = control if isinstance(control, CombiningService) else None
         self._periodic = None
         self._session: Session = Session(self, transport)
         if transport.metrics_url is not None and transport.handle is not None:
@@ -308,7 +313,11 @@ class StreamQueue:
         Args:
             data: a TensorDict (batch dim = rows) or a dict of field -> tensor / ndarray /
                 list, every field with the same number of rows. Tensors are stored as given
-                (no copy): do not modify them in place afterwards.
+                (no copy): do not modify them in place afterwards. (Embedded, a one-row
+                put under 64 KiB is combined with the one-row puts that follow it into one
+                admission, its tensors copied into one block per field; see
+                :mod:`streamrl.combine`. It returns without waiting when there is room,
+                and every later call of the queue sees its row.)
             partition: where new rows go (default ``"default"``); ignored with ``rows``.
             rows: existing rows to add fields to (a batch from ``put``/``get``/``stream``,
                 or row ids); ``len(rows)`` must equal the rows in ``data``.
@@ -387,16 +396,36 @@ class StreamQueue:
             raise InvalidArgument(f"partition must be a non-empty str (or None), got "
                                   f"{partition!r}")
         cols, n = to_columns(data)
+        stage = self._stage
+        if n == 1 and rows is None and stage is not None:
+            # a one-row put of a new row, embedded: staged to be admitted with others
+            # (see streamrl/combine.py; never awaits), unless it has to go the usual way
+            one_part = DEFAULT_PARTITION if partition is None else partition
+            sizes = {}
+            dtypes = {}
+            for f, c in cols.items():
+                if type(c) is torch.Tensor:
+                    sizes[f] = c.element_size() * c.numel()
+                    dtypes[f] = dtype_name(c.dtype)
+                else:
+                    sizes[f] = row_nbytes(c, 1)[0]
+                    dtypes[f] = column_dtype(f, c)
+            if not (self._tags_any and self._tags(one_part, cols)):
+                staged = stage.stage_put(one_part, cols, sizes, dtypes, version)
+                if staged is not None:
+                    return RowRemoteBatch._put(self, staged[0], staged[1], cols, one_part)
+            nbytes = {f: [b] for f, b in sizes.items()}
+        else:
+            nbytes = {}
+            dtypes = {}
+            for f, c in cols.items():
+                if type(c) is torch.Tensor:  # (row_nbytes and column_dtype of a tensor)
+                    nbytes[f] = [c.element_size() * (c.numel() // n)] * n
+                    dtypes[f] = dtype_name(c.dtype)
+                else:
+                    nbytes[f] = row_nbytes(c, n)
+                    dtypes[f] = column_dtype(f, c)
         names = tuple(cols)
-        nbytes = {}
-        dtypes = {}
-        for f, c in cols.items():
-            if type(c) is torch.Tensor:  # (row_nbytes and column_dtype of a tensor)
-                nbytes[f] = [c.element_size() * (c.numel() // n)] * n
-                dtypes[f] = dtype_name(c.dtype)
-            else:
-                nbytes[f] = row_nbytes(c, n)
-                dtypes[f] = column_dtype(f, c)
         ctl = self._control
         target: RowRemoteBatch | None = None
         part: str | None

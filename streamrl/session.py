@@ -105,6 +105,10 @@ class Session:
 
     async def _fetch(self, rows: np.ndarray, shards: np.ndarray, fields: list[str],
                      owned: bool = False) -> dict[str, Column]:
+        if len(shards) and bool((shards == shards[0]).all()):  # one unit (a run of one put)
+            parts = [(int(shards[0]), rows.tolist(), fields)]
+            got = await (self.data.get_owned(parts) if owned else self.data.get(parts))
+            return {f: assemble(got[0][f]) for f in fields}
         order = np.argsort(shards, kind="stable")
         s_sorted = shards[order]
         bounds = np.flatnonzero(np.diff(s_sorted)) + 1

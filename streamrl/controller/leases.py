@@ -120,6 +120,7 @@ class Leases(ControllerBase):
             bit = self._bit(self._tbits, task)
             fields, nbytes = lease.fields, 0  # (bytes of the asked-for fields acked)
             done = []
+            last = pc = None
             for rid in lease.rows:
                 row = self.rows.get(rid)
                 if row is None or row.leased.get(task) != lid:
@@ -131,9 +132,10 @@ class Leases(ControllerBase):
                 nbytes += b
                 row.acked |= bit
                 p = row.part
-                pc = p.counts.task(task)
-                pc[4] += 1
-                pc[5] += b
+                if p is not last:  # (rows come in runs of one partition)
+                    last, pc = p, p.counts.task(task)
+                pc[4] += 1  # type: ignore[index]
+                pc[5] += b  # type: ignore[index]
                 p.acked[task] = p.acked.get(task, 0) + 1
                 if p.cmask and row.acked & p.cmask == p.cmask and not row.leased:
                     done.append(row)

@@ -132,21 +132,41 @@ class Lifecycle(ControllerBase):
         parts: set[Partition] = set()
         # grouped filters to look at again: (filter, partition, the row's tags)
         regroup: list[tuple[str, Partition, dict[str, Hashable]]] = []
+        last = None
+        cands: list = []
+        tbits = self._tbits
+        deletes = self.deletes
+        names: dict[int, list[str]] = {}  # acked mask -> its tasks
+        pdrop = [0, 0]  # rows and bytes dropped of the partition ``last`` (counted per run)
         for row in objs:
             if self.rows.pop(row.id, None) is None:
                 continue
             gone += 1
             p = row.part
+            if p is not last:  # (rows come in runs of one partition)
+                if reason is not None and last is not None and pdrop[0]:
+                    last.counts.drop(reason, pdrop[0], pdrop[1])
+                last, cands, pdrop = p, self._candidates(p.name), [0, 0]
+                parts.add(p)
             del p.rows[row.id]
-            for task in self._names(self._tbits, row.acked):
-                p.acked[task] -= 1
-            for f, v in row.tags.items():
-                grp = p.groups.get(f, {}).get(v)
-                if grp is not None:
-                    grp.pop(row.id, None)
-                    if not grp:
-                        del p.groups[f][v]
-            self._unindex(row)
+            acked = row.acked
+            if acked:
+                tasks = names.get(acked)
+                if tasks is None:
+                    tasks = names[acked] = self._names(tbits, acked)
+                for task in tasks:
+                    p.acked[task] -= 1
+            if row.tags:
+                for f, v in row.tags.items():
+                    grp = p.groups.get(f, {}).get(v)
+                    if grp is not None:
+                        grp.pop(row.id, None)
+                        if not grp:
+                            del p.groups[f][v]
+            rid = row.id
+            for sub in cands:  # (_unindex, inlined)
+                if rid in sub.avail:
+                    self._remove(sub, row)
             for task, lid in row.leased.items():
                 lease = self.leases.get(lid)
                 if lease is not None:
@@ -163,10 +183,15 @@ class Lifecycle(ControllerBase):
                     if row.pending & self._fbits[name] and p.sealed:
                         regroup.append((name, p, row.tags))
             freed += row.nbytes
-            if reason is not None:
-                p.counts.drop(reason, 1, row.nbytes)
-            self.deletes.setdefault(row.shard, []).append(row.id)
-            parts.add(p)
+            pdrop[0] += 1
+            pdrop[1] += row.nbytes
+            d = deletes.get(row.shard)
+            if d is None:
+                deletes[row.shard] = [rid]
+            else:
+                d.append(rid)
+        if reason is not None and last is not None and pdrop[0]:
+            last.counts.drop(reason, pdrop[0], pdrop[1])
         self.bytes_held -= freed
         self.c_bytes_freed += freed
         if reason is not None:

@@ -281,8 +281,15 @@ class StorageUnit(StorageBackend):
 
     def _runs(self, entries: list) -> list[Column]:
         """Pieces: slices of one segment at consecutive offsets, and lists of objects."""
+        n = len(entries)
+        if n:  # (a run of one put, the common case: one slice)
+            e = entries[0]
+            if (type(e) is int and type(entries[-1]) is int and entries[-1] - e == n - 1
+                    and entries[-1] >> _OFF_BITS == e >> _OFF_BITS
+                    and entries == list(range(e, e + n))):
+                return [self._rows(self.segments[e >> _OFF_BITS], e & _OFF_MASK, n)]
         pieces: list[Column] = []
-        i, n = 0, len(entries)
+        i = 0
         while i < n:
             e = entries[i]
             if isinstance(e, _Obj):

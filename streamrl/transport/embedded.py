@@ -6,13 +6,14 @@ and reads return views of them. All calls run in the caller's event loop.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING
 
 from ..errors import InvalidArgument
 
 from ..config import QueueConfig
 from ..controller import Controller
+from ..combine import CombiningService
 from ..service import ControllerService
 from ..storage import StorageBackend, StorageUnit, create_unit
 from .base import Column, DataCaps, DataPlane, Transport
@@ -41,6 +42,9 @@ class LocalDataPlane(DataPlane):
     def __init__(self, units: Sequence[StorageBackend]):
         self.units = list(units)
         self.num_shards = len(self.units)
+        #: called before every read of the units, when set (the embedded transport
+        #: flushes its stage of combined one-row puts: see :mod:`streamrl.combine`)
+        self.before_read: Callable[[], None] | None = None
         if not all(u.caps.zero_copy_reads for u in self.units):  # e.g. rows read from disk
             self.caps = DataCaps(zero_copy_reads=False)
 
@@ -53,6 +57,8 @@ class LocalDataPlane(DataPlane):
     async def get(self, parts: Sequence[tuple[int, Sequence[int], Sequence[str]]]
                   ) -> list[dict[str, list[Column]]]:
         """Read pieces (views) from the units."""
+        if self.before_read is not None:
+            self.before_read()
         return [self.units[s].get(rows, fields) for s, rows, fields in parts]
 
     async def delete(self, parts: Mapping[int, Sequence[int]]) -> None:
@@ -68,14 +74,20 @@ class LocalDataPlane(DataPlane):
 
     async def inventory(self) -> list[dict[int, list[str]]]:
         """Rows and fields held by each unit."""
+        if self.before_read is not None:
+            self.before_read()
         return [u.inventory() for u in self.units]
 
     async def unit_stats(self) -> list[tuple[int, int]]:
         """(rows, bytes) held by each unit."""
+        if self.before_read is not None:
+            self.before_read()
         return [u.stats() for u in self.units]
 
     async def unit_usage(self) -> list[dict[str, int]]:
         """Each unit's :meth:`~streamrl.storage.StorageBackend.usage`."""
+        if self.before_read is not None:
+            self.before_read()
         return [u.usage() for u in self.units]
 
     async def checkpoint_write(self, directory: str, plans: Mapping[int, Mapping],
@@ -103,11 +115,21 @@ class EmbeddedTransport(Transport):
         if units is None:
             units = [StorageUnit(i) for i in range(controller.num_shards)]
         self._data = LocalDataPlane(units)
-        self._service = ControllerService(controller, self._data)
+        self._service: ControllerService
+        if all(type(u) is StorageUnit for u in self._data.units):
+            # one-row puts are combined (streamrl/combine.py) only into the in-memory
+            # units: a put there cannot fail at the flush (an I/O error of a backend
+            # that writes files could, after the put it belongs to had returned)
+            stage = CombiningService(controller, self._data)
+            self._data.before_read = stage.flush  # every put that returned is read
+            self._service = stage
+        else:
+            self._service = ControllerService(controller, self._data)
 
     @property
     def control(self) -> ControllerService:
-        """The controller service itself."""
+        """The controller service itself (a :class:`~streamrl.combine.CombiningService`,
+        combining one-row puts, over the in-memory storage units)."""
         return self._service
 
     @property
@@ -128,5 +150,7 @@ class EmbeddedTransport(Transport):
 
     async def shutdown(self) -> None:
         """Close the storage units (a spilling unit frees its file)."""
+        if isinstance(self._service, CombiningService):
+            self._service.flush()
         for u in self._data.units:
             u.close()

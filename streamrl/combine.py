@@ -1,0 +1,262 @@
+"""Write-combining of small puts: one-row puts of one process, admitted as one batch.
+
+:class:`CombiningService` is the controller service of the embedded transport. A one-row
+put of new rows that could be admitted now (room, no one waiting for room or pacing, an
+open partition, the fields' dtypes, no tag or filter on its fields) is not admitted on
+its own: it is *staged*. Its row id and storage unit are fixed at once (ids leased from
+the controller ahead, as a storage unit leases ids for the puts it admits itself), so the
+put returns its :class:`~streamrl.RowRemoteBatch` at once, and the rows staged are
+admitted, stored and committed together -- one controller allocate and commit, one
+storage put of one block per field, one readiness update -- when the stage is
+*flushed*:
+
+* when it is full (:attr:`CombiningService.max_rows` rows or
+  :attr:`~CombiningService.max_bytes` bytes);
+* when any other call reaches the queue: every control-plane call of this service
+  (take, ack, drop, clear, seal, stats, begin_write for ``write``, checkpoint, close...)
+  and every read of the storage units flushes first, so each ``put`` that returned is
+  seen by every later call, exactly as if it had been admitted on its own;
+* when a put arrives that the stage cannot take (another partition, other fields or
+  dtypes, another version, no room): it is flushed, then that put goes the usual way;
+* at the end of the event-loop iteration in which the stage was opened
+  (``loop.call_soon``), so a consumer already waiting sees the rows within one
+  iteration of the put, however the producer goes on.
+
+What a staged put promises is what an admitted one does: its rows count against
+``capacity`` and ``capacity_bytes`` at once (a put that finds the queue full with staged
+rows flushes them, then waits as usual), it raises the same errors at the same put (every
+check the controller would make is made before staging; a put that would fail is not
+staged and fails the usual way), and it never awaits: nothing can cancel a staged put
+half-way, and a put that returned is never lost. A one-row put's tensors are copied into
+the stage's block (one ``torch.cat`` per field at the flush), so that a batch of
+consecutive rows reads back as one view.
+
+Nothing else changes: rows are delivered in the order their puts returned, counted in
+``stats()`` as put, and every call sees them. Rows larger than
+:attr:`~CombiningService.max_row_bytes` are put the usual way (combining saves
+nothing on them and the copy would cost).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import logging
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from .control import CONTROL_METHODS
+from .controller import Controller
+from .service import ControllerService
+from .transport.base import Column, DataPlane
+
+log = logging.getLogger("streamrl")
+
+__all__ = ["CombiningService"]
+
+
+class CombiningService(ControllerService):
+    """The controller service with a write-combining stage for one-row puts (see the
+    module docstring). Every control-plane call flushes the stage before it runs.
+
+    Args:
+        controller: the metadata state machine.
+        data: the in-process storage units (a data plane with ``units``).
+
+    Keyword Args:
+        max_rows: rows staged at most (a full stage is flushed at once).
+        max_bytes: bytes staged at most.
+        max_row_bytes: larger one-row puts are not staged.
+    """
+
+    def __init__(self, controller: Controller, data: DataPlane, *, max_rows: int = 64,
+                 max_bytes: int = 1 << 20, max_row_bytes: int = 64 << 10):
+        super().__init__(controller, data)
+        self.max_rows = max_rows
+        self.max_bytes = max_bytes
+        self.max_row_bytes = max_row_bytes
+        self._units = data.units  # type: ignore[attr-defined]
+        self.staged = 0  # rows in the stage
+        self._bytes = 0
+        self._part = ""
+        self._version: int | None = None
+        self._dtypes: dict[str, str] = {}
+        self._cols: dict[str, list[Column]] = {}
+        self._sizes: dict[str, list[int]] = {}
+        self._first = 0  # the stage's first row id (ids leased from the controller)
+        self._limit = 0  # rows the stage takes (ids leased)
+        self._shard = 0
+        self._turn = 0  # the next stage's storage unit, round robin
+        self._tick: asyncio.Handle | None = None  # the end-of-iteration flush
+        self._tasks: set[asyncio.Task] = set()  # async leftovers of flushes
+        self.flushes = 0  # stages flushed (for tests and benchmarks)
+
+    # ------------------------------------------------------------------ staging
+
+    def stage_put(self, partition: str, cols: Mapping[str, Column], sizes: Mapping[str, int],
+                  dtypes: dict[str, str], version: int | None) -> tuple[int, int] | None:
+        """Stage a put of one new row (``sizes``: its bytes per field): ``(row id,
+        storage unit)``, or ``None`` when it must be put the usual way (the stage is
+        flushed then, so that rows keep the order of their puts). Never awaits; raises
+        nothing."""
+        b = 0
+        for v in sizes.values():
+            b += v
+        n = self.staged
+        if n and (partition != self._part or version != self._version
+                  or dtypes != self._dtypes or self._bytes + b > self.max_bytes):
+            self.flush()
+            n = 0
+        ctl = self.ctl
+        # room: the rows held and staged, as ctl.admission counts them
+        held = len(ctl.rows) + n
+        cap_bytes = ctl.capacity_bytes
+        if (held and held >= ctl.capacity) or (cap_bytes is not None and (
+                b > cap_bytes or (held and ctl.bytes_held + ctl.reserved_bytes + self._bytes
+                                  + b > cap_bytes))):
+            if n:
+                self.flush()
+            return None
+        if not n:
+            if not self._open(partition, dtypes, version, b):
+                return None
+        elif b > self.max_row_bytes:
+            self.flush()
+            return None
+        rid = self._first + n
+        cs = self._cols
+        for f, c in cols.items():
+            cs[f].append(c)
+        ss = self._sizes
+        for f, v in sizes.items():
+            ss[f].append(v)
+        self._bytes += b
+        self.staged = n = n + 1
+        shard = self._shard
+        if n >= self._limit:
+            self.flush()
+        return rid, shard
+
+    def _open(self, partition: str, dtypes: dict[str, str], version: int | None,
+              b: int) -> bool:
+        """Open a stage for rows like this one, if such a put could be admitted now and
+        nothing else is pending; ``False``: put it the usual way."""
+        ctl = self.ctl
+        if (b > self.max_row_bytes or self._space_q or self._pace_waiters or ctl.filters
+                or ctl.closed or ctl.sealed_all or partition in ctl.retired
+                or self._hold is not None or self._loop is None):
+            return False
+        p = ctl.parts.get(partition)
+        if p is not None and p.sealed:
+            return False
+        have = ctl.dtypes
+        for f, d in dtypes.items():
+            if have.get(f, d) != d:
+                return False
+        if version is not None and (
+                (ctl.max_lead is not None and version > ctl.version + ctl.max_lead)
+                or (ctl.max_staleness is not None
+                    and version < ctl.version - ctl.max_staleness)):
+            return False
+        tags = ctl.tags_of(partition)
+        if tags and any(f in tags for f in dtypes):
+            return False
+        try:
+            if asyncio.get_running_loop() is not self._loop:
+                return False
+        except RuntimeError:
+            return False
+        if not self._done_now():  # storage deletes or filter work pending: the usual way
+            return False
+        dead = ctl.dead_shards
+        shard = self._turn % ctl.num_shards
+        if dead:
+            live = [s for s in range(ctl.num_shards) if s not in dead]
+            if not live:
+                return False
+            shard = live[self._turn % len(live)]
+        self._turn += 1
+        limit = max(1, min(self.max_rows, self.max_bytes // max(b, 1)))
+        self._first, _ = ctl.unit_ids(shard, limit)
+        self._limit = limit
+        self._shard = shard
+        self._part = partition
+        self._version = version
+        self._dtypes = dtypes
+        self._bytes = 0
+        self._cols = {f: [] for f in dtypes}
+        self._sizes = {f: [] for f in dtypes}
+        if self._tick is None:
+            self._tick = self._loop.call_soon(self._on_tick)
+        return True
+
+    def _on_tick(self) -> None:
+        self._tick = None
+        if self.staged:
+            self.flush()
+
+    def flush(self) -> None:
+        """Admit, store and commit the staged rows as one put, and wake whoever they
+        help. Synchronous (storage deletes or filter work it causes run in a task)."""
+        n = self.staged
+        if not n:
+            return
+        self.staged = 0
+        ctl = self.ctl
+        ids = list(range(self._first, self._first + n))
+        cols = {f: _join(ps) for f, ps in self._cols.items()}
+        sizes = self._sizes
+        self._cols = self._sizes = {}
+        tok = ctl.allocate(self._part, n, tuple(cols), nbytes=self._bytes,
+                           version=self._version, ids=ids, shard=self._shard,
+                           dtypes=self._dtypes, admitted=True)
+        try:
+            self._units[self._shard].put(ids, cols, tok.id)
+        except BaseException:
+            ctl.abort(tok)
+            log.error("streamrl: storing %d combined one-row puts (rows %d..%d) on unit %d "
+                      "failed; those rows are lost", n, ids[0], ids[-1], self._shard)
+            raise
+        ctl.commit(tok, sizes)
+        self.flushes += 1
+        if not self._done_now():
+            self._settle()
+            task = self._loop.create_task(self._after())  # type: ignore[union-attr]
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+
+
+def _join(pieces: list[Column]) -> Column:
+    """One column of the rows of ``pieces`` (one-row columns): one tensor when they are
+    tensors of one shape (a copy), else a list of the rows (stored row by row)."""
+    first = pieces[0]
+    if len(pieces) == 1:
+        return first
+    if type(first) is torch.Tensor:
+        try:
+            return torch.cat(pieces)
+        except (RuntimeError, TypeError):  # other shapes or devices, lists: row by row
+            pass
+    out: list[Any] = []
+    for p in pieces:
+        out.append(p[0])
+    return out
+
+
+def _flushing(name: str):
+    impl = getattr(ControllerService, name)
+
+    @functools.wraps(impl)
+    async def call(self: CombiningService, *args: Any, **kwargs: Any) -> Any:
+        if self.staged:
+            self.flush()
+        return await impl(self, *args, **kwargs)
+
+    return call
+
+
+for _name in CONTROL_METHODS:
+    setattr(CombiningService, _name, _flushing(_name))
+del _name

@@ -1,0 +1,362 @@
+"""One-row puts and what every later call sees of them (on every transport).
+
+On the embedded transport one-row puts are write-combined (streamrl/combine.py): staged,
+then admitted together when the stage fills, when any other call of the queue arrives,
+or at the end of the event-loop iteration. None of that may be visible: each test here
+states a rule of the contract for one-row puts, and checks on the embedded transport
+that the rows it puts were staged when the rule was tested (so the rule held *because*
+of the flush, not by luck)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import anyio
+import pytest
+import torch
+
+from streamrl.errors import InvalidArgument, QueueClosed, QueueFull, SchemaError, StreamTimeout
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def one(i: int, width: int = 4) -> dict:
+    return {"idx": torch.tensor([i]), "x": torch.full((1, width), float(i))}
+
+
+def staged(q) -> int:
+    """Rows staged and not yet admitted (0 on transports that do not combine)."""
+    return getattr(q.session.transport.control, "staged", 0)
+
+
+def combines(q) -> bool:
+    return hasattr(q.session.transport.control, "staged")
+
+
+async def first_use(q) -> None:
+    """The stage is used once the queue knows its event loop (its first call)."""
+    await q.stats()
+
+
+# ---------------------------------------------------------------- visibility
+
+
+async def test_every_call_sees_the_one_row_puts_that_returned(make_queue):
+    q = make_queue(capacity=64)
+    await first_use(q)
+    rows = [await q.put(one(i), partition="p") for i in range(5)]
+    assert staged(q) == (5 if combines(q) else 0)
+    st = await q.stats()  # counts them
+    assert (st.rows, st.put) == (5, 5) and st.bytes == 5 * (8 + 16)
+    assert staged(q) == 0
+    rows.append(await q.put(one(5), partition="p"))
+    mb = await q.get("t", ["idx", "x"], 6, partition="p", timeout=10)  # takes them
+    td = await mb.materialize()
+    assert td["idx"].tolist() == list(range(6))
+    assert torch.equal(td["x"][:, 0], td["idx"].float())
+    await mb.ack()
+    assert await q.audit() == []
+
+
+async def test_the_batch_a_put_returns_is_usable_at_once(make_queue):
+    q = make_queue(capacity=64)
+    await first_use(q)
+    a = await q.put(one(1), partition="p")
+    b = await q.put(one(2), partition="p")
+    c = await q.put(one(3), partition="p")
+    assert staged(q) == (3 if combines(q) else 0)
+    assert (await a.materialize())["idx"].tolist() == [1]  # its cache: no read
+    await b.write({"y": torch.tensor([20.0])})  # a write to a staged row
+    assert (await b.materialize(["y"]))["y"].tolist() == [20.0]
+    await c.drop()  # a drop of a staged row
+    assert (await q.stats()).rows == 2
+    mb = await q.get("t", ["idx", "y"], 1, partition="p", timeout=10)
+    assert (await mb.materialize())["idx"].tolist() == [2]  # the row with y
+    await q.seal("p")
+    rest = [r async for r in q.stream("t2", ["idx"], 4, partition="p")]
+    assert [len(r) for r in rest] == [2]
+
+
+async def test_seal_clear_and_close_count_the_staged_rows(make_queue):
+    q = make_queue(capacity=64, consumers=["t"])
+    await first_use(q)
+    for i in range(3):
+        await q.put(one(i), partition="a")
+    await q.seal("a")  # the rows put before the seal are in it
+    got = [mb async for mb in q.stream("t", ["idx"], 8, partition="a")]
+    assert [len(mb) for mb in got] == [3]
+    for i in range(4):
+        await q.put(one(i), partition="b")
+    assert await q.clear("b") == 4
+    await q.put(one(9), partition="c")
+    assert staged(q) == (1 if combines(q) else 0)
+    assert await q.close() == {"c": 1}
+    with pytest.raises(QueueClosed):
+        await q.put(one(10), partition="c")
+
+
+async def test_a_batch_sent_elsewhere_reads_its_row_at_once(make_queue):
+    """A put's batch pickled (as it is sent to another task or process: without its
+    cache) reads its row from storage, with no other call of the queue first."""
+    import pickle
+
+    q = make_queue(capacity=64)
+    await first_use(q)
+    await q.put(one(0), partition="p")
+    b = await q.put(one(1), partition="p")
+    assert staged(q) == (2 if combines(q) else 0)
+    again = pickle.loads(pickle.dumps(b))
+    td = await again.materialize(["idx", "x"])
+    assert td["idx"].tolist() == [1] and td["x"].tolist() == [[1.0] * 4]
+
+
+async def test_a_checkpoint_holds_the_one_row_puts_that_returned(make_queue, tmp_path):
+    import streamrl
+
+    q = make_queue(capacity=64)
+    await first_use(q)
+    for i in range(5):
+        await q.put(one(i), partition="p")
+    assert staged(q) == (5 if combines(q) else 0)
+    info = await q.checkpoint(tmp_path / "ck")
+    assert info.rows == 5
+    r = await streamrl.StreamQueue.restore(tmp_path / "ck", transport="embedded")
+    try:
+        await r.seal("p")
+        got = [(await b.materialize())["idx"].tolist() async for b in
+               r.stream("t", ["idx"], 8, partition="p")]
+        assert got == [[0, 1, 2, 3, 4]]
+    finally:
+        await r.close()
+        await r.shutdown()
+
+
+async def test_a_waiting_consumer_gets_the_rows_without_any_other_call(make_queue):
+    """A producer that puts and then only awaits something else still hands its rows
+    over: the stage is flushed at the end of the event-loop iteration."""
+    q = make_queue(capacity=64)
+    await first_use(q)
+    consumer = asyncio.ensure_future(q.get("t", ["idx"], 3, partition="p", timeout=30))
+    await anyio.sleep(0)  # it waits
+    for i in range(3):
+        await q.put(one(i), partition="p")
+    mb = await consumer  # nothing else touches the queue meanwhile
+    assert sorted((await mb.materialize())["idx"].tolist()) == [0, 1, 2]
+    await mb.ack()
+
+
+async def test_rows_keep_the_order_of_their_puts_across_flushes(make_queue):
+    """Stage boundaries (fill, another partition, other fields, a multi-row put, a
+    big row) do not reorder rows."""
+    q = make_queue(capacity=1024)
+    await first_use(q)
+    want = []
+    i = 0
+    for step in range(200):
+        if step % 50 == 7:  # a multi-row put goes the usual way
+            await q.put({"idx": torch.tensor([i, i + 1]), "x": torch.zeros(2, 4)},
+                        partition="p")
+            want += [i, i + 1]
+            i += 2
+        elif step % 30 == 11:  # a row over the stage's row size
+            await q.put({"idx": torch.tensor([i]), "x": torch.zeros(1, 20_000)},
+                        partition="p")
+            want.append(i)
+            i += 1
+        else:
+            await q.put(one(i), partition="p")
+            want.append(i)
+            i += 1
+        if step % 40 == 3:
+            await q.put(one(-1), partition="other")
+    await q.seal("p")
+    got = []
+    async for mb in q.stream("t", ["idx"], 16, partition="p"):
+        got += (await mb.materialize())["idx"].tolist()
+    assert got == want
+
+
+async def test_one_row_puts_of_other_shapes_and_objects_read_back_as_put(make_queue):
+    q = make_queue(capacity=64)
+    await first_use(q)
+    for i in range(6):
+        await q.put({"idx": torch.tensor([i]), "resp": [torch.arange(i + 1)],
+                     "chat": [f"turn {i}"], "x": torch.full((1, 1 + i % 2), float(i))},
+                    partition="p")
+    mb = await q.get("t", ["idx", "resp", "chat", "x"], 6, partition="p", timeout=10)
+    td = await mb.materialize()
+    assert td["idx"].tolist() == list(range(6))
+    assert td["chat"] == [f"turn {i}" for i in range(6)]
+    assert [t.tolist() for t in td["resp"].unbind(0)] == [list(range(i + 1)) for i in range(6)]
+    assert [t.tolist() for t in td["x"].unbind(0)] == [[float(i)] * (1 + i % 2)
+                                                     for i in range(6)]
+
+
+# ---------------------------------------------------------------- capacity
+
+
+async def test_capacity_counts_staged_rows(make_queue):
+    q = make_queue(capacity=4)
+    await first_use(q)
+    for i in range(4):
+        await q.put(one(i), partition="p")
+    assert staged(q) == (4 if combines(q) else 0)
+    with pytest.raises(QueueFull):
+        await q.put_nowait(one(4), partition="p")
+    with pytest.raises(StreamTimeout):  # a put waits while the queue is full
+        await q.put(one(4), partition="p", timeout=0.2)
+    st = await q.stats()
+    assert (st.rows, st.put) == (4, 4)
+    mb = await q.get("t", ["idx"], 2, partition="p", timeout=10)
+    await mb.drop()
+    await q.put(one(4), partition="p")  # room again
+    await q.put(one(5), partition="p")
+    assert (await q.stats()).rows == 4
+
+
+async def test_capacity_bytes_counts_staged_rows(make_queue):
+    q = make_queue(capacity=64, capacity_bytes=3 * 24)  # three rows of 8 + 16 bytes
+    await first_use(q)
+    for i in range(3):
+        await q.put(one(i), partition="p")
+    with pytest.raises(QueueFull):
+        await q.put_nowait(one(3), partition="p")
+    assert (await q.stats()).bytes == 3 * 24
+
+
+async def test_a_waiting_producer_is_served_before_later_one_row_puts(make_queue):
+    q = make_queue(capacity=2)
+    await first_use(q)
+    await q.put(one(0), partition="p")
+    await q.put(one(1), partition="p")
+    first = asyncio.ensure_future(q.put(one(2), partition="p"))
+    await anyio.sleep(0.05)  # it waits for room
+    mb = await q.get("t", ["idx"], 1, partition="p", timeout=10)
+    await mb.drop()  # one row of room: the waiting put's
+    with pytest.raises(QueueFull):
+        await q.put_nowait(one(3), partition="p")
+    await first
+    await q.seal("p")
+    got = [(await b.materialize())["idx"].tolist() async for b in
+           q.stream("t", ["idx"], 4, partition="p")]
+    assert got == [[1, 2]]
+
+
+async def test_a_one_row_put_that_fits_waits_behind_a_waiting_producer(make_queue):
+    """First come, first served: room for a small row is not taken from a producer
+    already waiting for room for a bigger one."""
+    q = make_queue(capacity=64, capacity_bytes=100)
+    await first_use(q)
+    await q.put(one(0), partition="p")  # 24 bytes
+    big = asyncio.ensure_future(q.put({"idx": torch.tensor([1]), "x": torch.zeros(1, 20)},
+                                      partition="p"))  # 88 bytes: waits
+    await anyio.sleep(0.05)
+    assert not big.done()
+    with pytest.raises(QueueFull, match="waiting"):
+        await q.put_nowait(one(2), partition="p")  # would fit, but the big one is first
+    mb = await q.get("t", ["idx"], 1, partition="p", timeout=10)
+    await mb.drop()
+    await big
+    assert (await q.stats()).rows == 1
+
+
+# ---------------------------------------------------------------- errors
+
+
+async def test_bad_one_row_puts_raise_at_the_put_that_caused_them(make_queue):
+    q = make_queue(capacity=64)
+    await first_use(q)
+    await q.put({"idx": torch.tensor([0]), "x": torch.zeros(1, 4)}, partition="p")
+    with pytest.raises(SchemaError, match="one dtype"):  # staged int64 idx, now float
+        await q.put({"idx": torch.tensor([1.0]), "x": torch.zeros(1, 4)}, partition="p")
+    with pytest.raises(SchemaError, match="same number of rows"):
+        await q.put({"idx": torch.tensor([1]), "x": torch.zeros(2, 4)}, partition="p")
+    await q.put({"idx": torch.tensor([1]), "x": torch.zeros(1, 4)}, partition="p")
+    await q.put(one(7), partition="sealed")
+    await q.seal("sealed")
+    await q.put(one(2), partition="p")
+    with pytest.raises(InvalidArgument, match="sealed"):
+        await q.put(one(8), partition="sealed")
+    await q.put(one(3), partition="p")
+    st = await q.stats()
+    assert (st.rows, st.put) == (5, 5)  # every good put, no bad one
+    mb = await q.get("t", ["idx"], 4, partition="p", timeout=10)
+    assert (await mb.materialize())["idx"].tolist() == [0, 1, 2, 3]
+    assert await q.audit() == []
+
+
+async def test_a_put_cancelled_while_waiting_keeps_the_puts_that_returned(make_queue):
+    q = make_queue(capacity=3)
+    await first_use(q)
+    for i in range(3):
+        await q.put(one(i), partition="p")
+    waiting = asyncio.ensure_future(q.put(one(3), partition="p"))
+    await anyio.sleep(0.05)
+    waiting.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await waiting
+    st = await q.stats()
+    assert (st.rows, st.put) == (3, 3)
+    await q.seal("p")
+    got = [(await b.materialize())["idx"].tolist() async for b in
+           q.stream("t", ["idx"], 8, partition="p")]
+    assert got == [[0, 1, 2]]
+
+
+# ---------------------------------------------------------------- the stage itself
+
+
+async def test_the_stage_flushes_when_full_and_at_the_end_of_the_iteration(make_queue, transport):
+    if transport != "embedded":
+        pytest.skip("write-combining is the embedded transport's")
+    q = make_queue(capacity=1024)
+    await first_use(q)
+    svc = q.session.transport.control
+    before = svc.flushes
+    for i in range(svc.max_rows):  # without yielding: flushed once full
+        await q.put(one(i), partition="p")
+    assert svc.flushes == before + 1 and svc.staged == 0
+    await q.put(one(-1), partition="p")
+    assert svc.staged == 1
+    await anyio.sleep(0)  # the end of this iteration
+    await anyio.sleep(0)
+    assert svc.flushes == before + 2 and svc.staged == 0
+    # the rows of one flush are one block: batches of them are views of it
+    half = svc.max_rows // 2
+    a = await q.get("t", ["x"], half, partition="p", timeout=10)
+    b = await q.get("t", ["x"], half, partition="p", timeout=10)
+    xa, xb = (await a.materialize())["x"], (await b.materialize())["x"]
+    assert torch.cat([xa, xb])[:, 0].tolist() == [float(i) for i in range(svc.max_rows)]
+    assert xa.untyped_storage().data_ptr() == xb.untyped_storage().data_ptr()
+
+
+# ---------------------------------------------------------------- backends that write files
+
+
+async def test_a_put_into_a_file_backed_store_fails_at_the_put_not_later(tmp_path, monkeypatch):
+    """One-row puts are combined only into the in-memory units: with a backend that writes
+    files (spill), a write that fails raises at the put it belongs to, and the queue is
+    consistent afterwards (combined, it would fail at a later flush, after the put had
+    returned)."""
+    import streamrl
+    from streamrl.storage import spill
+
+    async with streamrl.StreamQueue(capacity=8, storage={"backend": "spill", "memory_bytes": 0,
+                                                         "dir": str(tmp_path)}) as q:
+        assert not combines(q)
+        await q.put(one(0))
+
+        def broken(self, *a, **k):
+            raise OSError(28, "No space left on device")
+
+        unit_cls = type(q.session.transport.data.units[0])
+        assert unit_cls.__module__ == spill.__name__
+        monkeypatch.setattr(unit_cls, "put", broken)
+        with pytest.raises(OSError):
+            await q.put(one(1))
+        monkeypatch.undo()
+        assert await q.audit() == []
+        st = await q.stats()
+        assert st.rows == 1
+        mb = await q.get("t", ["idx"], 1, timeout=5)
+        assert (await mb.materialize())["idx"].tolist() == [0]
