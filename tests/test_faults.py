@@ -71,13 +71,16 @@ async def _pipeline(make_queue, victim: str, rng: random.Random):
     producers = [Producer.remote() for _ in range(2)]
     runs = [p.run.remote(q, k * 10_000, N) for k, p in enumerate(producers)]
     consumers = [Consumer.remote() for _ in range(2)]
-    holder = Consumer.remote() if victim == "consumer" else None
-    eats = [c.run.remote(q) for c in consumers]
-    await anyio.sleep(0.5 + rng.random() * 1.5)  # mid-run
     holding = None
-    if holder is not None:
+    if victim == "consumer":
+        # the holder takes its batch before the other consumers start: taken later, it
+        # could find every row already consumed (the producers finish within a second
+        # or two) and time out
+        holder = Consumer.remote()
         holding = holder.hold.remote(q)
         await holding  # it holds a lease now
+    eats = [c.run.remote(q) for c in consumers]
+    await anyio.sleep(0.5 + rng.random() * 1.5)  # mid-run
     target = {"unit": lambda: q._transport._units[rng.randrange(3)],
               "controller": lambda: q._transport._controller,
               "producer": lambda: producers[0],
