@@ -191,6 +191,25 @@ def test_frames_arrive_whole_however_the_stream_is_cut(sizes_per_frame, cuts):
         assert all(np.array_equal(a, b) for a, b in zip(arrs, back))
 
 
+def test_a_frame_of_small_buffers_is_one_piece_and_big_buffers_are_not_copied():
+    """A frame whose out-of-band buffers are small (a one-row put's tensors) goes out as
+    one piece: one write, not one per buffer. Big buffers stay pieces of their own, the
+    array's own memory (no copy into the frame)."""
+    import numpy as np
+
+    from streamrl.transport.rpc import _frame
+
+    small = [np.arange(256, dtype=np.int64), np.ones(1, dtype=np.float32)]
+    assert len(_frame(1, small)) == 1
+    assert len(_frame(2, ("put", (1, 2), {}))) == 1
+    big = np.arange(DIRECT, dtype=np.uint8)
+    pieces = _frame(3, [big, small[1]])
+    assert len(pieces) == 3
+    assert np.shares_memory(np.frombuffer(pieces[1], dtype=np.uint8), big)
+    _, got = _chunked_frames([[100, 3], [DIRECT + 3, 1]], [1 << 20])
+    assert [len(a) for _, arrs in got for a in arrs] == [100, 3, DIRECT + 3, 1]
+
+
 def test_a_frames_big_buffers_share_one_aligned_allocation():
     """From POOL bytes on, a frame's big buffers are received into one allocation (huge
     pages where the kernel allows), each 64-byte aligned; small ones stay apart."""

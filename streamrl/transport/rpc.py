@@ -56,6 +56,9 @@ _CONNECT_TIMEOUT = 10.0
 DIRECT = 64 * 1024
 _STAGE = 4 * DIRECT  # the staging buffer for everything smaller
 POOL = 4 << 20  # a frame's big buffers share one allocation from this many bytes on
+#: a frame whose out-of-band buffers add up to less than this is sent as one piece (the
+#: copy costs less than a write system call per buffer)
+_JOIN = 16 * 1024
 
 #: ``(host, port, token)`` of a server
 Endpoint = tuple[str, int, bytes]
@@ -73,8 +76,13 @@ def _frame(req_id: int, obj: Any) -> list:
     into the pickle)."""
     buffers: list = []
     body = pickle.dumps(obj, protocol=5, buffer_callback=buffers.append)
+    if not buffers:
+        return [_HDR.pack(req_id, len(body), 0) + body]
     raws = [b.raw() for b in buffers]
-    head = struct.pack(f"<QQQ{len(raws)}Q", req_id, len(body), len(raws), *(r.nbytes for r in raws))
+    sizes = [r.nbytes for r in raws]
+    head = struct.pack(f"<QQQ{len(raws)}Q", req_id, len(body), len(raws), *sizes)
+    if sum(sizes) < _JOIN:  # small buffers (a one-row put's): one piece, one write
+        return [b"".join((head, body, *raws))]
     return [head + body, *raws]
 
 

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import asyncio
 import time
-import uuid
 from collections import OrderedDict
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
@@ -29,7 +28,7 @@ from ...errors import TransportError
 from ...messages import PutAnswer, PutStatus
 from ..base import Column
 from ..rpc import ConnectFailed
-from .calls import spawn, undone
+from .calls import request_id, spawn, undone
 from .wire import SHM_MIN, bytes_by_path
 
 if TYPE_CHECKING:
@@ -170,7 +169,7 @@ class PlaneAdmission:
         pool = await self._on_this_node(live) or live
         self._next_unit = (self._next_unit + 1) % len(pool)
         shard = pool[self._next_unit]
-        rid = uuid.uuid4().hex
+        rid = request_id()
         rpc = self.rpcs[shard]
         assert rpc is not None  # (live units have a socket channel)
         try:

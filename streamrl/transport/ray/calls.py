@@ -10,7 +10,10 @@ have one and Ray otherwise.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
+import os
+import secrets
 from collections.abc import Coroutine
 from typing import Any
 
@@ -19,7 +22,8 @@ import ray
 from ...errors import TransportError
 from ..rpc import Endpoint, RpcClient
 
-__all__ = ["Endpoints", "UNDO_TIMEOUT", "unwrap", "send", "undone", "spawn", "new_loop"]
+__all__ = ["Endpoints", "UNDO_TIMEOUT", "unwrap", "send", "undone", "spawn", "new_loop",
+           "request_id"]
 
 log = logging.getLogger("streamrl")
 
@@ -28,6 +32,21 @@ Endpoints = tuple[Endpoint, list[Endpoint]]
 
 #: seconds a cancelled call waits for its effect to be taken back before it gives up
 UNDO_TIMEOUT = 10.0
+
+_rid_count = itertools.count()
+_rid_prefix: tuple[int, str] | None = None  # (pid, random part) of this process
+
+
+def request_id() -> str:
+    """An id for a call that may have to be taken back, unique across processes: this
+    process's id and a random part (drawn once per process, again after a fork), then a
+    counter. A ``uuid4`` per call cost a system call for its random bytes on every small
+    put."""
+    global _rid_prefix
+    pid = os.getpid()
+    if _rid_prefix is None or _rid_prefix[0] != pid:
+        _rid_prefix = (pid, f"{pid:x}-{secrets.token_hex(8)}-")
+    return f"{_rid_prefix[1]}{next(_rid_count):x}"
 
 
 def unwrap(e: BaseException, what: str) -> BaseException:

@@ -18,7 +18,6 @@ from __future__ import annotations
 import asyncio
 import pickle
 import sys
-import uuid
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -27,7 +26,7 @@ import ray
 from ...control import CANCELLABLE, CONTROL_METHODS, ControlPlane, forwarders
 from ...errors import TransportError
 from ..rpc import ConnectFailed, Endpoint, RpcClient
-from .calls import undone, unwrap
+from .calls import request_id, undone, unwrap
 
 __all__ = ["RayControl"]
 
@@ -64,7 +63,7 @@ class RayControl(_Generated):
         outlives a caller that gave up."""
         if method in _BY_VALUE:
             args, kwargs = _by_value(method, args, kwargs)
-        rid = uuid.uuid4().hex if method in CANCELLABLE else None
+        rid = request_id() if method in CANCELLABLE else None
         send = (self._send(method, args, kwargs) if rid is None
                 else self._send("cancellable", (rid, method, args, kwargs), {}))
         try:
