@@ -218,7 +218,7 @@ async def test_a_checkpoint_of_a_running_queue_is_consistent(make_queue, restore
             await asyncio.sleep(0)
 
     async def consume():
-        while not stop.is_set():
+        while not drained.is_set():
             try:
                 mb = await q.get("t", ["sid", "x"], 4, partition="p", timeout=0.2)
             except streamrl.errors.StreamTimeout:
@@ -228,7 +228,11 @@ async def test_a_checkpoint_of_a_running_queue_is_consistent(make_queue, restore
             for s in sids:
                 acked_at[s] = loop.time()
 
-    tasks = [asyncio.create_task(produce(k)) for k in (0, 1)] + [asyncio.create_task(consume())]
+    # the consumer stops only after the producers: a producer waiting for room when they
+    # are told to stop (the queue full) gets it from the consumer
+    drained = asyncio.Event()
+    producers = [asyncio.create_task(produce(k)) for k in (0, 1)]
+    consumer = asyncio.create_task(consume())
     await asyncio.sleep(0.5)
     called = loop.time()
     put_before = {s for s, t in put_done.items() if t < called}
@@ -237,7 +241,9 @@ async def test_a_checkpoint_of_a_running_queue_is_consistent(make_queue, restore
     returned = loop.time()
     await asyncio.sleep(0.2)
     stop.set()
-    await asyncio.gather(*tasks)
+    await asyncio.gather(*producers)
+    drained.set()
+    await consumer
     acked_by_end = {s for s, t in acked_at.items() if t <= returned}
 
     r = await restored(await streamrl.StreamQueue.restore(tmp_path / "ck"))
