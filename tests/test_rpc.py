@@ -234,3 +234,27 @@ async def test_a_big_pickle_body_is_received_whole():
     out = await c.call("echo", big, "é" * DIRECT)
     assert out == (big, "é" * DIRECT)
     c.close()
+
+
+def test_request_ids_are_unique_in_a_process_and_in_a_forked_child():
+    """Request ids (a put's, for taking it back if its producer is cancelled) name one
+    call across processes: a counter under a per-process prefix, drawn anew in a forked
+    child (which would otherwise repeat its parent's ids)."""
+    import os
+
+    pytest.importorskip("ray")
+    from streamrl.transport.ray.calls import request_id
+
+    ids = [request_id() for _ in range(1000)]
+    assert len(set(ids)) == len(ids)
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: its next ids, to the parent
+        os.write(w, "\n".join(request_id() for _ in range(10)).encode())
+        os._exit(0)
+    os.close(w)
+    child = os.read(r, 1 << 16).decode().split("\n")
+    os.close(r)
+    os.waitpid(pid, 0)
+    theirs = [request_id() for _ in range(10)]
+    assert len(child) == 10 and not set(child) & set(ids + theirs)

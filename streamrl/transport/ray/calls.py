@@ -34,19 +34,26 @@ Endpoints = tuple[Endpoint, list[Endpoint]]
 UNDO_TIMEOUT = 10.0
 
 _rid_count = itertools.count()
-_rid_prefix: tuple[int, str] | None = None  # (pid, random part) of this process
+_rid_prefix: str | None = None  # this process's part of its request ids
+
+
+def _new_rid_prefix() -> None:
+    global _rid_prefix
+    _rid_prefix = None
+
+
+os.register_at_fork(after_in_child=_new_rid_prefix)  # a forked child draws its own
 
 
 def request_id() -> str:
     """An id for a call that may have to be taken back, unique across processes: this
-    process's id and a random part (drawn once per process, again after a fork), then a
-    counter. A ``uuid4`` per call cost a system call for its random bytes on every small
-    put."""
+    process's id and a random part (drawn once per process, and again in a forked
+    child), then a counter. A ``uuid4`` per call cost a system call for its random
+    bytes on every small put."""
     global _rid_prefix
-    pid = os.getpid()
-    if _rid_prefix is None or _rid_prefix[0] != pid:
-        _rid_prefix = (pid, f"{pid:x}-{secrets.token_hex(8)}-")
-    return f"{_rid_prefix[1]}{next(_rid_count):x}"
+    if _rid_prefix is None:
+        _rid_prefix = f"{os.getpid():x}-{secrets.token_hex(8)}-"
+    return f"{_rid_prefix}{next(_rid_count):x}"
 
 
 def unwrap(e: BaseException, what: str) -> BaseException:
