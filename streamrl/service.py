@@ -239,14 +239,13 @@ class ControllerService:
                                 "use put to wait your turn")
             tok = ctl.allocate(partition, n, fields, nbytes=nbytes, version=version,
                                dtypes=dtypes)
-            await self._after()
-            return tok
+            return await self._admitted(tok)
         if not self._space_q and ctl.admission(n, nbytes, version) is None:
             # fast path: room now and nobody ahead of us
             tok = ctl.allocate(partition, n, fields, nbytes=nbytes, version=version,
                                dtypes=dtypes, admitted=True)
             if not self._done_now():
-                await self._after()
+                await self._admitted(tok)
             return tok
         ctl.check_dtypes(dtypes)  # a put that can never be admitted does not wait
         deadline = None if timeout is None else ctl.clock() + timeout
@@ -261,12 +260,13 @@ class ControllerService:
         # capacity: first come, first served
         me = object()
         self._space_q[me] = anyio.Event()
+        tok = None
         try:
             while True:
                 if next(iter(self._space_q)) is me and ctl.admission(n, nbytes, None) is None:
                     tok = ctl.allocate(partition, n, fields, nbytes=nbytes, version=version,
-                               dtypes=dtypes)
-                    return tok
+                                       dtypes=dtypes)
+                    break
                 ev = self._space_q[me] = anyio.Event()
                 if not await self._wait(ev, deadline) and _past(ctl, deadline):
                     raise StreamTimeout(
@@ -277,7 +277,22 @@ class ControllerService:
             self._space_q.pop(me, None)
             if self._space_q:
                 next(iter(self._space_q.values())).set()
+            if tok is None:
+                await self._after()
+        return await self._admitted(tok)
+
+    async def _admitted(self, tok: WriteToken) -> WriteToken:
+        """Drain the outboxes after admitting ``tok`` (storage deletes of rows it dropped
+        as stale, wake-ups); if that is cancelled or fails, the admission is aborted
+        before the error goes on: the caller never got the token, so nothing else would
+        end the write, and its rows and reserved bytes would be held until
+        ``lease_timeout``."""
+        try:
             await self._after()
+        except BaseException:
+            await shielded(self.abort(tok))
+            raise
+        return tok
 
     async def wait_version(self, version: int, timeout: float | None = None) -> int:
         """Wait until the current policy version is at least ``version``; returns it."""

@@ -233,3 +233,32 @@ async def test_a_batch_loses_rows_whose_write_was_taken_back(make_queue):
     assert (await again.materialize())["r"].tolist() == [2.0] * 4
     await again.ack()
     assert await _settled(q) == []
+
+
+async def test_a_put_cancelled_at_any_await_holds_no_room(make_queue, transport):
+    """A put cancelled at any await -- here one admitted and dropped as stale at once, so
+    its admission has storage deletes to run before it returns -- leaves no write in
+    flight: no bytes reserved, no rows held, nothing for a later write timeout to clean
+    (a write token stranded by the cancellation held its room until lease_timeout)."""
+    q = make_queue(capacity=64, capacity_bytes=1 << 16, max_staleness=0, lease_timeout=300)
+    await q.set_version(5)
+    data = {"idx": torch.arange(2), "x": torch.zeros(2, 16)}
+    steps = 12 if transport == "embedded" else 6
+    for k in range(steps):
+        task = asyncio.ensure_future(q.put(data, partition="p", version=0))
+        for _ in range(k):  # cancel after k turns of the event loop: every await in turn
+            await asyncio.sleep(0 if transport == "embedded" else 0.0005)
+        task.cancel()
+        try:
+            await task
+        except asyncio.CancelledError:
+            pass
+        loop = asyncio.get_running_loop()
+        end = loop.time() + 10
+        while True:
+            st = await q.stats()
+            if (st.bytes_in_flight, st.rows, st.bytes) == (0, 0, 0) or loop.time() > end:
+                break
+            await asyncio.sleep(0.05)
+        assert (st.bytes_in_flight, st.rows, st.bytes) == (0, 0, 0), (k, st)
+    assert await _settled(q) == []

@@ -62,6 +62,7 @@ class Ledger:
         self.dropped: set[int] = set()  # samples a client dropped
         self.old: set[int] = set()  # samples put with a version already too old
         self.retried: set[int] = set()  # samples whose put was cancelled, then put again
+        self.sid_of: dict[int, int] = {}  # row id -> sample, for rows whose put returned
         self.acked_rows: dict[str, list[int]] = {t: [] for t in TASKS}  # row ids acked
         self.acked: dict[str, list[int]] = {t: [] for t in TASKS}  # normal acks
         # samples of a lease that expired yet whose ack succeeded: all its rows must have
@@ -146,6 +147,7 @@ async def _producer(q, rng, ledger: Ledger, gids: list[int], version: list[int],
                 break
             ledger.retried.update(sids.tolist())
         ledger.put.update(sids.tolist())
+        ledger.sid_of.update(zip(rows.rows, sids.tolist()))
         if old:
             ledger.old.update(sids.tolist())
         if rng.random() < 0.04:  # the producer changes its mind
@@ -204,11 +206,21 @@ async def _body(q, rng, ledger: Ledger, task: str, mb) -> tuple[str, list[int]]:
             return "settled", []
     try:
         td = await mb.materialize()
-    except RowsDropped:  # a drop, filter, clear or undone write took rows of it
+    except RowsDropped as e:  # a drop, filter, clear or undone write took rows of it:
+        # skip them and ack the rest, as the error says (the rest count as acked)
+        gone = set(e.rows)
+        rest = [r for r in mb.rows if r not in gone]
         try:
             await mb.ack()
-        except LeaseExpired:
-            pass
+        except LeaseExpired as e2:
+            if e2.rows is None:
+                return "settled", []
+            gone |= set(e2.rows)
+            rest = [r for r in rest if r not in gone]
+        # (a row without a sample is one whose put was cancelled: its sample was put again)
+        acked = [r for r in rest if r in ledger.sid_of]
+        ledger.acked[task].extend(ledger.sid_of[r] for r in acked)
+        ledger.acked_rows[task].extend(acked)
         return "settled", []
     sids = td["sid"].tolist()
     if not torch.equal(td["x"][:, 0], td["sid"].float()):
