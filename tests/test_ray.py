@@ -445,6 +445,36 @@ async def test_put_cancelled_after_reserving_gives_its_blocks_back(rq, monkeypat
     await _until(lambda: _used_zero(q), "the unreserve")
 
 
+async def test_put_cancelled_while_reserving_gives_the_blocks_back(rq, monkeypatch):
+    """Cancelled while its reserve call is on its way (the unit reserves the blocks, the
+    answer comes late): the blocks are given back when the answer comes."""
+    from streamrl.transport import ray as ray_transport
+
+    q = rq(num_shards=1)
+    orig = ray_transport.RayDataPlane._call
+
+    async def slow_answer(self, shard, method, *args, **kw):
+        res = await orig(self, shard, method, *args, **kw)
+        if method == "reserve":
+            await anyio.sleep(1.0)  # reserved by now; the answer is late
+        return res
+
+    monkeypatch.setattr(ray_transport.RayDataPlane, "_call", slow_answer)
+    reserving = asyncio.ensure_future(q.put({"x": torch.zeros(4, 65536)}, partition="p"))
+    await _until(lambda: _used_nonzero(q), "the reserve")
+    reserving.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await reserving
+    monkeypatch.setattr(ray_transport.RayDataPlane, "_call", orig)
+    st = await q.stats()
+    assert st.rows == 0 and st.bytes_in_flight == 0
+    await _until(lambda: _used_zero(q), "the unreserve")
+
+
+async def _used_nonzero(q) -> bool:
+    return (await _arena(q))["used"] > 0
+
+
 async def _used_zero(q) -> bool:
     return (await _arena(q))["used"] == 0
 

@@ -225,8 +225,7 @@ class RayDataPlane(PlaneAdmission, PlaneCheckpoint, DataPlane):
         pid = await self._pid(shard, rows) if big else None
         got = None
         if pid is not None:  # None back: no shared memory left on the unit's node
-            got = await self._call(shard, "reserve", [t.nbytes for t in big], os.getpid(),
-                                   rows=rows)
+            got = await self._reserve(shard, [t.nbytes for t in big], rows)
         if got is None:
             await self._call(shard, "put", parts, write, rows=rows)
             self.count_moved(_sum_paths(cols for _, cols in parts))
@@ -255,6 +254,23 @@ class RayDataPlane(PlaneAdmission, PlaneCheckpoint, DataPlane):
         self.count_moved(_sum_paths(cols for _, cols in parts))
         if not by_id:  # sent inline: the reserved blocks are not used
             self._unreserve(shard, refs)
+
+    async def _reserve(self, shard: int, sizes: list[int], rows: list[int]) -> Any:
+        """Reserve blocks of ``sizes`` bytes in unit ``shard``'s arena: ``(refs, where)``,
+        or ``None`` when its node has no shared memory left. Cancelled while the call is
+        on its way, the blocks the unit reserves are given back when its answer comes
+        (nothing else would: this process lives on, so they would stay reserved)."""
+        task = asyncio.ensure_future(self._call(shard, "reserve", sizes, os.getpid(),
+                                                rows=rows))
+        try:
+            return await asyncio.shield(task)
+        except asyncio.CancelledError:
+            def give_back(t: asyncio.Future) -> None:
+                if not t.cancelled() and t.exception() is None and t.result() is not None:
+                    self._unreserve(shard, t.result()[0])
+
+            task.add_done_callback(give_back)
+            raise
 
     def _unreserve(self, shard: int, refs: list[ShmRef]) -> None:
         send(self.rpcs[shard], self.units[shard], "unreserve", refs)
