@@ -19,7 +19,7 @@ from typing import Any, Protocol, runtime_checkable
 
 from .checkpoint.cut import CheckpointCut
 from .config import Request
-from .messages import CommitResult, Delivery, FilterSpec, PutAnswer, PutRows, WriteToken
+from .messages import CommitResult, Delivery, FilterSpec, PutAnswer, WriteToken
 from .stats import Stats
 
 __all__ = ["ControlPlane", "CONTROL_METHODS", "CANCELLABLE", "check_implements"]
@@ -69,10 +69,6 @@ class ControlPlane(Protocol):
                        version: int | None = None, dtypes: dict[str, str] | None = None
                        ) -> PutAnswer:
         """Admit and commit new rows a unit already stored (no waiting)."""
-        ...
-
-    async def put_rows_many(self, puts: Sequence[PutRows]) -> list[PutAnswer]:
-        """Several :meth:`put_rows` in one call, in order (a storage unit's group commit)."""
         ...
 
     async def retract_rows(self, rows: Sequence[int]) -> int:

@@ -6,14 +6,13 @@ packed as they are; nothing here does work.
 from __future__ import annotations
 
 import enum
-from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Final, NamedTuple
+from typing import Final
 
 from .config import Request
 
 __all__ = ["DropReason", "END", "Delivery", "FilterSpec", "FilterJob", "WriteToken", "Undo",
-           "CommitResult", "PutStatus", "PutRows", "PutAnswer", "Request"]
+           "CommitResult", "PutStatus", "PutAnswer", "Request"]
 
 
 class DropReason(str, enum.Enum):
@@ -135,21 +134,6 @@ class PutStatus(enum.Enum):
     REFUSED = "refused"  #: never admissible now (closed, sealed, bad dtype): the unit
     #: forgets the rows, the producer raises ``error``
     FAILED = "failed"  #: committed, then failed (a filter raised, the controller is gone)
-
-
-class PutRows(NamedTuple):
-    """One storage unit's small put, as :meth:`streamrl.control.ControlPlane.put_rows`
-    takes it (its arguments, in order): an item of
-    :meth:`~streamrl.control.ControlPlane.put_rows_many`."""
-
-    partition: str
-    fields: Sequence[str]
-    ids: Sequence[int]
-    shard: int
-    nbytes: Mapping[str, Sequence[int]]
-    tags: Mapping[str, Sequence[Hashable]] | None = None
-    version: int | None = None
-    dtypes: dict[str, str] | None = None
 
 
 @dataclass

@@ -35,7 +35,7 @@ import anyio
 from ._aio import shielded, to_thread_whole
 from .controller import OPTIONS as CONTROLLER_OPTIONS, Controller
 from .messages import (END, CommitResult, Delivery, DropReason, FilterJob, FilterSpec, PutAnswer,
-                       PutRows, PutStatus, Request, WriteToken)
+                       PutStatus, Request, WriteToken)
 from .checkpoint.cut import CheckpointCut, Hold
 from .errors import (CheckpointError, FilterError, InvalidArgument, QueueClosed, QueueFull,
                      RowsDropped, StreamRLError, StreamTimeout)
@@ -341,20 +341,6 @@ class ControllerService:
         except StreamRLError as e:
             return PutAnswer(PutStatus.REFUSED, error=e)
         return PutAnswer(PutStatus.OK, await self.commit(tok, nbytes, tags), rows=list(ids))
-
-    async def put_rows_many(self, puts: Sequence[PutRows]) -> list[PutAnswer]:
-        """:meth:`put_rows` for each of ``puts``, in order, in one call: the group
-        commit of a storage unit that gathered the small puts reaching it while its
-        previous call was on its way. Each answer is the one :meth:`put_rows` gives; a
-        put whose commit raised (a filter failed: its rows were dropped) answers
-        :attr:`~PutStatus.FAILED` with the error, and the others go on."""
-        out = []
-        for p in puts:
-            try:
-                out.append(await self.put_rows(*p))
-            except StreamRLError as e:
-                out.append(PutAnswer(PutStatus.FAILED, error=e))
-        return out
 
     async def unit_ids(self, shard: int, n: int) -> tuple[int, int]:
         """Lease ``n`` fresh row ids ``[start, end)`` to storage unit ``shard`` for the

@@ -617,67 +617,6 @@ class _SlowController:
         return await self.control.put_rows(*args, **kwargs)
 
 
-class _CountingController:
-    """Wraps a unit's control-plane client: records the puts of each commit call, and
-    holds the first ``put_rows`` for ``hold`` seconds (so that others gather behind it)."""
-
-    def __init__(self, control, hold: float):
-        self.control = control
-        self.hold = hold
-        self.calls: list[int] = []  # puts per commit call
-
-    def __getattr__(self, name):
-        return getattr(self.control, name)
-
-    async def put_rows(self, *args, **kwargs):
-        self.calls.append(1)
-        if self.hold:
-            hold, self.hold = self.hold, 0
-            await asyncio.sleep(hold)
-        return await self.control.put_rows(*args, **kwargs)
-
-    async def put_rows_many(self, puts):
-        self.calls.append(len(puts))
-        return await self.control.put_rows_many(puts)
-
-
-def _boom_on_13(td):
-    if (td["x"] == 13).any():
-        raise ValueError("no 13")
-    return td["x"] == td["x"]
-
-
-async def test_small_puts_that_reach_a_unit_together_are_committed_together(rq):
-    """Group commit: one-row puts that reach a storage unit while its call to the
-    controller is on its way go to the controller in one call; each producer is answered
-    for its own rows (a put whose filter fails raises, the others land), and every row is
-    delivered once, with its data."""
-    from streamrl.errors import FilterError
-
-    q = rq(num_shards=1)
-    await q.put({"x": torch.tensor([-1])}, partition="warm")  # connections and id leases
-    await q.add_filter(_boom_on_13, fields=["x"], name="no13")
-    unit = q._transport._units[0]
-    await unit.__ray_call__.remote(
-        lambda self: setattr(self, "_controller", _CountingController(self._controller, 0.5)))
-    res = await asyncio.gather(*[q.put({"x": torch.tensor([i])}, partition="p")
-                                 for i in range(24)], return_exceptions=True)
-    failed = [i for i, r in enumerate(res) if isinstance(r, BaseException)]
-    assert failed == [13] and isinstance(res[13], FilterError), res[13]
-    calls = await unit.__ray_call__.remote(lambda self: self._controller.calls)
-    assert sum(calls) == 24 and len(calls) < 24 and max(calls) > 1, calls
-    await q.seal("p")
-    seen = []
-    async for mb in q.stream("t", ["x"], 5, partition="p", timeout=30):
-        seen.extend((await mb.materialize())["x"].tolist())
-        await mb.ack()
-    assert sorted(seen) == [i for i in range(24) if i != 13]
-    st = await q.stats()
-    assert st.dropped_by.get("filter_error") == 1, st.dropped_by
-    # (no consumers declared: acked rows stay; the controller and the unit agree)
-    assert st.rows == 24 and st.unit_rows == [24] and await q.audit() == []
-
-
 @ray.remote(num_cpus=0)
 class OneRowProducer:
     async def put(self, q):

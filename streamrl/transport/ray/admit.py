@@ -25,7 +25,7 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from ...errors import TransportError
-from ...messages import PutAnswer, PutRows, PutStatus
+from ...messages import PutAnswer, PutStatus
 from ..base import Column
 from ..rpc import ConnectFailed
 from .calls import request_id, spawn, undone
@@ -56,10 +56,6 @@ class UnitAdmission:
         self._ids = [0, 0]  # [next, end) of the row ids leased for put_rows (socket thread)
         self._ids_lock: asyncio.Lock | None = None
         self._puts: OrderedDict[str, asyncio.Task] = OrderedDict()  # put_rows by request id
-        # the group commit: puts waiting for the controller call in flight to end
-        self._commits: list[tuple[PutRows, asyncio.Future]] = []
-        self._committer: asyncio.Task | None = None  # sends them while there are any
-        self.commit_calls = 0  # controller calls made for puts (for tests and benchmarks)
 
     def put_rows(self, n: int, cols: dict, partition: str, fields: list[str], nbytes: dict,
                  tags: dict, version: int | None, rid: str | None = None,
@@ -119,8 +115,8 @@ class UnitAdmission:
         except Exception as e:  # noqa: BLE001 - nothing stored
             return PutAnswer(PutStatus.REFUSED, error=e)
         try:
-            ans = await self._commit(PutRows(partition, fields, ids, self.index, nbytes, tags,
-                                             version, dtypes))
+            ans = await ctl.put_rows(partition, fields, ids, self.index, nbytes, tags,
+                                     version, dtypes)
         except ConnectFailed:
             ans = PutAnswer(PutStatus.BUSY)  # nothing sent
         except Exception as e:  # noqa: BLE001 - committed (or the connection broke: it
@@ -129,51 +125,6 @@ class UnitAdmission:
         if ans.status is not PutStatus.OK:
             self.delete(ids)
         return ans
-
-    def _commit(self, put: PutRows) -> asyncio.Future:
-        """Have the controller admit and commit ``put``; its answer. Group commit: the
-        puts that arrive while a call is on its way go together in the next one
-        (:meth:`~streamrl.control.ControlPlane.put_rows_many`), so the controller calls
-        per row fall as producers are added, with no timer and no wait for a put that
-        arrives alone."""
-        fut = asyncio.get_running_loop().create_future()
-        self._commits.append((put, fut))
-        if self._committer is None:
-            self._committer = spawn(self._send_commits(),
-                                    f"the group commit of storage unit {self.index}")
-        return fut
-
-    async def _send_commits(self) -> None:
-        try:
-            while self._commits:
-                batch, self._commits = self._commits, []
-                ctl = self._controller
-                self.commit_calls += 1
-                try:
-                    if ctl is None:
-                        raise ConnectFailed("no controller")
-                    if len(batch) == 1:
-                        answers = [await ctl.put_rows(*batch[0][0])]
-                    else:
-                        answers = await ctl.put_rows_many([p for p, _ in batch])
-                except asyncio.CancelledError:  # (the actor is going)
-                    for _, fut in batch:
-                        fut.cancel()
-                    raise
-                except BaseException as e:  # every put of the call answers it
-                    for _, fut in batch:
-                        if not fut.done():
-                            fut.set_exception(e)
-                    continue
-                for (_, fut), ans in zip(batch, answers):
-                    if not fut.done():
-                        fut.set_result(ans)
-        finally:
-            self._committer = None
-            for _, fut in self._commits:  # (only when cancelled: the actor is going)
-                if not fut.done():
-                    fut.set_exception(ConnectFailed("the storage unit is shutting down"))
-            self._commits = []
 
 
 class PlaneAdmission:

@@ -70,7 +70,7 @@ assert _UNDO.keys() == CANCELLABLE, "every cancellable control call needs its un
 
 #: calls after which the actor lets the consumers they woke run before it replies (a
 #: small put's consumers hear of its rows no later than its producer)
-_YIELD_AFTER = frozenset({"put_rows", "put_rows_many"})
+_YIELD_AFTER = frozenset({"put_rows"})
 
 
 class ActorService(ControllerService):
