@@ -193,7 +193,8 @@ class RowRemoteBatch(RemoteBatch):
     """
 
     __slots__ = ("_s", "_rows", "_shards", "_versions", "_fields", "_known", "_cache", "_lease",
-                 "_task", "_partition", "_scalar", "nbytes", "__weakref__")
+                 "_task", "_partition", "_scalar", "nbytes", "_lazy", "__weakref__")
+    _lazy: tuple[Any, Any, Mapping[str, Column]] | None  # a put's, until first used
 
     def __init__(self, queue: "StreamQueue", rows: Sequence[int] | np.ndarray,
                  shards: Sequence[int] | np.ndarray, fields: Iterable[str], *,
@@ -222,28 +223,44 @@ class RowRemoteBatch(RemoteBatch):
              cols: Mapping[str, Column], partition: str | None) -> "RowRemoteBatch":
         """What ``put`` returns: the rows it created, their cache holding ``cols`` (the
         same as ``RowRemoteBatch(queue, rows, shards, cols, partition=partition)``
-        then ``_learn(cols)``, built in one go: it is made for every put). ``rows`` and
-        ``shards`` may be one row id and its unit (a one-row put)."""
+        then ``_learn(cols)``). ``rows`` and ``shards`` may be one row id and its unit
+        (a one-row put). Made for every put, and most are never looked at: its state is
+        built when first used (:meth:`__getattr__`)."""
         self = cls.__new__(cls)
         self._s = queue.session
-        if type(rows) is int:
-            r = self._rows = np.array((rows,), dtype=np.int64)
-            sh = self._shards = (_ONE_SHARD[shards] if shards < len(_ONE_SHARD)  # type: ignore[index, operator]
-                                 else np.array((shards,), dtype=np.int32))
-        else:
-            r = self._rows = np.array(rows, dtype=np.int64)
-            sh = self._shards = np.array(shards, dtype=np.int32)
-        self._versions = None
-        names = self._fields = tuple(cols)
-        self._known = frozenset(names)
-        self._cache = _Cache({f: [_Chunk(r, c)] for f, c in cols.items()},
-                             (r, sh) if len(r) == 1 else _probe(r, sh))
-        self._lease = _BatchLease(())
-        self._task = None
         self._partition = partition
-        self._scalar = False
-        self.nbytes = None
+        self._lazy = (rows, shards, cols)
         return self
+
+    if not TYPE_CHECKING:  # (for the type checker, no attribute is made up)
+        def __getattr__(self, name: str) -> Any:
+            # reached only for an attribute not set: the state of a put's batch, built on
+            # its first use (see _put); any other batch has no such attribute
+            try:
+                lazy = object.__getattribute__(self, "_lazy")
+            except AttributeError:
+                lazy = None
+            if lazy is None:
+                raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+            self._lazy = None
+            rows, shards, cols = lazy
+            if type(rows) is int:
+                r = self._rows = np.array((rows,), dtype=np.int64)
+                sh = self._shards = (_ONE_SHARD[shards] if shards < len(_ONE_SHARD)
+                                     else np.array((shards,), dtype=np.int32))
+            else:
+                r = self._rows = np.array(rows, dtype=np.int64)
+                sh = self._shards = np.array(shards, dtype=np.int32)
+            self._versions = None
+            names = self._fields = tuple(cols)
+            self._known = frozenset(names)
+            self._cache = _Cache({f: [_Chunk(r, c)] for f, c in cols.items()},
+                                 (r, sh) if len(r) == 1 else _probe(r, sh))
+            self._lease = _BatchLease(())
+            self._task = None
+            self._scalar = False
+            self.nbytes = None
+            return object.__getattribute__(self, name)
 
     # ------------------------------------------------------------------ metadata
 

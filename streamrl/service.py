@@ -260,11 +260,11 @@ class ControllerService:
         # capacity: first come, first served
         me = object()
         self._space_q[me] = anyio.Event()
-        tok = None
+        got: WriteToken | None = None
         try:
             while True:
                 if next(iter(self._space_q)) is me and ctl.admission(n, nbytes, None) is None:
-                    tok = ctl.allocate(partition, n, fields, nbytes=nbytes, version=version,
+                    got = ctl.allocate(partition, n, fields, nbytes=nbytes, version=version,
                                        dtypes=dtypes)
                     break
                 ev = self._space_q[me] = anyio.Event()
@@ -277,9 +277,9 @@ class ControllerService:
             self._space_q.pop(me, None)
             if self._space_q:
                 next(iter(self._space_q.values())).set()
-            if tok is None:
+            if got is None:
                 await self._after()
-        return await self._admitted(tok)
+        return await self._admitted(got)
 
     async def _admitted(self, tok: WriteToken) -> WriteToken:
         """Drain the outboxes after admitting ``tok`` (storage deletes of rows it dropped
