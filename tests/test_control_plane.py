@@ -13,6 +13,8 @@ import torch
 
 from streamrl.config import QueueConfig, Request
 from streamrl.control import CANCELLABLE, CONTROL_METHODS, ControlPlane, check_implements
+from streamrl.errors import FilterError, SchemaError
+from streamrl.messages import CommitResult, PutAnswer, PutStatus
 from streamrl.service import ControllerService
 from streamrl.storage import StorageUnit
 from streamrl.transport.embedded import LocalDataPlane
@@ -169,3 +171,39 @@ async def test_only_cancellable_calls_are_tracked():
     with pytest.raises(InvalidArgument, match="not a cancellable"):
         await actor.cancellable("r1", "drop", ([0],), {})
     await actor.cancel("unknown")  # nothing to do
+
+
+@pytest.mark.parametrize("answer", [
+    PutAnswer(PutStatus.OK, CommitResult({2: [7, 9]}, frozenset({"uid"}), {"uid": [5]}),
+              rows=[5, 6]),
+    PutAnswer(PutStatus.BUSY),
+    PutAnswer(PutStatus.REFUSED, error=SchemaError("field 'x' holds int64")),
+    PutAnswer(PutStatus.FAILED, error=FilterError("the filter raised")),
+], ids=["ok", "busy", "refused", "failed"])
+def test_a_small_puts_answer_crosses_the_wire_as_itself(answer):
+    """The answer to put_rows goes out as a tuple of builtins (cheaper to pickle than the
+    dataclasses and the enum) and reads back as the same answer, through pickle."""
+    import pickle
+
+    wire = answer.to_wire()
+    assert type(wire) is tuple
+    back = PutAnswer.from_wire(pickle.loads(pickle.dumps(wire, protocol=5)))
+    assert back.status is answer.status
+    assert back.rows == answer.rows and back.result == answer.result
+    assert type(back.error) is type(answer.error) and str(back.error) == str(answer.error)
+
+
+async def test_the_actor_answers_put_rows_in_its_wire_form():
+    """The controller actor sends put_rows' answer in its wire form; the Ray client reads
+    it back (both ends name the same calls)."""
+    from streamrl.transport.ray.control import FROM_WIRE
+    from streamrl.transport.ray.controller import TO_WIRE
+
+    assert TO_WIRE.keys() == FROM_WIRE.keys()
+    actor = _actor()
+    start, _ = await actor.unit_ids(0, 4)
+    wire = await actor.put_rows("p", ["x"], [start], 0, {"x": [8]})
+    assert type(wire) is tuple
+    ans = FROM_WIRE["put_rows"](wire)
+    assert ans.status is PutStatus.OK and ans.rows == [start]
+    assert (await actor.stats()).rows == 1

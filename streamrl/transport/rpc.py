@@ -213,6 +213,23 @@ class RpcServer:
         self.token = secrets.token_bytes(_TOKEN_BYTES)
         self._server: asyncio.Server | None = None
         self._conns: set[_Served] = set()
+        self._methods: dict[str, Callable] = {}  # name -> the bound method it calls
+
+    def _method(self, name: str) -> Callable:
+        """The target's public method ``name``. Ray wraps each method of an actor class
+        for its tracing; the wrapper only adds a call layer unless the call carries a
+        trace context, which a call over this channel never does, so the method
+        underneath is called instead (a call costs a layer less)."""
+        m = self._methods.get(name)
+        if m is None:
+            if name.startswith("_"):
+                raise AttributeError(f"no public method {name!r}")
+            m = getattr(self.target, name)
+            fn = getattr(m, "__func__", None)
+            if getattr(fn, "__ray_tracing_wrapped__", False):
+                m = fn.__wrapped__.__get__(self.target)  # type: ignore[union-attr]
+            self._methods[name] = m
+        return m
 
     async def start(self) -> Endpoint:
         """Start listening (once); the endpoint clients connect to."""
@@ -234,9 +251,7 @@ class RpcServer:
         method = "?"
         try:
             method, args, kwargs = load()
-            if method.startswith("_"):
-                raise AttributeError(f"no public method {method!r}")
-            res = getattr(self.target, method)(*args, **kwargs)
+            res = self._method(method)(*args, **kwargs)
             if inspect.isawaitable(res):
                 res = await res
             reply = (True, res)

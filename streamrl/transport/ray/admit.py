@@ -64,7 +64,8 @@ class UnitAdmission:
         them under row ids the controller leased to it, then asks the controller to
         admit and commit them in one step, without waiting for room. Consumers waiting
         for them hear of them two hops sooner than if the producer asked for room first.
-        Socket channel only (it returns a coroutine). Answers a :class:`PutAnswer`:
+        Socket channel only (it returns a coroutine). Answers a :class:`PutAnswer`, in
+        its wire form (:meth:`PutAnswer.to_wire`):
         ``OK`` (with rows and commit result); ``BUSY`` (nothing kept: the producer puts
         the usual way); ``REFUSED`` (nothing kept) or ``FAILED`` (committed, then a
         filter failed, or the controller is gone), with the error."""
@@ -74,7 +75,13 @@ class UnitAdmission:
             self._puts[rid] = fut
             while len(self._puts) > 4096:
                 self._puts.popitem(last=False)
-        return asyncio.shield(fut)
+        return self._answer(fut)
+
+    @staticmethod
+    async def _answer(fut: asyncio.Future) -> tuple:
+        """``fut``'s answer in its wire form (:meth:`PutAnswer.to_wire`); the put goes
+        on if the producer's call is cancelled (see :meth:`cancel_put`)."""
+        return (await asyncio.shield(fut)).to_wire()
 
     async def cancel_put(self, rid: str) -> None:
         """The producer of put ``rid`` was cancelled while it waited for the answer:
@@ -173,8 +180,8 @@ class PlaneAdmission:
         rpc = self.rpcs[shard]
         assert rpc is not None  # (live units have a socket channel)
         try:
-            ans = await rpc.call("put_rows", n, wire, partition, list(cols),
-                                 nbytes, tags, version, rid, dtypes)
+            ans = PutAnswer.from_wire(await rpc.call("put_rows", n, wire, partition, list(cols),
+                                                     nbytes, tags, version, rid, dtypes))
         except asyncio.CancelledError:
             # the unit finishes the put (shielded) and then drops what it committed;
             # the cancellation goes on once that is done, so a retry cannot race it
@@ -193,6 +200,7 @@ class PlaneAdmission:
             self._busy_until = time.monotonic() + _BUSY_PAUSE
             return None
         if ans.status is not PutStatus.OK:
+            assert ans.error is not None  # (REFUSED and FAILED carry their error)
             raise ans.error
         rows, res = ans.rows, ans.result
         self.count_moved(bytes_by_path(wire))

@@ -25,10 +25,15 @@ import ray
 
 from ...control import CANCELLABLE, CONTROL_METHODS, ControlPlane, forwarders
 from ...errors import TransportError
+from ...messages import PutAnswer
 from ..rpc import ConnectFailed, Endpoint, RpcClient
 from .calls import request_id, undone, unwrap
 
 __all__ = ["RayControl"]
+
+#: calls whose answer the controller actor sends in a cheaper form (see
+#: :data:`.controller.TO_WIRE`): call -> how to read it back
+FROM_WIRE: dict[str, Callable[[Any], Any]] = {"put_rows": PutAnswer.from_wire}
 
 #: control calls with an argument that is pickled by value (a user's function, or a
 #: dict of them, whose module the controller actor may not import): call -> parameter
@@ -67,7 +72,9 @@ class RayControl(_Generated):
         send = (self._send(method, args, kwargs) if rid is None
                 else self._send("cancellable", (rid, method, args, kwargs), {}))
         try:
-            return await send
+            res = await send
+            from_wire = FROM_WIRE.get(method)
+            return res if from_wire is None else from_wire(res)
         except asyncio.CancelledError:
             # the cancel goes after the call on the same channel, so it cannot overtake
             # it; the cancellation goes on once the call's effect is taken back, so a

@@ -34,6 +34,7 @@ from ...config import QueueConfig
 from ...control import CANCELLABLE, CONTROL_METHODS, forwarders
 from ...controller import Controller
 from ...errors import InvalidArgument
+from ...messages import PutAnswer
 from ...service import ControllerService
 from ...stats import Stats
 from ..rpc import RpcServer
@@ -71,6 +72,10 @@ assert _UNDO.keys() == CANCELLABLE, "every cancellable control call needs its un
 #: calls after which the actor lets the consumers they woke run before it replies (a
 #: small put's consumers hear of its rows no later than its producer)
 _YIELD_AFTER = frozenset({"put_rows"})
+
+#: calls whose answer goes out in a cheaper form than itself (see
+#: :data:`.control.FROM_WIRE`, which reads it back): call -> how
+TO_WIRE: dict[str, Callable[[Any], Any]] = {"put_rows": PutAnswer.to_wire}
 
 
 class ActorService(ControllerService):
@@ -144,7 +149,8 @@ class ControllerActorImpl:
                 self._recent.popitem(last=False)
         if method in _YIELD_AFTER:
             await asyncio.sleep(0)
-        return res
+        to_wire = TO_WIRE.get(method)
+        return res if to_wire is None else to_wire(res)
 
     async def cancellable(self, rid: str, method: str, args: tuple, kwargs: dict) -> Any:
         """Control call ``method(*args, **kwargs)`` (one of
