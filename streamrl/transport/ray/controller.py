@@ -159,7 +159,7 @@ class ControllerActorImpl:
         if method not in CANCELLABLE:
             raise InvalidArgument(f"{method!r} is not a cancellable control call; those are "
                                   f"{sorted(CANCELLABLE)}")
-        return await self._serve(method, args, kwargs, rid)
+        return await ControllerActorImpl._serve(self, method, args, kwargs, rid)
 
     async def cancel(self, rid: str) -> None:
         """The client gave up on call ``rid`` (it was cancelled while waiting for the
@@ -235,7 +235,10 @@ class ControllerActorImpl:
 
 
 def _dispatch(self: ControllerActorImpl, method: str, *args: Any, **kwargs: Any):
-    return self._serve(method, args, kwargs)
+    # (not self._serve: Ray wraps every method of the actor's class, this one too, for
+    # its tracing, and the wrapper is one more coroutine per call that does nothing
+    # when the call carries no trace context)
+    return ControllerActorImpl._serve(self, method, args, kwargs)
 
 
 def serve_control_plane(cls: type) -> type:
