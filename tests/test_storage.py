@@ -8,6 +8,7 @@ from __future__ import annotations
 import logging
 import os
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings
@@ -548,3 +549,41 @@ async def test_stats_say_where_each_unit_keeps_its_bytes(where, tmp_path, reques
         await q.drop(rows)
         st = await q.stats()
         assert [u["memory"] + u["disk"] for u in st.unit_usage] == [0, 0]
+
+
+@pytest.mark.parametrize("make", [
+    lambda: torch.arange(12, dtype=torch.int64).reshape(3, 4)[1:],  # contiguous, offset
+    lambda: torch.arange(12, dtype=torch.int32).reshape(3, 4)[:, 1:],  # strided: a copy
+    lambda: torch.randn(3, dtype=torch.complex64).conj().imag,  # the negative bit
+    lambda: torch.ones(2, 3, requires_grad=True),
+    lambda: torch.zeros(0, 5),
+    lambda: torch.tensor([[True, False]]),
+    lambda: torch.randn(4, 2, dtype=torch.bfloat16),  # numpy has no bfloat16
+    lambda: torch.randn(2, 2).half(),
+], ids=["offset", "strided", "neg-bit", "grad", "empty", "bool", "bfloat16", "half"])
+def test_wire_tensors_keep_their_bytes_through_pickle(make):
+    """A tensor's raw bytes (numpy's view where it has one, else torch's) read back as the
+    same tensor, and so does its WireTensor pickled with out-of-band buffers (the socket
+    channel's way) and in band (a plain pickle), whose bytes are writable again."""
+    import pickle
+
+    from streamrl import codec
+
+    t = make()
+    want = t.detach().resolve_neg()
+    w = _wire(t)
+    assert w.buf is not None and w.buf.dtype == np.uint8 and w.buf.ndim == 1
+    assert torch.equal(codec.tensor_from_raw(w.dtype, w.shape, w.buf), want)
+    bufs: list = []
+    body = pickle.dumps(w, protocol=5, buffer_callback=bufs.append)
+    out_of_band = pickle.loads(body, buffers=[b.raw() for b in bufs])
+    in_band = pickle.loads(pickle.dumps(w, protocol=5))
+    for back in (out_of_band, in_band):
+        assert (back.dtype, back.itemsize, back.shape, back.ref) == (w.dtype, w.itemsize,
+                                                                      w.shape, None)
+        assert torch.equal(codec.tensor_from_raw(back.dtype, back.shape, back.buf), want)
+    assert in_band.buf.flags.writeable
+    if t.numel():
+        assert len(bufs) == 1  # the bytes went out of band, not into the pickle
+    ref = pickle.loads(pickle.dumps(w.by_reference(("unit", 3))))
+    assert ref.buf is None and ref.ref == ("unit", 3)
