@@ -29,12 +29,11 @@ import sys
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+from small_puts_ray import _init_ray, _proc_cpu  # noqa: E402 - (this folder, just added)
+
 UNITS = 4  # calls in flight (one per simulated storage unit)
 BATCH = 64
-
-
-def _proc_cpu(actor):
-    return actor.__ray_call__.remote(lambda self: time.process_time())
 
 
 class _Echo:
@@ -166,9 +165,6 @@ async def _controller_cases(ray, rows: int, per_call: tuple[int, ...]) -> dict:
 
 async def run(rows: int = 20_000, per_call: tuple[int, ...] = (1, 4, 16, 64)) -> dict:
     """Every case (see the module docstring); a dict of results and ratios."""
-    sys.path.insert(0, HERE)
-    from small_puts_ray import _init_ray
-
     ray = _init_ray()
     try:
         out = await _controller_cases(ray, rows, per_call)
