@@ -465,3 +465,52 @@ def test_a_lease_older_than_the_outcome_memory_is_not_acked_silently(monkeypatch
     c.expire()
     with pytest.raises(LeaseExpired):  # its outcome is forgotten: not taken as acked
         c.ack([held.lease])
+
+
+def test_first_deliveries_are_observed_per_row_with_each_puts_latency():
+    """A batch of rows of several puts and partitions, delivered and then redelivered:
+    each row's first delivery is observed once, with the latency of its own put, in
+    its own partition's histogram."""
+    clock = Clock()
+    c = Controller(100, clock=clock)
+    put(c, 3)                     # born at 0
+    clock.t = 0.001
+    put(c, 2)                     # born at 1 ms
+    clock.t = 0.002
+    put(c, 1, part="q")           # another partition, born at 2 ms
+    clock.t = 0.003
+    put(c, 1)                     # p again, born at 3 ms
+    clock.t = 0.010
+    d = c.take(req(bs=7))
+    assert len(d.rows) == 7
+    hp = c.parts["p"].counts.delivery["t"]
+    hq = c.parts["q"].counts.delivery["t"]
+    assert (hp.count, hq.count) == (6, 1)
+    assert hp.sum == pytest.approx(3 * 0.010 + 2 * 0.009 + 0.007)
+    assert hq.sum == pytest.approx(0.008)
+    assert sum(hp.counts) == 6 and sum(hq.counts) == 1
+    assert c.parts["p"].counts.task("t")[:4] == [6, 48, 0, 0]
+    c.release([d.lease])
+    clock.t = 0.5
+    d2 = c.take(req(bs=7))
+    assert sorted(d2.rows) == sorted(d.rows)
+    assert (hp.count, hq.count) == (6, 1)  # redeliveries are not first deliveries
+    assert c.c_redelivered["t"] == 7 and c.c_delivered["t"] == 14
+    assert c.parts["p"].counts.task("t")[:4] == [12, 96, 6, 48]
+    assert c.parts["q"].counts.task("t")[:4] == [2, 16, 1, 8]
+
+
+def test_commit_counts_each_rows_bytes_whether_rows_agree_or_not():
+    c = Controller(100)
+    tok = c.allocate("p", 3, ("x", "y"), nbytes=0)
+    c.commit(tok, {"x": [8, 8, 8], "y": [4, 5, 6]})
+    assert [c.rows[r].fields for r in tok.rows] == [{"x": 8, "y": 4}, {"x": 8, "y": 5},
+                                                     {"x": 8, "y": 6}]
+    tok2 = c.allocate("p", 2, ("x", "y"), nbytes=0)
+    c.commit(tok2, {"x": [8, 8], "y": [4, 4]})
+    assert [c.rows[r].nbytes for r in tok2.rows] == [12, 12]
+    c.rows[tok2.rows[0]].fields["x"] = 100  # each row has a dict of its own
+    assert c.rows[tok2.rows[1]].fields["x"] == 8
+    assert c.bytes_held == 8 * 3 + 15 + 24
+    d = c.take(req(fields=("x", "y"), bs=5))
+    assert d.nbytes == 24 + 15 + 12 + 100 + 4

@@ -420,6 +420,10 @@ class Admission(ControllerBase):
         sizes = [(f, nbytes[f]) for f in tok.fields if f in nbytes]
         nosize = [f for f in tok.fields if f not in nbytes]  # written with 0 bytes
         rows = self.rows
+        # new rows whose fields have the same bytes in every row (rows of one shape):
+        # each row's fields are a copy of one dict
+        tmpl = _uniform(sizes) if tok.new_rows and not nosize and not tags else None
+        tsum = sum(tmpl.values()) if tmpl else 0
         for i, rid in enumerate(tok.rows):
             row = rows.get(rid)
             if row is None:
@@ -427,6 +431,12 @@ class Admission(ControllerBase):
                 continue
             row.writing &= keep
             have = row.fields
+            if tmpl is not None and not have:
+                row.fields = tmpl.copy()
+                row.nbytes += tsum
+                added += tsum
+                touched.append(row)
+                continue
             delta = 0
             for f, col in sizes:  # (the hot loop of a put: kept flat)
                 b = int(col[i])
@@ -466,3 +476,17 @@ class Admission(ControllerBase):
             if self.filters:
                 self._filter_check(touched)
         return CommitResult(dead, scope, missing)
+
+
+def _uniform(sizes: list[tuple[str, Sequence[int]]]) -> dict[str, int] | None:
+    """``{field: bytes}`` when every row has the same bytes of each field (lists of
+    ints, as the put paths send them), else ``None``."""
+    out = {}
+    for f, col in sizes:
+        if type(col) is not list or not col:
+            return None
+        b = col[0]
+        if type(b) is not int or col.count(b) != len(col):
+            return None
+        out[f] = b
+    return out

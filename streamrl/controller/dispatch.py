@@ -160,12 +160,15 @@ class Dispatch(ControllerBase):
         return unit
 
     def _delivery(self, lid: int, req: Request, sub: _Sub, rids: list[int], rank: int = 0,
-                  dispatch: int | None = None) -> Delivery:
+                  dispatch: int | None = None, nbytes: int | None = None) -> Delivery:
+        """The delivery of ``rids`` under lease ``lid`` (``nbytes``: the bytes of the
+        asked-for fields of those rows, if the caller counted them)."""
         rows = self.rows
         objs = [rows[r] for r in rids]
         common: set[str] = set()
-        nbytes = 0
         fields = req.fields
+        count = nbytes is None
+        total = 0 if nbytes is None else nbytes
         if objs:
             keys = objs[0].fields.keys()
             common = set(keys)
@@ -174,8 +177,9 @@ class Dispatch(ControllerBase):
                 have = row.fields
                 if have.keys() != keys:
                     common.intersection_update(have)
-                for f in fields:
-                    nbytes += have.get(f, 0)
+                if count:
+                    for f in fields:
+                        total += have.get(f, 0)
                 if row.part is not one_part:
                     one_part = None
         part = sub.partition
@@ -183,7 +187,7 @@ class Dispatch(ControllerBase):
             part = one_part.name if one_part is not None else None
         return Delivery(lid, req.task, list(rids), [r.shard for r in objs],
                         [r.version for r in objs], req.fields, part, rank, dispatch,
-                        tuple(sorted(common)), nbytes)
+                        tuple(sorted(common)), total)
 
     # ------------------------------------------------------------------ DP dispatch
 

@@ -12,7 +12,7 @@ from ..config import Request
 from ..errors import LeaseExpired, rows_preview
 from ..messages import Delivery, DropReason
 from .base import ControllerBase
-from .state import LEASE_MEMORY
+from .state import LEASE_MEMORY, Partition
 
 if TYPE_CHECKING:
     from .index import _Sub
@@ -49,52 +49,92 @@ class Leases(ControllerBase):
         lease.rank = rank
         self.leases[lid] = lease
         heapq.heappush(self._lease_heap, (lease.deadline, lid))
-        for rid in rids:
-            row = self.rows[rid]
+        rows = self.rows
+        last = None
+        plain: list[dict[int, None]] = []  # the task's ungrouped subscriptions' rows
+        grouped: list[_Sub] = []
+        for rid in rids:  # (_unindex of the task, inlined: the hot loop of a take)
+            row = rows[rid]
             row.leased[task] = lid
-            row.part.tasks.add(task)
-            self._unindex(row, (task,))
+            p = row.part
+            if p is not last:  # (rows come in runs of one partition)
+                last = p
+                p.tasks.add(task)
+                plain = []
+                grouped = []
+                for s in self._candidates(p.name):
+                    if s.task == task:
+                        if s.group_by is None:
+                            plain.append(s.avail)
+                        else:
+                            grouped.append(s)
+            for avail in plain:
+                avail.pop(rid, None)
+            for s in grouped:
+                if rid in s.avail:
+                    self._remove(s, row)
         lease.claimed = False
-        if claimed:
-            self._claim(lease)
-        return self._delivery(lid, req, sub, rids, rank, dispatch)
+        nbytes = self._claim(lease) if claimed else None
+        return self._delivery(lid, req, sub, rids, rank, dispatch, nbytes)
 
-    def _claim(self, lease: _Lease) -> None:
-        """The consumer has the batch now: count it (and redeliveries)."""
+    def _claim(self, lease: _Lease) -> int:
+        """The consumer has the batch now: count it (and redeliveries). Returns the bytes
+        of the asked-for fields of its rows."""
         lease.claimed = True
         task = lease.task
         bit = self._bit(self._tbits, task)
-        redelivered = 0
         now = self.clock()
-        nbytes = 0
-        again = 0  # bytes of the rows redelivered
         fields = lease.fields
-        part = None  # the partition of the last row, its counters and histogram of task
+        rows = self.rows
+        # totals: rows and bytes delivered, rows and bytes redelivered
+        tot = [0, 0, 0, 0]
+        # the run of rows of one partition: its counters and histogram of task, and the
+        # rows and bytes delivered and redelivered in it (counted when the run ends)
+        part = None
+        pc: list[int] = []
+        ph = None
+        k = kb = rk = rb = 0
+        # first deliveries not observed yet: ``seen`` rows born at ``born`` (the rows of
+        # one put share it), observed at once
+        born = 0.0
+        seen = 0
         for rid in lease.rows:
-            row = self.rows[rid]
+            row = rows[rid]
             if row.part is not part:
+                if part is not None:
+                    _count(pc, tot, k, kb, rk, rb)
+                    if seen:
+                        ph.observe_n(now - born, seen)  # type: ignore[union-attr]
+                    k = kb = rk = rb = seen = 0
                 part = row.part
                 pc, ph = part.counts.task(task), part.counts.hist(part.counts.delivery, task)
             have = row.fields
             b = 0
             for f in fields:
                 b += have.get(f, 0)
-            nbytes += b
-            pc[0] += 1
-            pc[1] += b
+            k += 1
+            kb += b
             if row.delivered & bit:
-                redelivered += 1
-                again += b
-                pc[2] += 1
-                pc[3] += b
+                rk += 1
+                rb += b
             else:
-                ph.observe(now - row.born)  # (the task's: the sum of its partitions')
-            row.delivered |= bit
-        self.c_delivered[task] = self.c_delivered.get(task, 0) + len(lease.rows)
-        self.c_bytes_delivered[task] = self.c_bytes_delivered.get(task, 0) + nbytes
-        if redelivered:
-            self.c_redelivered[task] = self.c_redelivered.get(task, 0) + redelivered
-            self.c_bytes_redelivered[task] = self.c_bytes_redelivered.get(task, 0) + again
+                row.delivered |= bit
+                if row.born != born or not seen:
+                    if seen:  # (the task's histogram: the sum of its partitions')
+                        ph.observe_n(now - born, seen)  # type: ignore[union-attr]
+                    born = row.born
+                    seen = 0
+                seen += 1
+        if part is not None:
+            _count(pc, tot, k, kb, rk, rb)
+            if seen:
+                ph.observe_n(now - born, seen)  # type: ignore[union-attr]
+        self.c_delivered[task] = self.c_delivered.get(task, 0) + tot[0]
+        self.c_bytes_delivered[task] = self.c_bytes_delivered.get(task, 0) + tot[1]
+        if tot[2]:
+            self.c_redelivered[task] = self.c_redelivered.get(task, 0) + tot[2]
+            self.c_bytes_redelivered[task] = self.c_bytes_redelivered.get(task, 0) + tot[3]
+        return tot[1]
 
     def ack(self, lease_ids: Iterable[int]) -> None:
         """The consumer is done with these leases: their rows count as consumed by the
@@ -120,25 +160,34 @@ class Leases(ControllerBase):
             bit = self._bit(self._tbits, task)
             fields, nbytes = lease.fields, 0  # (bytes of the asked-for fields acked)
             done = []
-            last = pc = None
+            rows = self.rows
+            # the run of rows of one partition: rows and bytes acked in it
+            last = None
+            k = kb = cmask = 0
             for rid in lease.rows:
-                row = self.rows.get(rid)
+                row = rows.get(rid)
                 if row is None or row.leased.get(task) != lid:
                     continue
                 del row.leased[task]
                 b = 0
                 for f in fields:
                     b += row.fields.get(f, 0)
-                nbytes += b
                 row.acked |= bit
                 p = row.part
                 if p is not last:  # (rows come in runs of one partition)
-                    last, pc = p, p.counts.task(task)
-                pc[4] += 1  # type: ignore[index]
-                pc[5] += b  # type: ignore[index]
-                p.acked[task] = p.acked.get(task, 0) + 1
-                if p.cmask and row.acked & p.cmask == p.cmask and not row.leased:
+                    if last is not None:
+                        _count_acks(last, task, k, kb)
+                        nbytes += kb
+                    last = p
+                    k = kb = 0
+                    cmask = p.cmask
+                k += 1
+                kb += b
+                if cmask and row.acked & cmask == cmask and not row.leased:
                     done.append(row)
+            if last is not None:
+                _count_acks(last, task, k, kb)
+                nbytes += kb
             self.c_acked[task] = self.c_acked.get(task, 0) + len(lease.rows)
             self.c_bytes_acked[task] = self.c_bytes_acked.get(task, 0) + nbytes
             self._drop_rows(done, DropReason.CONSUMED)
@@ -228,3 +277,24 @@ class Leases(ControllerBase):
                 self.release([lid], expired=True)
                 n += 1
         return n
+
+
+def _count(pc: list[int], tot: list[int], k: int, kb: int, rk: int, rb: int) -> None:
+    """Add a run's deliveries (``k`` rows, ``kb`` bytes; ``rk``, ``rb`` of them
+    redelivered) to its partition's counters of the task and to the totals."""
+    pc[0] += k
+    pc[1] += kb
+    pc[2] += rk
+    pc[3] += rb
+    tot[0] += k
+    tot[1] += kb
+    tot[2] += rk
+    tot[3] += rb
+
+
+def _count_acks(p: Partition, task: str, k: int, kb: int) -> None:
+    """Count ``k`` rows (``kb`` bytes) of partition ``p`` acked by ``task``."""
+    pc = p.counts.task(task)
+    pc[4] += k
+    pc[5] += kb
+    p.acked[task] = p.acked.get(task, 0) + k

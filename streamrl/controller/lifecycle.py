@@ -134,62 +134,69 @@ class Lifecycle(ControllerBase):
         regroup: list[tuple[str, Partition, dict[str, Hashable]]] = []
         last = None
         cands: list = []
-        tbits = self._tbits
         deletes = self.deletes
         names: dict[int, list[str]] = {}  # acked mask -> its tasks
         pdrop = [0, 0]  # rows and bytes dropped of the partition ``last`` (counted per run)
+        packed: dict[int, int] = {}  # acked mask -> rows of ``last`` dropped with it
+        dshard = -1  # the storage unit of the last row and its list of deletes
+        dlist: list[int] = []
         for row in objs:
             if self.rows.pop(row.id, None) is None:
                 continue
             gone += 1
             p = row.part
             if p is not last:  # (rows come in runs of one partition)
-                if reason is not None and last is not None and pdrop[0]:
-                    last.counts.drop(reason, pdrop[0], pdrop[1])
+                if last is not None:
+                    if reason is not None and pdrop[0]:
+                        last.counts.drop(reason, pdrop[0], pdrop[1])
+                    if packed:
+                        self._unack(last, packed, names)
                 last, cands, pdrop = p, self._candidates(p.name), [0, 0]
+                packed = {}
                 parts.add(p)
-            del p.rows[row.id]
+            rid = row.id
+            del p.rows[rid]
             acked = row.acked
             if acked:
-                tasks = names.get(acked)
-                if tasks is None:
-                    tasks = names[acked] = self._names(tbits, acked)
-                for task in tasks:
-                    p.acked[task] -= 1
+                packed[acked] = packed.get(acked, 0) + 1
             if row.tags:
                 for f, v in row.tags.items():
                     grp = p.groups.get(f, {}).get(v)
                     if grp is not None:
-                        grp.pop(row.id, None)
+                        grp.pop(rid, None)
                         if not grp:
                             del p.groups[f][v]
-            rid = row.id
             for sub in cands:  # (_unindex, inlined)
                 if rid in sub.avail:
                     self._remove(sub, row)
-            for task, lid in row.leased.items():
-                lease = self.leases.get(lid)
-                if lease is not None:
-                    lease.rows.remove(row.id)
-                    if not lease.rows:
-                        del self.leases[lid]
-                        self._remember(lid, "acked")
+            if row.leased:
+                for task, lid in row.leased.items():
+                    lease = self.leases.get(lid)
+                    if lease is not None:
+                        lease.rows.remove(rid)
+                        if not lease.rows:
+                            del self.leases[lid]
+                            self._remember(lid, "acked")
             waiting = row.pending | row.judging
             if waiting:
                 for name in self._names(self._fbits, waiting):
                     buckets = self._filter_ready.get(name)
                     if buckets:
-                        _unbucket(buckets, (row.id,))
+                        _unbucket(buckets, (rid,))
                     if row.pending & self._fbits[name] and p.sealed:
                         regroup.append((name, p, row.tags))
-            freed += row.nbytes
+            nb = row.nbytes
+            freed += nb
             pdrop[0] += 1
-            pdrop[1] += row.nbytes
-            d = deletes.get(row.shard)
-            if d is None:
-                deletes[row.shard] = [rid]
-            else:
-                d.append(rid)
+            pdrop[1] += nb
+            if row.shard != dshard:
+                dshard = row.shard
+                dlist = deletes.get(dshard)  # type: ignore[assignment]
+                if dlist is None:
+                    dlist = deletes[dshard] = []
+            dlist.append(rid)
+        if packed and last is not None:
+            self._unack(last, packed, names)
         if reason is not None and last is not None and pdrop[0]:
             last.counts.drop(reason, pdrop[0], pdrop[1])
         self.bytes_held -= freed
@@ -209,6 +216,17 @@ class Lifecycle(ControllerBase):
             if p.sealed or self.closed:  # end and group-completeness conditions moved
                 self._wake_part(p.name)
             self._maybe_retire(p)
+
+    def _unack(self, p: Partition, packed: dict[int, int], names: dict[int, list[str]]
+               ) -> None:
+        """Rows of ``p`` that tasks had acked left (``packed``: acked mask -> rows): the
+        partition's counts of live rows each task acked go down by as many."""
+        for acked, k in packed.items():
+            tasks = names.get(acked)
+            if tasks is None:
+                tasks = names[acked] = self._names(self._tbits, acked)
+            for task in tasks:
+                p.acked[task] -= k
 
     def _with_groups(self, objs: list[Row]) -> list[Row]:
         """``objs`` plus every row sharing a group key (any registered group tag) with
