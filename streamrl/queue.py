@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import math
 import os
 import warnings
 import weakref
@@ -18,8 +19,8 @@ from tensordict import TensorDictBase
 
 from ._aio import shielded
 from .batch import ColumnRemoteBatch, RemoteBatch, RowRemoteBatch
-from .columns import (Column, column_dtype, dtype_name, row_nbytes, tag_values, take_rows,
-                      to_columns)
+from .columns import (_DTYPE_NAMES, _STRIDED, Column, column_dtype, dtype_name, row_nbytes,
+                      tag_values, take_rows, to_columns)
 from .config import QueueConfig, check_timeout
 from .control import ControlPlane
 from .messages import Delivery, FilterSpec, Request
@@ -27,6 +28,7 @@ from .session import Session
 from .transport import registry
 from .timing import RoleTiming, Timer
 from .timing import counted as _timed
+from .timing import is_open as _timing_open
 from .transport.base import DataPlane, Transport
 from .errors import (EndOfStream, InvalidArgument, LeaseExpired, SchemaError, StreamTimeout,
                      TransportError)
@@ -345,6 +347,10 @@ class StreamQueue:
         never races the undo. A write with ``overwrite=True`` is the exception: it is
         idempotent, and a cancelled one leaves each row with its old or its new value.
         """
+        if rows is None and self._stage is not None and type(data) is dict:
+            staged = self._put_staged(data, partition, version, overwrite, timeout)
+            if staged is not None:
+                return staged
         return await _timed(self._put(data, partition, rows, version=version,
                                       overwrite=overwrite, timeout=timeout, nowait=False))
 
@@ -385,6 +391,40 @@ class StreamQueue:
             self._tags_by_part.move_to_end(part)
             while len(self._tags_by_part) > 256:
                 self._tags_by_part.popitem(last=False)
+
+    def _put_staged(self, data: dict, partition: str | None, version: int | None,
+                    overwrite: Any, timeout: float | None) -> RowRemoteBatch | None:
+        """The one-row put of new rows, embedded, at its cheapest: ``data`` is a dict of
+        one-row dense tensors whose arguments are all valid, staged to be admitted with
+        the one-row puts that follow it (see :mod:`streamrl.combine`). ``None``: not
+        staged (anything else, or the stage cannot take it); :meth:`_put` then does it
+        all, the checks and their errors included. Never awaits, raises nothing of its
+        own. Not taken inside a ``timed`` block, which counts the queue's calls."""
+        if (overwrite is not False or (version is not None and (
+                type(version) is not int)) or (partition is not None and (
+                type(partition) is not str or not partition)) or self._tags_any
+                or (timeout is not None and (type(timeout) not in (int, float)
+                                             or not 0 <= timeout < math.inf))
+                or _timing_open()):
+            return None
+        sizes = {}
+        dtypes = {}
+        names = _DTYPE_NAMES
+        for f, v in data.items():
+            if (type(v) is not torch.Tensor or type(f) is not str or not f
+                    or v.layout is not _STRIDED or not v.dim() or v.shape[0] != 1
+                    or v.is_nested or v.is_meta or v.is_quantized or v.requires_grad):
+                return None
+            sizes[f] = v.element_size() * v.numel()
+            d = v.dtype
+            dtypes[f] = names.get(d) or dtype_name(d)
+        if not sizes:
+            return None
+        part = DEFAULT_PARTITION if partition is None else partition
+        staged = self._stage.stage_put(part, data, sizes, dtypes, version)  # type: ignore[union-attr]
+        if staged is None:
+            return None
+        return RowRemoteBatch._put(self, staged[0], staged[1], dict(data), part)
 
     async def _put(self, data, partition, rows, *, version, overwrite, timeout, nowait):
         timeout = check_timeout("timeout", timeout)

@@ -115,6 +115,11 @@ async def timed_call(aw: Awaitable[T]) -> T:
         _inside.reset(token)
 
 
+def is_open() -> bool:
+    """Whether a ``timed`` block is open here (its role counts the queue's calls)."""
+    return _current.get() is not None
+
+
 def counted(aw: Awaitable[T]) -> Awaitable[T]:
     """``aw``, counted in the current role's queue time when a ``timed`` block is open
     (else ``aw`` itself: no extra frame on the hot paths)."""

@@ -360,3 +360,60 @@ async def test_a_put_into_a_file_backed_store_fails_at_the_put_not_later(tmp_pat
         assert st.rows == 1
         mb = await q.get("t", ["idx"], 1, timeout=5)
         assert (await mb.materialize())["idx"].tolist() == [0]
+
+
+async def test_one_row_put_arguments_are_checked_as_any_put_checks_them(make_queue):
+    """A one-row put of new rows takes a shortcut on the embedded transport; each bad
+    argument still raises what it raises for a put of two rows, nothing is staged for it,
+    and odd but valid values (a grad tensor, a numpy row, int timeouts) are stored."""
+    q = make_queue(capacity=64)
+    await first_use(q)
+    import numpy as np
+
+    two = {"idx": torch.tensor([0, 1]), "x": torch.zeros(2, 4)}
+    bad = [
+        (dict(version=True), InvalidArgument, "version must be an int"),
+        (dict(version=1.5), InvalidArgument, "version must be an int"),
+        (dict(partition=""), InvalidArgument, "partition must be a non-empty str"),
+        (dict(partition=3), InvalidArgument, "partition must be a non-empty str"),
+        (dict(timeout=-1), InvalidArgument, "timeout"),
+        (dict(timeout=float("nan")), InvalidArgument, "timeout"),
+        (dict(timeout=float("inf")), InvalidArgument, "timeout"),
+        (dict(timeout=True), InvalidArgument, "timeout"),
+        (dict(overwrite="yes"), InvalidArgument, "overwrite"),
+    ]
+    for kw, exc, match in bad:
+        kw.setdefault("partition", "p")
+        for data in (one(9), two):
+            with pytest.raises(exc, match=match):
+                await q.put(data, **kw)
+            assert staged(q) == 0
+    for data in ({"": torch.zeros(1)}, {"idx": torch.tensor(5)}, {}):
+        with pytest.raises((InvalidArgument, SchemaError)):
+            await q.put(data, partition="p")
+    assert (await q.stats()).put == 0
+    # valid: a tensor that requires grad is stored detached; numpy rows; timeouts of
+    # either number type
+    g = torch.ones(1, 4, requires_grad=True)
+    await q.put({"idx": torch.tensor([0]), "x": g}, partition="p", timeout=5)
+    await q.put({"idx": np.array([1]), "x": np.ones((1, 4), dtype=np.float32)},
+                partition="p", timeout=2.5)
+    await q.put({"idx": torch.tensor([2]), "x": torch.ones(1, 4)}, partition="p", version=0)
+    mb = await q.get("t", ["idx", "x"], 3, partition="p", timeout=10)
+    td = await mb.materialize()
+    assert td["idx"].tolist() == [0, 1, 2] and not td["x"].requires_grad
+    assert td["x"].tolist() == [[1.0] * 4] * 3
+    assert await q.audit() == []
+
+
+async def test_the_dict_a_one_row_put_returns_is_not_the_callers(make_queue):
+    """A put's batch caches what was put: changing the caller's dict afterwards (a new
+    key, another tensor) does not change what the batch reads."""
+    q = make_queue(capacity=64)
+    await first_use(q)
+    data = one(3)
+    mb = await q.put(data, partition="p")
+    data["x"] = torch.full((1, 4), -1.0)
+    data["extra"] = torch.zeros(1)
+    assert set(mb.fields) == {"idx", "x"}
+    assert (await mb.materialize())["x"].tolist() == [[3.0] * 4]
