@@ -42,7 +42,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
-from collections.abc import Mapping
+from collections.abc import Awaitable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -83,8 +83,8 @@ class CombiningService(ControllerService):
         self._part = ""
         self._version: int | None = None
         self._dtypes: dict[str, str] = {}
-        self._cols: dict[str, list[Column]] = {}
-        self._sizes: dict[str, list[int]] = {}
+        self._rows: list[Mapping[str, Column]] = []  # the staged rows' columns
+        self._rsizes: list[Mapping[str, int]] = []  # their bytes per field
         self._first = 0  # the stage's first row id (ids leased from the controller)
         self._limit = 0  # rows the stage takes (ids leased)
         self._shard = 0
@@ -100,7 +100,8 @@ class CombiningService(ControllerService):
         """Stage a put of one new row (``sizes``: its bytes per field): ``(row id,
         storage unit)``, or ``None`` when it must be put the usual way (the stage is
         flushed then, so that rows keep the order of their puts). Never awaits; raises
-        nothing."""
+        nothing. A staged row keeps ``cols`` and ``sizes`` (not copied) until the
+        flush: pass dicts that nothing changes afterwards."""
         b = 0
         for v in sizes.values():
             b += v
@@ -126,12 +127,8 @@ class CombiningService(ControllerService):
             self.flush()
             return None
         rid = self._first + n
-        cs = self._cols
-        for f, c in cols.items():
-            cs[f].append(c)
-        ss = self._sizes
-        for f, v in sizes.items():
-            ss[f].append(v)
+        self._rows.append(cols)
+        self._rsizes.append(sizes)
         self._bytes += b
         self.staged = n = n + 1
         shard = self._shard
@@ -186,8 +183,8 @@ class CombiningService(ControllerService):
         self._version = version
         self._dtypes = dtypes
         self._bytes = 0
-        self._cols = {f: [] for f in dtypes}
-        self._sizes = {f: [] for f in dtypes}
+        self._rows = []
+        self._rsizes = []
         if self._tick is None:
             self._tick = self._loop.call_soon(self._on_tick)
         return True
@@ -206,9 +203,10 @@ class CombiningService(ControllerService):
         self.staged = 0
         ctl = self.ctl
         ids = list(range(self._first, self._first + n))
-        cols = {f: _join(ps) for f, ps in self._cols.items()}
-        sizes = self._sizes
-        self._cols = self._sizes = {}
+        rows, rsizes = self._rows, self._rsizes
+        self._rows, self._rsizes = [], []
+        cols = {f: _join([r[f] for r in rows]) for f in self._dtypes}
+        sizes = {f: [r[f] for r in rsizes] for f in self._dtypes}
         tok = ctl.allocate(self._part, n, tuple(cols), nbytes=self._bytes,
                            version=self._version, ids=ids, shard=self._shard,
                            dtypes=self._dtypes, admitted=True)
@@ -226,6 +224,28 @@ class CombiningService(ControllerService):
             task = self._loop.create_task(self._after())  # type: ignore[union-attr]
             self._tasks.add(task)
             task.add_done_callback(self._tasks.discard)
+
+
+    def _sync_ok(self) -> bool:
+        try:
+            return self._loop is not None and asyncio.get_running_loop() is self._loop
+        except RuntimeError:
+            return False
+
+    def _delete_sync(self, deletes: dict[int, list[int]]) -> bool:
+        """The units are in this process: rows are deleted from them at once."""
+        units = self._units
+        for shard, rows in deletes.items():
+            try:
+                units[shard].delete(rows)
+            except Exception:  # (as ControllerService._delete: logged, the rest goes on)
+                log.exception("streamrl: deleting rows from storage unit %d failed", shard)
+        return True
+
+    def ack_now(self, lease_ids: Sequence[int]) -> Awaitable[None] | None:
+        if self.staged:
+            self.flush()
+        return super().ack_now(lease_ids)
 
 
 def _join(pieces: list[Column]) -> Column:

@@ -421,10 +421,11 @@ class StreamQueue:
         if not sizes:
             return None
         part = DEFAULT_PARTITION if partition is None else partition
-        staged = self._stage.stage_put(part, data, sizes, dtypes, version)  # type: ignore[union-attr]
+        cols = dict(data)  # (the caller's dict may change once the put returned)
+        staged = self._stage.stage_put(part, cols, sizes, dtypes, version)  # type: ignore[union-attr]
         if staged is None:
             return None
-        return RowRemoteBatch._put(self, staged[0], staged[1], dict(data), part)
+        return RowRemoteBatch._put(self, staged[0], staged[1], cols, part)
 
     async def _put(self, data, partition, rows, *, version, overwrite, timeout, nowait):
         timeout = check_timeout("timeout", timeout)

@@ -27,7 +27,8 @@ import logging
 import math
 import time
 from collections import OrderedDict, deque
-from collections.abc import Callable, Collection, Hashable, Iterable, Mapping, Sequence
+from collections.abc import (Awaitable, Callable, Collection, Hashable, Iterable, Mapping,
+                             Sequence)
 from typing import TYPE_CHECKING, Any
 
 import anyio
@@ -115,16 +116,51 @@ class ControllerService:
         """Do at once what :meth:`_after` would, when that is only waking waiters (no
         storage I/O, filter jobs, deferred releases or checkpoint hold): ``True``; else
         ``False`` and nothing is done (await :meth:`_after`). Saves the hot paths a
-        coroutine per call."""
+        coroutine per call. Storage deletes count as nothing to await where
+        :meth:`_delete_sync` does them at once (in-process storage units)."""
         ctl = self.ctl
-        if (ctl.deletes or ctl.filter_jobs or ctl.field_deletes or self._deferred
+        if (ctl.filter_jobs or ctl.field_deletes or self._deferred
                 or self._hold is not None or self._loop is None):
             return False
+        if ctl.deletes:
+            if not self._delete_sync(ctl.deletes):
+                return False
+            ctl.deletes = {}
         if ctl.woken or ctl.changed or ctl.space_freed:
             woken, changed, freed = ctl.woken, ctl.changed, ctl.space_freed
             ctl.woken, ctl.changed, ctl.space_freed = set(), set(), False
             self._wake(woken, changed, freed)
         return True
+
+    def _delete_sync(self, deletes: dict[int, list[int]]) -> bool:
+        """Delete rows from the storage units at once, where that needs no awaiting
+        (units in this process): ``True`` once done. ``False`` (nothing done): they are
+        deleted by awaiting :meth:`_after`. Here: always ``False``."""
+        return False
+
+    def ack_now(self, lease_ids: Sequence[int]) -> Awaitable[None] | None:
+        """:meth:`ack` without a coroutine where nothing in it has to wait (in-process
+        storage, no filter to run): ``None`` once done. Otherwise an awaitable that does
+        what is left (all of it, or the storage deletes and filters that follow the
+        acknowledgement); await it shielded, as :meth:`ack`. Raises what :meth:`ack`
+        raises, once nothing is left to do."""
+        if not self._sync_ok():
+            return self.ack(lease_ids)
+        try:
+            self.ctl.ack(lease_ids)
+        except BaseException as e:
+            if self._done_now():
+                raise
+            return self._after_then(e)
+        return None if self._done_now() else self._after()
+
+    def _sync_ok(self) -> bool:
+        """Whether a call may run without awaiting (see :meth:`_done_now`)."""
+        return False
+
+    async def _after_then(self, e: BaseException) -> None:
+        await self._after()
+        raise e
 
     async def _after(self, raise_filter_errors: bool = False) -> None:
         """Drain the controller's outboxes: wake waiters, delete from storage, run filters.

@@ -8,7 +8,7 @@ Views never reach into the queue, its transport or the storage units themselves.
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Awaitable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -136,6 +136,15 @@ class Session:
     async def ack(self, lease_ids: Sequence[int]) -> None:
         """Acknowledge leases."""
         await self.control.ack(list(lease_ids))
+
+    def ack_now(self, lease_ids: Sequence[int]) -> Awaitable[None] | None:
+        """Acknowledge leases without a coroutine where the control plane can (in this
+        process, nothing to wait for): ``None`` once done; otherwise an awaitable that
+        does the rest (await it shielded)."""
+        now = getattr(self.control, "ack_now", None)
+        if now is None:
+            return self.control.ack(list(lease_ids))
+        return now(list(lease_ids))
 
     async def release(self, lease_ids: Sequence[int]) -> None:
         """Give leases back unacknowledged."""

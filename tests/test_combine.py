@@ -407,8 +407,9 @@ async def test_one_row_put_arguments_are_checked_as_any_put_checks_them(make_que
 
 
 async def test_the_dict_a_one_row_put_returns_is_not_the_callers(make_queue):
-    """A put's batch caches what was put: changing the caller's dict afterwards (a new
-    key, another tensor) does not change what the batch reads."""
+    """A put's batch caches what was put, and the queue stores it: changing the caller's
+    dict afterwards (a new key, another tensor, the dict reused for the next put) changes
+    neither what the batch reads nor what was stored."""
     q = make_queue(capacity=64)
     await first_use(q)
     data = one(3)
@@ -417,3 +418,12 @@ async def test_the_dict_a_one_row_put_returns_is_not_the_callers(make_queue):
     data["extra"] = torch.zeros(1)
     assert set(mb.fields) == {"idx", "x"}
     assert (await mb.materialize())["x"].tolist() == [[3.0] * 4]
+    # the dict reused for the next put, as a producer loop may: each row keeps its own
+    data = one(4)
+    await q.put(data, partition="p")
+    data["idx"], data["x"] = torch.tensor([5]), torch.full((1, 4), 5.0)
+    await q.put(data, partition="p")
+    got = await q.get("t", ["idx", "x"], 3, partition="p", timeout=10)
+    td = await got.materialize()
+    assert td["idx"].tolist() == [3, 4, 5]
+    assert td["x"][:, 0].tolist() == [3.0, 4.0, 5.0]

@@ -494,23 +494,36 @@ async def test_put_cancelled_while_waiting_for_room_admits_nothing(make_queue):
     assert len(await q.get("t", ["idx"], 4, partition="p", timeout=10)) == 4
 
 
-async def test_room_is_given_once_storage_freed_it(make_queue, transport):
+@pytest.mark.parametrize("deletes", ["at once", "awaited"])
+async def test_room_is_given_once_storage_freed_it(make_queue, transport, deletes):
     """A producer waiting for room is let in after the storage units deleted the rows that
     made it, so what the units hold stays within capacity (not the controller's count
-    alone)."""
+    alone). Embedded, the in-process units delete at once, before anyone is woken; where
+    deletes are awaited (any other data plane), the wake-up waits for them."""
     if transport != "embedded":
         pytest.skip("slows the storage units' delete in this process (the embedded units)")
     q = make_queue(capacity=1)
     await q.put(rows_of(1), partition="p")
     events: list[str] = []
-    delete = q._data.delete
+    svc = q.session.control
+    if deletes == "awaited":
+        svc._delete_sync = lambda deletes: False  # as a data plane out of this process
+        delete = q._data.delete
 
-    async def slow_delete(parts):
-        await anyio.sleep(0.2)
-        await delete(parts)
-        events.append("deleted")
+        async def slow_delete(parts):
+            await anyio.sleep(0.2)
+            await delete(parts)
+            events.append("deleted")
 
-    q._data.delete = slow_delete
+        q._data.delete = slow_delete
+    else:
+        for unit in q._data.units:
+            def unit_delete(rows, _delete=unit.delete):
+                out = _delete(rows)
+                events.append("deleted")
+                return out
+
+            unit.delete = unit_delete
 
     async def producer():
         await q.put(rows_of(1, 1), partition="p")
