@@ -45,11 +45,13 @@ import logging
 from collections.abc import Awaitable, Mapping, Sequence
 from typing import Any
 
+import anyio
 import torch
 
 from .control import CONTROL_METHODS
 from .controller import Controller
-from .service import ControllerService
+from .errors import StreamRLError, StreamTimeout
+from .service import ControllerService, _past
 from .transport.base import Column, DataPlane
 
 log = logging.getLogger("streamrl")
@@ -96,7 +98,8 @@ class CombiningService(ControllerService):
     # ------------------------------------------------------------------ staging
 
     def stage_put(self, partition: str, cols: Mapping[str, Column], sizes: Mapping[str, int],
-                  dtypes: dict[str, str], version: int | None) -> tuple[int, int] | None:
+                  dtypes: dict[str, str], version: int | None, *, head: object = None
+                  ) -> tuple[int, int] | None:
         """Stage a put of one new row (``sizes``: its bytes per field): ``(row id,
         storage unit)``, or ``None`` when it must be put the usual way (the stage is
         flushed then, so that rows keep the order of their puts). Never awaits; raises
@@ -121,7 +124,7 @@ class CombiningService(ControllerService):
                 self.flush()
             return None
         if not n:
-            if not self._open(partition, dtypes, version, b):
+            if not self._open(partition, dtypes, version, b, head):
                 return None
         elif b > self.max_row_bytes:
             self.flush()
@@ -137,11 +140,14 @@ class CombiningService(ControllerService):
         return rid, shard
 
     def _open(self, partition: str, dtypes: dict[str, str], version: int | None,
-              b: int) -> bool:
+              b: int, head: object = None) -> bool:
         """Open a stage for rows like this one, if such a put could be admitted now and
-        nothing else is pending; ``False``: put it the usual way."""
+        nothing else is pending (``head``: the caller is the first producer waiting for
+        room, whose turn it is); ``False``: put it the usual way."""
         ctl = self.ctl
-        if (b > self.max_row_bytes or self._space_q or self._pace_waiters or ctl.filters
+        q = self._space_q
+        if (b > self.max_row_bytes or (q and next(iter(q)) is not head)
+                or self._pace_waiters or ctl.filters
                 or ctl.closed or ctl.sealed_all or partition in ctl.retired
                 or self._hold is not None or self._loop is None):
             return False
@@ -188,6 +194,53 @@ class CombiningService(ControllerService):
         if self._tick is None:
             self._tick = self._loop.call_soon(self._on_tick)
         return True
+
+    async def stage_when_room(self, partition: str, cols: Mapping[str, Column],
+                              sizes: Mapping[str, int], dtypes: dict[str, str],
+                              version: int | None, timeout: float | None
+                              ) -> tuple[int, int] | None:
+        """A one-row put that :meth:`stage_put` refused for want of room: wait for room
+        in turn (first come, first served with every producer waiting, as
+        :meth:`allocate` waits, up to ``timeout``), then stage it. A producer that
+        keeps the queue full so still has its rows combined into blocks, which a
+        consumer reads back as views. ``None``: refused for another reason, before or
+        after the wait (nothing staged); the caller puts it the usual way.
+
+        Raises :class:`~streamrl.errors.StreamTimeout` after ``timeout``; cancelled
+        while waiting, nothing is staged."""
+        ctl = self.ctl
+        b = 0
+        for v in sizes.values():
+            b += v
+        try:
+            if ctl.admission(1, b, version) != "full":
+                return None
+        except StreamRLError:  # (closed, never fits: the usual way raises it)
+            return None
+        deadline = None if timeout is None else ctl.clock() + timeout
+        me = object()
+        self._space_q[me] = anyio.Event()
+        staged: tuple[int, int] | None = None
+        done = False
+        try:
+            while True:
+                if next(iter(self._space_q)) is me and ctl.admission(1, b, None) is None:
+                    staged = self.stage_put(partition, cols, sizes, dtypes, version, head=me)
+                    done = True
+                    break
+                ev = self._space_q[me] = anyio.Event()
+                if not await self._wait(ev, deadline) and _past(ctl, deadline):
+                    raise StreamTimeout(
+                        f"put of 1 row waited {timeout}s for room ({len(ctl.rows)}/"
+                        f"{ctl.capacity} rows held); consumers are not keeping up: consume or "
+                        "drop rows, raise capacity, or pass a longer timeout")
+        finally:
+            self._space_q.pop(me, None)
+            if self._space_q:
+                next(iter(self._space_q.values())).set()
+            if not done:
+                await self._after()
+        return staged
 
     def _on_tick(self) -> None:
         self._tick = None

@@ -453,6 +453,9 @@ class StreamQueue:
                     dtypes[f] = column_dtype(f, c)
             if not (self._tags_any and self._tags(one_part, cols)):
                 staged = stage.stage_put(one_part, cols, sizes, dtypes, version)
+                if staged is None and not nowait:  # no room: wait for it, then stage
+                    staged = await stage.stage_when_room(one_part, cols, sizes, dtypes,
+                                                         version, timeout)
                 if staged is not None:
                     return RowRemoteBatch._put(self, staged[0], staged[1], cols, one_part)
             nbytes = {f: [b] for f, b in sizes.items()}

@@ -427,3 +427,34 @@ async def test_the_dict_a_one_row_put_returns_is_not_the_callers(make_queue):
     td = await got.materialize()
     assert td["idx"].tolist() == [3, 4, 5]
     assert td["x"][:, 0].tolist() == [3.0, 4.0, 5.0]
+
+
+async def test_a_producer_held_back_by_a_full_queue_still_has_its_rows_combined(make_queue,
+                                                                               transport):
+    """A one-row put that finds the queue full waits for room in turn, then is staged
+    with the puts after it: the rows of a producer that keeps the queue full are still
+    stored as one block per field (read back as views), and in order."""
+    q = make_queue(capacity=8, consumers=["t"])  # (an ack frees the rows)
+    await first_use(q)
+    for i in range(8):
+        await q.put(one(i), partition="p")
+
+    async def producer():
+        for i in range(8, 16):
+            await q.put(one(i), partition="p", timeout=10)
+
+    task = asyncio.ensure_future(producer())
+    await asyncio.sleep(0.1)  # it waits for room
+    assert not task.done()
+    mb = await q.get("t", ["idx"], 8, partition="p", timeout=10)
+    assert (await mb.materialize())["idx"].tolist() == list(range(8))
+    await mb.ack()
+    await asyncio.wait_for(task, 10)
+    mb = await q.get("t", ["idx", "x"], 8, partition="p", timeout=10)
+    td = await mb.materialize()
+    assert td["idx"].tolist() == list(range(8, 16))
+    assert td["x"][:, 0].tolist() == [float(i) for i in range(8, 16)]
+    if transport == "embedded":  # one block per field: idx and x
+        assert sum(len(u.segments) for u in q._data.units) == 2
+    await mb.ack()
+    assert (await q.stats()).rows == 0 and await q.audit() == []
