@@ -187,6 +187,13 @@ def column_dtype(name: str, col: Column) -> str:
     return str(dtypes.pop())
 
 
+#: the dtypes of plain dense data (not quantized) -> their names
+_PLAIN_DTYPES: dict[torch.dtype, str] = {
+    d: str(d) for d in (
+        torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.complex64,
+        torch.complex128, torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8,
+        torch.bool)}
+
 #: dtype -> its name (``str(dtype)`` builds a new string per call)
 _DTYPE_NAMES: dict[torch.dtype, str] = {}
 

@@ -149,7 +149,7 @@ class CombiningService(ControllerService):
         if (b > self.max_row_bytes or (q and next(iter(q)) is not head)
                 or self._pace_waiters or ctl.filters
                 or ctl.closed or ctl.sealed_all or partition in ctl.retired
-                or self._hold is not None or self._loop is None):
+                or self._hold is not None):
             return False
         p = ctl.parts.get(partition)
         if p is not None and p.sealed:
@@ -167,9 +167,12 @@ class CombiningService(ControllerService):
         if tags and any(f in tags for f in dtypes):
             return False
         try:
-            if asyncio.get_running_loop() is not self._loop:
-                return False
+            loop = asyncio.get_running_loop()
         except RuntimeError:
+            return False
+        if self._loop is None:  # the queue's first call: its event loop is this one
+            self._loop = loop
+        elif loop is not self._loop:
             return False
         if not self._done_now():  # storage deletes or filter work pending: the usual way
             return False

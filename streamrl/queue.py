@@ -19,7 +19,7 @@ from tensordict import TensorDictBase
 
 from ._aio import shielded
 from .batch import ColumnRemoteBatch, RemoteBatch, RowRemoteBatch
-from .columns import (_DTYPE_NAMES, _STRIDED, Column, column_dtype, dtype_name, row_nbytes,
+from .columns import (_PLAIN_DTYPES, _STRIDED, Column, column_dtype, dtype_name, row_nbytes,
                       tag_values, take_rows, to_columns)
 from .config import QueueConfig, check_timeout
 from .control import ControlPlane
@@ -28,7 +28,7 @@ from .session import Session
 from .transport import registry
 from .timing import RoleTiming, Timer
 from .timing import counted as _timed
-from .timing import is_open as _timing_open
+from .timing import _current as _timing_now
 from .transport.base import DataPlane, Transport
 from .errors import (EndOfStream, InvalidArgument, LeaseExpired, SchemaError, StreamTimeout,
                      TransportError)
@@ -405,19 +405,21 @@ class StreamQueue:
                 type(partition) is not str or not partition)) or self._tags_any
                 or (timeout is not None and (type(timeout) not in (int, float)
                                              or not 0 <= timeout < math.inf))
-                or _timing_open()):
+                or _timing_now.get() is not None):
             return None
         sizes = {}
         dtypes = {}
-        names = _DTYPE_NAMES
+        names = _PLAIN_DTYPES  # (a quantized dtype is not one of them: the usual way)
         for f, v in data.items():
             if (type(v) is not torch.Tensor or type(f) is not str or not f
-                    or v.layout is not _STRIDED or not v.dim() or v.shape[0] != 1
-                    or v.is_nested or v.is_meta or v.is_quantized or v.requires_grad):
+                    or v.layout is not _STRIDED or not v.dim() or v.size(0) != 1
+                    or v.is_nested or v.is_meta or v.requires_grad):
                 return None
-            sizes[f] = v.element_size() * v.numel()
-            d = v.dtype
-            dtypes[f] = names.get(d) or dtype_name(d)
+            name = names.get(v.dtype)
+            if name is None:
+                return None
+            sizes[f] = v.nbytes
+            dtypes[f] = name
         if not sizes:
             return None
         part = DEFAULT_PARTITION if partition is None else partition

@@ -34,7 +34,8 @@ def combines(q) -> bool:
 
 
 async def first_use(q) -> None:
-    """The stage is used once the queue knows its event loop (its first call)."""
+    """A first call of the queue (its event loop is known from then on; a one-row put
+    as the first call is staged too, see test_the_first_put_of_a_queue_is_staged)."""
     await q.stats()
 
 
@@ -458,3 +459,17 @@ async def test_a_producer_held_back_by_a_full_queue_still_has_its_rows_combined(
         assert sum(len(u.segments) for u in q._data.units) == 2
     await mb.ack()
     assert (await q.stats()).rows == 0 and await q.audit() == []
+
+
+async def test_the_first_put_of_a_queue_is_staged(make_queue, transport):
+    """The first call of a queue may be a one-row put: it is staged like the puts after
+    it, so a queue filled before anyone reads it still holds its rows in blocks."""
+    q = make_queue(capacity=64, num_shards=1)
+    for i in range(5):
+        await q.put(one(i), partition="p")
+        if transport == "embedded":
+            assert staged(q) == i + 1
+    mb = await q.get("t", ["idx", "x"], 5, partition="p", timeout=10)
+    assert (await mb.materialize())["idx"].tolist() == list(range(5))
+    if transport == "embedded":  # one block per field
+        assert sum(len(u.segments) for u in q._data.units) == 2
