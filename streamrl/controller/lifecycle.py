@@ -136,25 +136,30 @@ class Lifecycle(ControllerBase):
         cands: list = []
         deletes = self.deletes
         names: dict[int, list[str]] = {}  # acked mask -> its tasks
-        pdrop = [0, 0]  # rows and bytes dropped of the partition ``last`` (counted per run)
-        packed: dict[int, int] = {}  # acked mask -> rows of ``last`` dropped with it
+        # the run of rows of one partition (``last``): rows and bytes dropped, acked mask
+        # -> rows dropped with it; counted when the run ends (see _end_run)
+        k = kb = 0
+        packed: dict[int, int] = {}
+        plain: list[dict[int, None]] = []  # the partition's ungrouped subscriptions' rows
+        grouped: list = []
         dshard = -1  # the storage unit of the last row and its list of deletes
         dlist: list[int] = []
+        pop = self.rows.pop
         for row in objs:
-            if self.rows.pop(row.id, None) is None:
+            rid = row.id
+            if pop(rid, None) is None:
                 continue
-            gone += 1
             p = row.part
             if p is not last:  # (rows come in runs of one partition)
                 if last is not None:
-                    if reason is not None and pdrop[0]:
-                        last.counts.drop(reason, pdrop[0], pdrop[1])
-                    if packed:
-                        self._unack(last, packed, names)
-                last, cands, pdrop = p, self._candidates(p.name), [0, 0]
-                packed = {}
+                    freed += kb
+                    gone += k
+                    self._end_run(last, reason, k, kb, packed, names)
+                last, k, kb, packed = p, 0, 0, {}
+                cands = self._candidates(p.name)
+                plain = [s.avail for s in cands if s.group_by is None]
+                grouped = [s for s in cands if s.group_by is not None]
                 parts.add(p)
-            rid = row.id
             del p.rows[rid]
             acked = row.acked
             if acked:
@@ -166,7 +171,10 @@ class Lifecycle(ControllerBase):
                         grp.pop(rid, None)
                         if not grp:
                             del p.groups[f][v]
-            for sub in cands:  # (_unindex, inlined)
+            for avail in plain:  # (_unindex, inlined)
+                if rid in avail:
+                    del avail[rid]
+            for sub in grouped:
                 if rid in sub.avail:
                     self._remove(sub, row)
             if row.leased:
@@ -177,28 +185,25 @@ class Lifecycle(ControllerBase):
                         if not lease.rows:
                             del self.leases[lid]
                             self._remember(lid, "acked")
-            waiting = row.pending | row.judging
-            if waiting:
-                for name in self._names(self._fbits, waiting):
+            if row.pending or row.judging:
+                for name in self._names(self._fbits, row.pending | row.judging):
                     buckets = self._filter_ready.get(name)
                     if buckets:
                         _unbucket(buckets, (rid,))
                     if row.pending & self._fbits[name] and p.sealed:
                         regroup.append((name, p, row.tags))
-            nb = row.nbytes
-            freed += nb
-            pdrop[0] += 1
-            pdrop[1] += nb
+            k += 1
+            kb += row.nbytes
             if row.shard != dshard:
                 dshard = row.shard
                 dlist = deletes.get(dshard)  # type: ignore[assignment]
                 if dlist is None:
                     dlist = deletes[dshard] = []
             dlist.append(rid)
-        if packed and last is not None:
-            self._unack(last, packed, names)
-        if reason is not None and last is not None and pdrop[0]:
-            last.counts.drop(reason, pdrop[0], pdrop[1])
+        if last is not None:
+            freed += kb
+            gone += k
+            self._end_run(last, reason, k, kb, packed, names)
         self.bytes_held -= freed
         self.c_bytes_freed += freed
         if reason is not None:
@@ -216,6 +221,15 @@ class Lifecycle(ControllerBase):
             if p.sealed or self.closed:  # end and group-completeness conditions moved
                 self._wake_part(p.name)
             self._maybe_retire(p)
+
+    def _end_run(self, p: Partition, reason: str | None, k: int, kb: int,
+                 packed: dict[int, int], names: dict[int, list[str]]) -> None:
+        """``k`` rows (``kb`` bytes) of partition ``p`` were dropped (``packed``: their
+        acked masks -> rows): count them in the partition."""
+        if reason is not None and k:
+            p.counts.drop(reason, k, kb)
+        if packed:
+            self._unack(p, packed, names)
 
     def _unack(self, p: Partition, packed: dict[int, int], names: dict[int, list[str]]
                ) -> None:
