@@ -122,6 +122,18 @@ def test_deleting_runs_of_one_put_frees_each_tensor_once(make_unit):
     assert u.delete([10, 11]) == (2, 32) and (len(released) == 5 or not mem)
 
 
+def test_a_put_of_new_rows_and_a_put_that_repeats_a_row_are_both_counted_exactly(make_unit):
+    u = make_unit()
+    u.put([1, 2, 3], {"x": torch.arange(6).view(3, 2), "y": torch.zeros(3)})
+    assert u.stats() == (3, 3 * 16 + 3 * 4)
+    u.put([4, 4], {"x": torch.arange(4).view(2, 2)})  # the second value wins
+    assert u.stats() == (4, 3 * 16 + 3 * 4 + 16)
+    check_get(u, [4, 1], "x", [torch.tensor([2, 3]), torch.tensor([0, 1])])
+    u.put([5, 6], {"x": torch.zeros(2, 2), "o": ["a", "b"]})  # not every field a tensor
+    check_get(u, [6], "o", ["b"])
+    assert u.delete([1, 2, 3, 4, 5, 6])[0] == 6 and u.stats() == (0, 0) and not u.segments
+
+
 def test_replacing_a_field_frees_the_old_entry(make_unit):
     released = []
     u = make_unit(on_release=released.append)

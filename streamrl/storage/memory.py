@@ -214,6 +214,19 @@ class StorageUnit(StorageBackend):
             return
         n = len(rows)
         row_fields = self.row_fields
+        if n > 1 and row_fields.keys().isdisjoint(rows) and all(
+                _is_tensor(c) for c in columns.values()):
+            fresh = dict.fromkeys(rows, len(columns))
+            if len(fresh) == n:
+                # new rows (each once), every field a tensor (rows of one shape, the
+                # common case): each field's rows are consecutive entries of one new
+                # segment
+                for name, col in columns.items():
+                    base = self._segment(col, n, write, name, rows)
+                    self.nbytes += self.segments[base >> _OFF_BITS].row_bytes * n
+                    self.columns.setdefault(name, {}).update(zip(rows, range(base, base + n)))
+                row_fields.update(fresh)
+                return
         for name, col in columns.items():
             store = self.columns.setdefault(name, {})
             if _is_tensor(col):
