@@ -263,17 +263,19 @@ class CombiningService(ControllerService):
         self._rows, self._rsizes = [], []
         cols = {f: _join([r[f] for r in rows]) for f in self._dtypes}
         sizes = {f: [r[f] for r in rsizes] for f in self._dtypes}
-        tok = ctl.allocate(self._part, n, tuple(cols), nbytes=self._bytes,
-                           version=self._version, ids=ids, shard=self._shard,
-                           dtypes=self._dtypes, admitted=True)
-        try:
-            self._units[self._shard].put(ids, cols, tok.id)
+        unit = self._units[self._shard]
+        try:  # stored under the ids leased to the unit, then admitted and committed
+            unit.put(ids, cols)
+            ctl.admit_stored(self._part, ids, self._shard, sizes, version=self._version,
+                             dtypes=self._dtypes, admitted=True)
         except BaseException:
-            ctl.abort(tok)
-            log.error("streamrl: storing %d combined one-row puts (rows %d..%d) on unit %d "
-                      "failed; those rows are lost", n, ids[0], ids[-1], self._shard)
+            try:
+                unit.delete(ids)
+            finally:
+                log.error("streamrl: storing %d combined one-row puts (rows %d..%d) on "
+                          "unit %d failed; those rows are lost", n, ids[0], ids[-1],
+                          self._shard)
             raise
-        ctl.commit(tok, sizes)
         self.flushes += 1
         if not self._done_now():
             self._settle()

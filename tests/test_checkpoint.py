@@ -297,11 +297,22 @@ async def test_a_cancelled_checkpoint_leaves_the_previous_one_and_the_queue_whol
     await q.put(_rows(range(8)), partition="p")
     await q.checkpoint(tmp_path / "ck")
     await q.put(_rows(range(8, 40), width=4096), partition="p")
+    data = q.session.data
+    write = data.checkpoint_write
+    started = asyncio.Event()
+
+    async def slow_write(*a, **kw):  # (so that the cancellation lands while units write)
+        started.set()
+        await asyncio.sleep(0.5)
+        return await write(*a, **kw)
+
+    data.checkpoint_write = slow_write
     task = asyncio.create_task(q.checkpoint(tmp_path / "ck"))
-    await asyncio.sleep(0.01)
+    await asyncio.wait_for(started.wait(), 10)
     task.cancel()
     with pytest.raises(asyncio.CancelledError):
         await task
+    del data.checkpoint_write
     assert [d for d in os.listdir(tmp_path) if d != "ck"] == []  # no temporary left
     await q.drop((await q.get("t", ["sid"], 40, partition="p", timeout=10)).rows)
     st = await q.stats()

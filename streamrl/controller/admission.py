@@ -103,6 +103,89 @@ class Admission(ControllerBase):
         ``n`` rows, ``nbytes`` and ``version`` with no other call in between (the service's
         fast path), so it is not asked again.
         """
+        p, version, ids, shards = self._admit(partition, n, nbytes, version, ids, shard,
+                                              dtypes, admitted)
+        pending = 0
+        if self.filters:
+            for name in self.filters:
+                pending |= self._fbits[name]
+        wmask = self._wmask(fields)
+        born = self.clock()
+        rows, prows = self.rows, p.rows
+        if n == 1:  # (every one-row put)
+            rid = ids[0]
+            row = Row(rid, p, shards[0], version, born)
+            row.pending = pending
+            row.writing = wmask
+            rows[rid] = prows[rid] = row
+        else:
+            for rid, s in zip(ids, shards):
+                row = Row(rid, p, s, version, born)
+                row.pending = pending
+                row.writing = wmask
+                rows[rid] = prows[rid] = row
+        self.reserved_bytes += nbytes
+        self.c_put += n
+        p.put += n
+        tid = self._next_token
+        self._next_token = tid + 1
+        tok = WriteToken(tid, ids, shards, fields if type(fields) is tuple else tuple(fields),
+                         nbytes, True)
+        self._tokens[tid] = tok
+        heapq.heappush(self._token_heap, (born + self.lease_timeout, tid))
+        if self.max_staleness is not None and version < self.version - self.max_staleness:
+            # admitted and immediately stale: it will never be delivered
+            self._drop_rows([self.rows[r] for r in ids], DropReason.STALE, group=True)
+        return tok
+
+    def admit_stored(self, partition: str, ids: Sequence[int], shard: int,
+                     nbytes: Mapping[str, Sequence[int]], *, version: int | None = None,
+                     dtypes: Mapping[str, str] | None = None, admitted: bool = False
+                     ) -> CommitResult:
+        """Admit and commit, in one step, new rows that storage unit ``shard`` stored
+        already under ``ids`` leased to it (:meth:`unit_ids`); ``nbytes``: per field,
+        the bytes of each row. The same as :meth:`allocate` (``ids``, ``shard``,
+        ``admitted``) then :meth:`commit` at once, raising what :meth:`allocate`
+        raises, without a write token between them where nothing needs one: rows of one
+        shape (each field the same bytes in every row), no filter, no tag field, no
+        staleness bound; otherwise it does just that."""
+        n = len(ids)
+        fields = tuple(nbytes)
+        tmpl = (_uniform([(f, nbytes[f]) for f in fields])
+                if not (self.filters or self.tag_fields or self.part_tags
+                        or self.max_staleness is not None) else None)
+        if tmpl is None:
+            total = sum(sum(v) for v in nbytes.values())
+            tok = self.allocate(partition, n, fields, nbytes=total, version=version,
+                                ids=ids, shard=shard, dtypes=dtypes, admitted=admitted)
+            return self.commit(tok, nbytes)
+        tsum = sum(tmpl.values())
+        p, version, ids, shards = self._admit(partition, n, tsum * n, version, ids, shard,
+                                              dtypes, admitted)
+        born = self.clock()
+        rows, prows = self.rows, p.rows
+        made = []
+        for rid in ids:
+            row = Row(rid, p, shard, version, born)
+            row.fields = tmpl.copy()
+            row.nbytes = tsum
+            rows[rid] = prows[rid] = row
+            made.append(row)
+        added = tsum * n
+        self.c_put += n
+        p.put += n
+        self.bytes_held += added
+        self.c_bytes_put += added
+        p.bytes_put += added
+        self._reindex(made)
+        return CommitResult({}, self.tags_of(p.name), {})
+
+    def _admit(self, partition: str, n: int, nbytes: int, version: int | None,
+               ids: Sequence[int] | None, shard: int | None,
+               dtypes: Mapping[str, str] | None, admitted: bool
+               ) -> tuple[Partition, int, list[int], list[int]]:
+        """The checks of :meth:`allocate` (it says what raises) and the rows' ids and
+        units: ``(partition, version, ids, shards)``."""
         if not isinstance(n, int) or n <= 0:
             raise InvalidArgument(f"a put needs at least one row, got {n!r}")
         why = None if admitted else self.admission(n, nbytes, version)
@@ -150,38 +233,7 @@ class Admission(ControllerBase):
             ids, shards = list(ids), [shard] * n
         if dtypes:
             self._learn_dtypes(dtypes)
-        pending = 0
-        if self.filters:
-            for name in self.filters:
-                pending |= self._fbits[name]
-        wmask = self._wmask(fields)
-        born = self.clock()
-        rows, prows = self.rows, p.rows
-        if n == 1:  # (every one-row put)
-            rid = ids[0]
-            row = Row(rid, p, shards[0], version, born)
-            row.pending = pending
-            row.writing = wmask
-            rows[rid] = prows[rid] = row
-        else:
-            for rid, s in zip(ids, shards):
-                row = Row(rid, p, s, version, born)
-                row.pending = pending
-                row.writing = wmask
-                rows[rid] = prows[rid] = row
-        self.reserved_bytes += nbytes
-        self.c_put += n
-        p.put += n
-        tid = self._next_token
-        self._next_token = tid + 1
-        tok = WriteToken(tid, ids, shards, fields if type(fields) is tuple else tuple(fields),
-                         nbytes, True)
-        self._tokens[tid] = tok
-        heapq.heappush(self._token_heap, (born + self.lease_timeout, tid))
-        if self.max_staleness is not None and version < self.version - self.max_staleness:
-            # admitted and immediately stale: it will never be delivered
-            self._drop_rows([self.rows[r] for r in ids], DropReason.STALE, group=True)
-        return tok
+        return p, version, ids, shards
 
     @staticmethod
     def _count_part_bytes(touched: list[Row], added: int, before: dict[int, int] | None
