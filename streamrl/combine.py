@@ -24,12 +24,16 @@ storage put of one block per field, one readiness update -- when the stage is
 
 What a staged put promises is what an admitted one does: its rows count against
 ``capacity`` and ``capacity_bytes`` at once (a put that finds the queue full with staged
-rows flushes them, then waits as usual), it raises the same errors at the same put (every
+rows flushes them, then waits for room in turn with every waiting producer, and is
+staged once it is let in: :meth:`CombiningService.stage_when_room`), it raises the same
+errors at the same put (every
 check the controller would make is made before staging; a put that would fail is not
 staged and fails the usual way), and it never awaits: nothing can cancel a staged put
 half-way, and a put that returned is never lost. A one-row put's tensors are copied into
 the stage's block (one ``torch.cat`` per field at the flush), so that a batch of
-consecutive rows reads back as one view.
+consecutive rows reads back as one view. The block is stored on its unit first, then the
+rows are admitted and committed in one step (:meth:`Controller.admit_stored`), under ids
+leased to that unit ahead.
 
 Nothing else changes: rows are delivered in the order their puts returned, counted in
 ``stats()`` as put, and every call sees them. Rows larger than
@@ -45,13 +49,12 @@ import logging
 from collections.abc import Awaitable, Mapping, Sequence
 from typing import Any
 
-import anyio
 import torch
 
 from .control import CONTROL_METHODS
 from .controller import Controller
-from .errors import StreamRLError, StreamTimeout
-from .service import ControllerService, _past
+from .errors import StreamRLError
+from .service import ControllerService
 from .transport.base import Column, DataPlane
 
 log = logging.getLogger("streamrl")
@@ -221,29 +224,8 @@ class CombiningService(ControllerService):
         except StreamRLError:  # (closed, never fits: the usual way raises it)
             return None
         deadline = None if timeout is None else ctl.clock() + timeout
-        me = object()
-        self._space_q[me] = anyio.Event()
-        staged: tuple[int, int] | None = None
-        done = False
-        try:
-            while True:
-                if next(iter(self._space_q)) is me and ctl.admission(1, b, None) is None:
-                    staged = self.stage_put(partition, cols, sizes, dtypes, version, head=me)
-                    done = True
-                    break
-                ev = self._space_q[me] = anyio.Event()
-                if not await self._wait(ev, deadline) and _past(ctl, deadline):
-                    raise StreamTimeout(
-                        f"put of 1 row waited {timeout}s for room ({len(ctl.rows)}/"
-                        f"{ctl.capacity} rows held); consumers are not keeping up: consume or "
-                        "drop rows, raise capacity, or pass a longer timeout")
-        finally:
-            self._space_q.pop(me, None)
-            if self._space_q:
-                next(iter(self._space_q.values())).set()
-            if not done:
-                await self._after()
-        return staged
+        return await self._in_turn(1, b, deadline, timeout, lambda me: self.stage_put(
+            partition, cols, sizes, dtypes, version, head=me))
 
     def _on_tick(self) -> None:
         self._tick = None

@@ -29,7 +29,7 @@ import time
 from collections import OrderedDict, deque
 from collections.abc import (Awaitable, Callable, Collection, Hashable, Iterable, Mapping,
                              Sequence)
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import anyio
 
@@ -47,6 +47,7 @@ if TYPE_CHECKING:
     import asyncio
 
 log = logging.getLogger("streamrl")
+T = TypeVar("T")
 
 __all__ = ["ControllerService"]
 
@@ -293,29 +294,41 @@ class ControllerService:
                 f"put waited {timeout}s for the trainer to reach version "
                 f"{version - ctl.max_lead}; call set_version as training advances, or raise "
                 "max_lead")
-        # capacity: first come, first served
+        got = await self._in_turn(n, nbytes, deadline, timeout, lambda me: ctl.allocate(
+            partition, n, fields, nbytes=nbytes, version=version, dtypes=dtypes))
+        return await self._admitted(got)
+
+    async def _in_turn(self, n: int, nbytes: int, deadline: float | None,
+                       timeout: float | None, admit: Callable[[object], T]) -> T:
+        """Wait for room for ``n`` rows of ``nbytes``, first come, first served with
+        every producer waiting (up to ``deadline``), then return ``admit(me)``, called at
+        once while this caller is first in line (``me``: its place there). Raises
+        :class:`~streamrl.errors.StreamTimeout`; timed out, cancelled or failed before
+        ``admit`` ran, the outboxes are drained, and the next in line is woken either
+        way."""
+        ctl = self.ctl
         me = object()
         self._space_q[me] = anyio.Event()
-        got: WriteToken | None = None
+        done = False
         try:
             while True:
                 if next(iter(self._space_q)) is me and ctl.admission(n, nbytes, None) is None:
-                    got = ctl.allocate(partition, n, fields, nbytes=nbytes, version=version,
-                                       dtypes=dtypes)
-                    break
+                    out = admit(me)
+                    done = True
+                    return out
                 ev = self._space_q[me] = anyio.Event()
                 if not await self._wait(ev, deadline) and _past(ctl, deadline):
                     raise StreamTimeout(
-                        f"put of {n} rows waited {timeout}s for room ({len(ctl.rows)}/"
-                        f"{ctl.capacity} rows held); consumers are not keeping up: consume or "
-                        "drop rows, raise capacity, or pass a longer timeout")
+                        f"put of {n} row{'s' * (n != 1)} waited {timeout}s for room "
+                        f"({len(ctl.rows)}/{ctl.capacity} rows held); consumers are not "
+                        "keeping up: consume or drop rows, raise capacity, or pass a longer "
+                        "timeout")
         finally:
             self._space_q.pop(me, None)
             if self._space_q:
                 next(iter(self._space_q.values())).set()
-            if got is None:
+            if not done:
                 await self._after()
-        return await self._admitted(got)
 
     async def _admitted(self, tok: WriteToken) -> WriteToken:
         """Drain the outboxes after admitting ``tok`` (storage deletes of rows it dropped
