@@ -2,9 +2,10 @@
 
 Run: python benchmarks/small_puts.py [--rows 20000] [--ray] [--tq] [--scrape-every 1]
      python benchmarks/small_puts.py --only-metrics [--metrics-rows 10000 --metrics-reps 24]
-     python benchmarks/small_puts.py --against OLD_TREE [--rows 5000 --reps 6]
+     python benchmarks/small_puts.py --against OLD_TREE [--rows 10000 --reps 4 --runs 3]
          (the embedded and bare-controller cases, this tree against another commit's,
-         interleaved in one run: git archive <commit> streamrl benchmarks | tar -x -C OLD_TREE)
+         interleaved in one run: git archive <commit> streamrl benchmarks | tar -x -C OLD_TREE;
+         --reps processes per tree, the order alternating, --runs runs in each)
 
 Side by side in one run (ratios, since shared machines are noisy):
 
@@ -328,12 +329,15 @@ async def run():
         sp.controller_batched(16 * rows)
         pr.disable()
         out["controller_batched_calls_per_row"] = pstats.Stats(pr).total_calls / (16 * rows)
-    else:
+    else:  # several runs of each case, alternating (a fresh process's first is slower)
         await sp.embedded_streamrl(500)  # warm
-        out["streamrl_us_per_row"] = await sp.embedded_streamrl(rows) * 1e6
-        out["asyncio_queue_us_per_row"] = await sp.embedded_asyncio_queue(rows) * 1e6
-        out["controller_batched_rows_per_s"] = sp.controller_batched(16 * rows)
-        out["controller_one_row_us"] = sp.controller_one_row(rows) * 1e6
+        for _ in range(int(sys.argv[4])):
+            out.setdefault("streamrl_us_per_row", []).append(
+                await sp.embedded_streamrl(rows) * 1e6)
+            out.setdefault("asyncio_queue_us_per_row", []).append(
+                await sp.embedded_asyncio_queue(rows) * 1e6)
+        out["controller_batched_rows_per_s"] = [sp.controller_batched(16 * rows)]
+        out["controller_one_row_us"] = [sp.controller_one_row(rows) * 1e6]
     print(json.dumps(out))
 
 try:
@@ -344,11 +348,13 @@ except ImportError:
 """
 
 
-def against(old: str, rows: int, reps: int) -> dict:
+def against(old: str, rows: int, reps: int, runs: int = 3) -> dict:
     """This tree against ``old`` (a copy of another commit's tree holding ``streamrl/``
     and ``benchmarks/small_puts.py``, e.g. ``git archive <commit> streamrl benchmarks``):
     the embedded and bare-controller cases in subprocesses, alternating trees (the order
-    flipping every repetition), medians; and cProfile's Python calls per row, once each."""
+    flipping every repetition), ``runs`` runs of the embedded cases in each, medians of
+    all runs (the cost ratio: of each run's streamrl over the queue run after it); and
+    cProfile's Python calls per row, once each."""
     import subprocess
     import sys
 
@@ -357,19 +363,20 @@ def against(old: str, rows: int, reps: int) -> dict:
 
     def one(tree: str, case: str) -> dict:
         env = dict(os.environ, PYTHONPATH=tree)
-        out = subprocess.run([sys.executable, "-c", _AB_CODE, tree, str(rows), case],
+        out = subprocess.run([sys.executable, "-c", _AB_CODE, tree, str(rows), case,
+                              str(runs)],
                              cwd=tree, env=env, capture_output=True, text=True, check=True)
         return json.loads(out.stdout.strip().splitlines()[-1])
 
-    runs: dict[str, list[dict]] = {k: [] for k in trees}
+    done: dict[str, list[dict]] = {k: [] for k in trees}
     for i in range(reps):
         for k in (("before", "after") if i % 2 == 0 else ("after", "before")):
-            runs[k].append(one(trees[k], "time"))
+            done[k].append(one(trees[k], "time"))
     res = {}
-    for k, rs in runs.items():
-        r = {m: med([x[m] for x in rs]) for m in rs[0]}
-        r["cost_ratio"] = med([x["streamrl_us_per_row"] / x["asyncio_queue_us_per_row"]
-                               for x in rs])
+    for k, rs in done.items():
+        r = {m: med([v for x in rs for v in x[m]]) for m in rs[0]}
+        r["cost_ratio"] = med([s / q for x in rs for s, q in zip(
+            x["streamrl_us_per_row"], x["asyncio_queue_us_per_row"])])
         r.update(one(trees[k], "calls"))
         res[k] = r
     return res
@@ -393,11 +400,13 @@ async def main() -> None:
                     help="only the embedded and bare-controller cases, this tree against "
                          "OLD_TREE (git archive <commit> streamrl benchmarks | tar -x -C "
                          "OLD_TREE), interleaved")
+    ap.add_argument("--runs", type=int, default=3,
+                    help="with --against: timed runs of the embedded cases in each process")
     ap.add_argument("--profile", action="store_true",
                     help="only profile the embedded one-row put path (cProfile, by own time)")
     a = ap.parse_args()
     if a.against:
-        res = against(a.against, a.rows, a.reps)
+        res = against(a.against, a.rows, a.reps, a.runs)
         for k, r in res.items():
             print(f"{k:6s}: embedded {r['streamrl_us_per_row']:.1f} us/row vs asyncio.Queue "
                   f"{r['asyncio_queue_us_per_row']:.1f}: {r['cost_ratio']:.1f}x; "
