@@ -133,7 +133,6 @@ class Lifecycle(ControllerBase):
         # grouped filters to look at again: (filter, partition, the row's tags)
         regroup: list[tuple[str, Partition, dict[str, Hashable]]] = []
         last = None
-        cands: list = []
         deletes = self.deletes
         names: dict[int, list[str]] = {}  # acked mask -> its tasks
         # the run of rows of one partition (``last``): rows and bytes dropped, acked mask
