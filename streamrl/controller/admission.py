@@ -166,9 +166,7 @@ class Admission(ControllerBase):
         rows, prows = self.rows, p.rows
         made = []
         for rid in ids:
-            row = Row(rid, p, shard, version, born)
-            row.fields = tmpl.copy()
-            row.nbytes = tsum
+            row = Row(rid, p, shard, version, born, tmpl.copy(), tsum)
             rows[rid] = prows[rid] = row
             made.append(row)
         added = tsum * n
@@ -428,8 +426,9 @@ class Admission(ControllerBase):
                     continue
                 row.nbytes -= b
                 freed += b
-                v = row.tags.pop(f, _MISSING)
-                if v is not _MISSING:
+                v = row.tags.get(f, _MISSING)
+                if v is not _MISSING:  # (so the row has tags of its own: EMPTY has none)
+                    del row.tags[f]
                     self._ungroup(row, f, v)
             row.pending |= fmask
         self.bytes_held -= freed
