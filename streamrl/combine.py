@@ -90,6 +90,11 @@ class CombiningService(ControllerService):
         self._dtypes: dict[str, str] = {}
         self._rows: list[Mapping[str, Column]] = []  # the staged rows' columns
         self._rsizes: list[Mapping[str, int]] = []  # their bytes per field
+        # the stage's first row: its bytes per field and in all, and what the caller
+        # said a row like it looks like (see stage_like)
+        self._sizes: Mapping[str, int] = {}
+        self._row_bytes = 0
+        self.like: Mapping[str, Any] = {}
         self._first = 0  # the stage's first row id (ids leased from the controller)
         self._limit = 0  # rows the stage takes (ids leased)
         self._shard = 0
@@ -101,13 +106,15 @@ class CombiningService(ControllerService):
     # ------------------------------------------------------------------ staging
 
     def stage_put(self, partition: str, cols: Mapping[str, Column], sizes: Mapping[str, int],
-                  dtypes: dict[str, str], version: int | None, *, head: object = None
-                  ) -> tuple[int, int] | None:
+                  dtypes: dict[str, str], version: int | None, *, head: object = None,
+                  like: Mapping[str, Any] | None = None) -> tuple[int, int] | None:
         """Stage a put of one new row (``sizes``: its bytes per field): ``(row id,
         storage unit)``, or ``None`` when it must be put the usual way (the stage is
         flushed then, so that rows keep the order of their puts). Never awaits; raises
         nothing. A staged row keeps ``cols`` and ``sizes`` (not copied) until the
-        flush: pass dicts that nothing changes afterwards."""
+        flush: pass dicts that nothing changes afterwards. ``like``: kept as
+        :attr:`like` when this row opens a stage (the caller's description of rows
+        like it; see :meth:`stage_like`)."""
         b = 0
         for v in sizes.values():
             b += v
@@ -116,22 +123,47 @@ class CombiningService(ControllerService):
                   or dtypes != self._dtypes or self._bytes + b > self.max_bytes):
             self.flush()
             n = 0
-        ctl = self.ctl
-        # room: the rows held and staged, as ctl.admission counts them
-        held = len(ctl.rows) + n
-        cap_bytes = ctl.capacity_bytes
-        if (held and held >= ctl.capacity) or (cap_bytes is not None and (
-                b > cap_bytes or (held and ctl.bytes_held + ctl.reserved_bytes + self._bytes
-                                  + b > cap_bytes))):
+        if not self._room(n, b):
             if n:
                 self.flush()
             return None
         if not n:
             if not self._open(partition, dtypes, version, b, head):
                 return None
+            self._sizes = sizes
+            self._row_bytes = b
+            self.like = like or {}
         elif b > self.max_row_bytes:
             self.flush()
             return None
+        return self._append(cols, sizes, b)
+
+    def stage_like(self, cols: Mapping[str, Column]) -> tuple[int, int] | None:
+        """Stage a put of one new row that the caller found like the rows staged now:
+        the same partition and version, and fields of the same dtypes and bytes as the
+        row that opened the stage (as :attr:`like` describes it). Cheaper than
+        :meth:`stage_put`, which it equals for such a row; ``None`` when the stage is
+        empty, or when it has no room for the row (put it with :meth:`stage_put` then,
+        which flushes or refuses as it must)."""
+        n = self.staged
+        b = self._row_bytes
+        if not n or self._bytes + b > self.max_bytes or not self._room(n, b):
+            return None
+        return self._append(cols, self._sizes, b)
+
+    def _room(self, n: int, b: int) -> bool:
+        """Room for one more row of ``b`` bytes with ``n`` staged: the rows held and
+        staged, as ``ctl.admission`` counts them."""
+        ctl = self.ctl
+        held = len(ctl.rows) + n
+        cap_bytes = ctl.capacity_bytes
+        return not ((held and held >= ctl.capacity) or (cap_bytes is not None and (
+            b > cap_bytes or (held and ctl.bytes_held + ctl.reserved_bytes + self._bytes
+                              + b > cap_bytes))))
+
+    def _append(self, cols: Mapping[str, Column], sizes: Mapping[str, int], b: int
+                ) -> tuple[int, int]:
+        n = self.staged
         rid = self._first + n
         self._rows.append(cols)
         self._rsizes.append(sizes)

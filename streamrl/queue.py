@@ -407,26 +407,43 @@ class StreamQueue:
                                              or not 0 <= timeout < math.inf))
                 or _timing_now.get() is not None):
             return None
-        sizes = {}
-        dtypes = {}
-        names = _PLAIN_DTYPES  # (a quantized dtype is not one of them: the usual way)
+        stage = self._stage
+        part = DEFAULT_PARTITION if partition is None else partition
+        # a row like the stage's rows (same partition and version, fields of the same
+        # dtypes and bytes: stage.like) is appended without sizing it again
+        like = stage.like  # type: ignore[union-attr]
+        same = (stage.staged and len(data) == len(like)  # type: ignore[union-attr]
+                and part == stage._part and version == stage._version)  # type: ignore[union-attr]
         for f, v in data.items():
             if (type(v) is not torch.Tensor or type(f) is not str or not f
-                    or v.layout is not _STRIDED or not v.dim() or v.size(0) != 1
-                    or v.is_nested or v.is_meta or v.requires_grad):
+                    or v.layout is not _STRIDED or v.is_nested or v.is_meta
+                    or v.requires_grad):
                 return None
-            name = names.get(v.dtype)
-            if name is None:
+            shape = v.shape  # (cheaper than dim() and size(0))
+            if not shape or shape[0] != 1:
                 return None
-            sizes[f] = v.nbytes
-            dtypes[f] = name
-        if not sizes:
+            if same:
+                was = like.get(f)
+                if was is None or v.dtype is not was[0] or v.nbytes != was[1]:
+                    same = False
+        if not data:
             return None
-        part = DEFAULT_PARTITION if partition is None else partition
         cols = dict(data)  # (the caller's dict may change once the put returned)
-        staged = self._stage.stage_put(part, cols, sizes, dtypes, version)  # type: ignore[union-attr]
+        staged = stage.stage_like(cols) if same else None  # type: ignore[union-attr]
         if staged is None:
-            return None
+            sizes = {}
+            dtypes = {}
+            names = _PLAIN_DTYPES  # (a quantized dtype is not one of them: the usual way)
+            for f, v in data.items():
+                name = names.get(v.dtype)
+                if name is None:
+                    return None
+                sizes[f] = v.nbytes
+                dtypes[f] = name
+            staged = stage.stage_put(part, cols, sizes, dtypes, version,  # type: ignore[union-attr]
+                                     like={f: (v.dtype, v.nbytes) for f, v in data.items()})
+            if staged is None:
+                return None
         return RowRemoteBatch._put(self, staged[0], staged[1], cols, part)
 
     async def _put(self, data, partition, rows, *, version, overwrite, timeout, nowait):

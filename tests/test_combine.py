@@ -193,6 +193,39 @@ async def test_one_row_puts_of_other_shapes_and_objects_read_back_as_put(make_qu
                                                      for i in range(6)]
 
 
+async def test_one_row_puts_unlike_the_staged_rows_read_back_as_put(make_queue, transport):
+    """A one-row put like the rows staged (partition, version, each field's dtype and
+    bytes) joins their block; one that differs in any of them (a wider field, a field
+    more, another version or partition) is staged apart or with its own sizes. Every
+    row reads back with its own values, version and partition, in the order put."""
+    q = make_queue(capacity=256, num_shards=1)
+    await first_use(q)
+    want: dict[str, list] = {"p": [], "other": []}
+    nbytes = 0
+    for i in range(60):
+        k = i % 6
+        d = one(i, width=8 if k == 1 else 4)
+        if k == 2:
+            d["y"] = torch.ones(1)  # a field more
+        part = "other" if k == 4 else "p"
+        version = 3 if k == 3 else 0
+        before = staged(q)
+        await q.put(d, partition=part, version=version)
+        if transport == "embedded" and k == 0 and i:  # (like the row of k == 5 before it)
+            assert staged(q) == before + 1
+        want[part].append((i, version, d["x"][0].tolist()))
+        nbytes += sum(v.nbytes for v in d.values())
+    assert (await q.stats()).bytes == nbytes  # (each row's own fields and bytes)
+    for part, rows in want.items():
+        await q.seal(part)
+        got = []
+        async for mb in q.stream("t", ["idx", "x"], 7, partition=part):
+            td = await mb.materialize()
+            got += list(zip(td["idx"].tolist(), mb.versions,
+                            [x.tolist() for x in td["x"].unbind(0)]))
+        assert got == rows
+
+
 # ---------------------------------------------------------------- capacity
 
 
