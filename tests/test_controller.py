@@ -194,30 +194,6 @@ def test_groups_complete_by_size_and_never_split():
     assert sorted(c.rows[i].tags["uid"] for i in d.rows) == [1, 1, 2, 2]
 
 
-def test_rows_tags_and_leases_are_their_own():
-    """Rows start with no tag and no lease (one shared read-only empty mapping) and get
-    their own at the first: tagging or leasing one row says nothing of another, and the
-    shared one stays empty."""
-    from streamrl.controller.state import EMPTY
-
-    c = Controller(100)
-    a, _ = put(c, 2)  # untagged rows, then rows with a group key
-    c.register_tag("uid")
-    b, _ = put(c, 2, ("x", "uid"), tags={"uid": [7, 8]})
-    assert c.rows[a[0]].tags is EMPTY and c.rows[a[0]].leased is EMPTY
-    assert [c.rows[r].tags for r in b] == [{"uid": 7}, {"uid": 8}]
-    d = c.take(req(bs=1))
-    assert d.rows == [a[0]]
-    assert c.rows[a[0]].leased == {"t": d.lease} and c.rows[a[1]].leased is EMPTY
-    d2 = c.take(req(task="u", bs=1))
-    assert c.rows[a[0]].leased == {"t": d.lease, "u": d2.lease}
-    c.ack([d.lease])
-    assert c.rows[a[0]].leased == {"u": d2.lease}
-    assert len(EMPTY) == 0
-    with pytest.raises(TypeError):
-        EMPTY["x"] = 1  # type: ignore[index]
-
-
 def test_filter_gates_delivery_and_drops_rejected():
     c = Controller(100)
     c.add_filter(FilterSpec("f", frozenset({"reward"})))

@@ -426,9 +426,8 @@ class Admission(ControllerBase):
                     continue
                 row.nbytes -= b
                 freed += b
-                v = row.tags.get(f, _MISSING)
-                if v is not _MISSING:  # (so the row has tags of its own: EMPTY has none)
-                    del row.tags[f]
+                v = row.tags.pop(f, _MISSING)
+                if v is not _MISSING:
                     self._ungroup(row, f, v)
             row.pending |= fmask
         self.bytes_held -= freed

@@ -16,7 +16,7 @@ from ..errors import InvalidArgument
 from ..messages import DropReason, FilterJob, FilterSpec
 from .base import ControllerBase
 from .lifecycle import _unbucket
-from .state import _MISSING, EMPTY, Partition, Row
+from .state import _MISSING, Partition, Row
 
 
 class Groups(ControllerBase):
@@ -60,10 +60,7 @@ class Groups(ControllerBase):
             if old == v:
                 return
             self._ungroup(row, f, old)
-        if row.tags is EMPTY:
-            row.tags = {f: v}
-        else:
-            row.tags[f] = v
+        row.tags[f] = v
         row.part.groups.setdefault(f, {}).setdefault(v, {})[row.id] = None
 
     @staticmethod

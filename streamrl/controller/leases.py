@@ -12,7 +12,7 @@ from ..config import Request
 from ..errors import LeaseExpired, rows_preview
 from ..messages import Delivery, DropReason
 from .base import ControllerBase
-from .state import EMPTY, LEASE_MEMORY, Partition
+from .state import LEASE_MEMORY, Partition
 
 if TYPE_CHECKING:
     from .index import _Sub
@@ -55,11 +55,7 @@ class Leases(ControllerBase):
         grouped: list[_Sub] = []
         for rid in rids:  # (_unindex of the task, inlined: the hot loop of a take)
             row = rows[rid]
-            held = row.leased
-            if held is EMPTY:
-                row.leased = {task: lid}
-            else:
-                held[task] = lid
+            row.leased[task] = lid
             p = row.part
             if p is not last:  # (rows come in runs of one partition)
                 last = p

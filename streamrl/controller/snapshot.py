@@ -13,7 +13,7 @@ from ..errors import CheckpointError
 from ..messages import FilterJob, FilterSpec, WriteToken
 from .base import ControllerBase
 from .leases import _Lease
-from .state import EMPTY, Partition, Row, _consumers
+from .state import Partition, Row, _consumers
 
 #: The name under ``"format"`` of a saved controller state.
 FORMAT = "streamrl.controller"
@@ -289,10 +289,7 @@ class Snapshot(ControllerBase):
             self.leases[lease.id] = lease
             heapq.heappush(self._lease_heap, (lease.deadline, lease.id))
             for r in lease.rows:
-                row = rows[r]
-                if row.leased is EMPTY:
-                    row.leased = {}
-                row.leased[lease.task] = lease.id
+                rows[r].leased[lease.task] = lease.id
         for jd in st["filter_jobs"]:
             spec = self.filters[jd["filter"]]
             job = FilterJob(int(jd["id"]), spec.name, list(jd["rows"]), list(jd["shards"]),

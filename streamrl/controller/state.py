@@ -14,8 +14,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Callable, Hashable, Iterable, Sequence
-from types import MappingProxyType
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from ..errors import InvalidArgument
 from ..messages import FilterJob, FilterSpec, Undo, WriteToken
@@ -28,11 +27,6 @@ if TYPE_CHECKING:
 
 _MISSING = object()
 _NO_TAGS: frozenset[str] = frozenset()
-#: the ``tags`` and ``leased`` of a row that has none: one shared read-only mapping (it
-#: raises on a write), replaced by a dict of the row's own at its first tag or lease
-#: (:func:`own`). Most rows are never tagged, and a row is leased after it was made, so
-#: making two empty dicts per row cost as much as the rest of the row.
-EMPTY: dict[Any, Any] = MappingProxyType({})  # type: ignore[assignment]
 
 #: outcomes of finished leases (and ids of expired writes) kept for idempotent acks and
 #: clear errors
@@ -61,9 +55,8 @@ class Row:
         self.version = version
         self.fields: dict[str, int] = {} if fields is None else fields  # ready field -> bytes
         self.nbytes = nbytes  # committed bytes
-        # tag field -> value, and task -> lease id: EMPTY (read-only) until the first one
-        self.tags: dict[str, Hashable] = EMPTY
-        self.leased: dict[str, int] = EMPTY
+        self.tags: dict[str, Hashable] = {}
+        self.leased: dict[str, int] = {}  # task -> lease id
         self.acked = 0  # tasks that acknowledged it
         self.pending = 0  # filters that have not judged it yet
         self.judging = 0  # filters judging it right now
