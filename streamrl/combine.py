@@ -147,9 +147,23 @@ class CombiningService(ControllerService):
         which flushes or refuses as it must)."""
         n = self.staged
         b = self._row_bytes
-        if not n or self._bytes + b > self.max_bytes or not self._room(n, b):
+        total = self._bytes + b
+        if not n or total > self.max_bytes:
             return None
-        return self._append(cols, self._sizes, b)
+        ctl = self.ctl  # (the room check and the append, inlined: every such put runs them)
+        cap_bytes = ctl.capacity_bytes
+        if len(ctl.rows) + n >= ctl.capacity or (
+                cap_bytes is not None and ctl.bytes_held + ctl.reserved_bytes + total > cap_bytes):
+            return None
+        rid = self._first + n
+        self._rows.append(cols)
+        self._rsizes.append(self._sizes)
+        self._bytes = total
+        self.staged = n = n + 1
+        shard = self._shard
+        if n >= self._limit:
+            self.flush()
+        return rid, shard
 
     def _room(self, n: int, b: int) -> bool:
         """Room for one more row of ``b`` bytes with ``n`` staged: the rows held and
@@ -276,7 +290,11 @@ class CombiningService(ControllerService):
         rows, rsizes = self._rows, self._rsizes
         self._rows, self._rsizes = [], []
         cols = {f: _join([r[f] for r in rows]) for f in self._dtypes}
-        sizes = {f: [r[f] for r in rsizes] for f in self._dtypes}
+        first = self._sizes
+        if rsizes.count(first) == n:  # (rows like the first, the common case)
+            sizes = {f: [b] * n for f, b in first.items()}
+        else:
+            sizes = {f: [r[f] for r in rsizes] for f in self._dtypes}
         unit = self._units[self._shard]
         try:  # stored under the ids leased to the unit, then admitted and committed
             unit.put(ids, cols)
