@@ -532,12 +532,25 @@ def test_admit_stored_is_allocate_then_commit(sizes):
     leaving what allocate + commit leave (rows of one shape take a shortcut, others
     do not)."""
     a, b = Controller(100, num_shards=2), Controller(100, num_shards=2)
+    waiting = [req(fields=("x",), bs=2, partition="p"),  # consumers waiting already
+               req(task="u", fields=("x", "y"), bs=8, partition="p"),  # wakes at 8 rows
+               req(task="v", fields=("x", "z"), bs=1, partition="p"),  # a field not put
+               req(task="w", fields=("y",), bs=1),  # every partition
+               req(task="o", fields=("x",), bs=1, partition="other")]
     for c in (a, b):
         c.unit_ids(0, 4)
+        for r in waiting:
+            assert c.take(r) is None
+        c.wake_at(waiting[1].sub_key(), 8)
+        c.woken.clear()
     a.admit_stored("p", [0, 1, 2], 0, sizes, version=0)
     tok = b.allocate("p", 3, ("x", "y"), nbytes=sum(map(sum, sizes.values())), ids=[0, 1, 2],
                      shard=0, version=0)
     b.commit(tok, sizes)
+    indexed = [({k: list(s.avail) for k, s in c.subs.items()}, set(c.woken)) for c in (a, b)]
+    assert indexed[0] == indexed[1]
+    assert sorted(len(s.avail) for s in a.subs.values()) == [0, 0, 3, 3, 3]
+    assert len(indexed[0][1]) == 2  # the subscriptions of ("x",) and ("y",): not u's
     assert _summary(a) == _summary(b)
 
 

@@ -164,18 +164,15 @@ class Admission(ControllerBase):
                                               dtypes, admitted)
         born = self.clock()
         rows, prows = self.rows, p.rows
-        made = []
         for rid in ids:
-            row = Row(rid, p, shard, version, born, tmpl.copy(), tsum)
-            rows[rid] = prows[rid] = row
-            made.append(row)
+            rows[rid] = prows[rid] = Row(rid, p, shard, version, born, tmpl.copy(), tsum)
         added = tsum * n
         self.c_put += n
         p.put += n
         self.bytes_held += added
         self.c_bytes_put += added
         p.bytes_put += added
-        self._reindex(made)
+        self._index_new(p, ids, tmpl.keys())  # (no filter, no tag: as _reindex would)
         return CommitResult({}, self.tags_of(p.name), {})
 
     def _admit(self, partition: str, n: int, nbytes: int, version: int | None,

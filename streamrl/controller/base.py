@@ -21,7 +21,7 @@ declarations are not defined, so no lookup on the hot paths changes.
 from __future__ import annotations
 
 from abc import abstractmethod
-from collections.abc import Hashable, Iterable
+from collections.abc import Hashable, Iterable, KeysView
 from typing import TYPE_CHECKING
 
 from .state import State
@@ -84,6 +84,8 @@ class ControllerBase(State):
         def _add(self, sub: _Sub, row: Row) -> None: ...
         @abstractmethod
         def _reindex(self, rows: Iterable[Row], tasks: Iterable[str] | None = None) -> None: ...
+        @abstractmethod
+        def _index_new(self, p: Partition, ids: list[int], fields: KeysView[str]) -> None: ...
         @abstractmethod
         def _unindex(self, row: Row, tasks: Iterable[str] | None = None) -> None: ...
         @abstractmethod

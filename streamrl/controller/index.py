@@ -12,12 +12,12 @@ that what :meth:`Controller.load_state_dict` rebuilds is listed in one place.
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Iterable
+from collections.abc import Hashable, Iterable, KeysView
 
 from ..config import Request, validate_request
 from ..errors import InvalidArgument
 from .base import ControllerBase
-from .state import _MISSING, Row
+from .state import _MISSING, Partition, Row
 
 
 class _Sub:
@@ -219,6 +219,21 @@ class Index(ControllerBase):
         for sub, sealed in grew.items():  # (whether to wake: as _add decides)
             if len(sub.avail) >= sub.wake_at or sealed or self.closed or self.sealed_all:
                 self.woken.add(sub.key)
+
+    def _index_new(self, p: Partition, ids: list[int], fields: KeysView[str]) -> None:
+        """Index new rows ``ids`` of partition ``p`` that all hold ``fields``, have no tag
+        and no filter to wait for (nobody leased or acknowledged them yet): what
+        :meth:`_reindex` does for such rows, in one step per subscription (each
+        ungrouped subscription whose fields they hold takes them all; a grouped one
+        takes none, as they have no group key)."""
+        for sub in self._candidates(p.name):
+            if sub.group_by is None and sub.fields <= fields:
+                avail = sub.avail
+                for rid in ids:
+                    avail[rid] = None
+                if (len(avail) >= sub.wake_at or p.sealed or self.closed
+                        or self.sealed_all):
+                    self.woken.add(sub.key)
 
     def _candidates(self, name: str) -> list[_Sub]:
         c = self._cands.get(name)
