@@ -549,6 +549,10 @@ def test_admit_stored_is_allocate_then_commit(sizes):
     b.commit(tok, sizes)
     indexed = [({k: list(s.avail) for k, s in c.subs.items()}, set(c.woken)) for c in (a, b)]
     assert indexed[0] == indexed[1]
+    for c in (a, b):  # each row checked against each subscription, as a take would
+        for s in c.subs.values():
+            assert list(s.avail) == [r for r, row in c.rows.items() if c._eligible(row, s)
+                                     and s.partition in (None, row.part.name)]
     assert sorted(len(s.avail) for s in a.subs.values()) == [0, 0, 3, 3, 3]
     assert len(indexed[0][1]) == 2  # the subscriptions of ("x",) and ("y",): not u's
     assert _summary(a) == _summary(b)

@@ -519,9 +519,13 @@ class Admission(ControllerBase):
                 scope = self.tags_of(first.name)
             else:
                 scope = frozenset(self.tag_fields)
-            self._reindex(touched)
-            if self.filters:
-                self._filter_check(touched)
+            if tmpl is not None and not dead and not self.filters:
+                # new rows of one shape, no tag given, no filter: as admit_stored
+                self._index_new(first, tok.rows, tmpl.keys())
+            else:
+                self._reindex(touched)
+                if self.filters:
+                    self._filter_check(touched)
         return CommitResult(dead, scope, missing)
 
 
