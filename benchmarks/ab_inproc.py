@@ -1,0 +1,197 @@
+"""This tree against another, in one process: the embedded one-row put case and the bare
+controller of ``small_puts.py``, the two trees alternating run by run.
+
+Why: on a shared VM the speed of the machine moves by 1.5-2x within the hour, and fresh
+processes differ from each other as much as a change does (``small_puts.py --against``
+runs each tree in its own processes). Here both trees run in the same process, one run
+after the other, the order flipping every repetition, so that both see the same machine
+and the same interpreter state; the medians are compared.
+
+How: ``OLD_TREE/streamrl`` (e.g. ``git archive <commit> streamrl | tar -x -C OLD_TREE``)
+is copied to a temporary directory as the package ``streamrl_old``, its imports of
+itself renamed, and imported next to this tree's ``streamrl``. Only the embedded
+transport and the bare controller are measured (nothing of Ray is loaded).
+
+    python benchmarks/ab_inproc.py --against /tmp/sp-base --reps 10
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import gc
+import importlib
+import json
+import os
+import re
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.dirname(HERE))
+sys.path.insert(0, HERE)
+
+import torch  # noqa: E402
+
+from small_puts import BATCH, sample  # noqa: E402
+
+OLD = "streamrl_old"
+#: --no-gc: the cyclic GC is off while a run is timed (its collections, whose cost
+#: depends on everything the process holds, land in some runs and not in others)
+NO_GC = False
+
+
+def load_old(tree: str) -> object:
+    """``tree``'s ``streamrl`` package, imported as :data:`OLD`."""
+    src = os.path.join(os.path.abspath(tree), "streamrl")
+    if not os.path.isdir(src):
+        raise SystemExit(f"{tree} has no streamrl/ (git archive <commit> streamrl | tar -x -C {tree})")
+    root = tempfile.mkdtemp(prefix="streamrl-ab-")
+    dst = os.path.join(root, OLD)
+    shutil.copytree(src, dst, ignore=shutil.ignore_patterns("__pycache__"))
+    # the package's imports of itself, and the "module:attribute" names of its registries
+    pat = re.compile(r"(\bfrom streamrl\.|\bimport streamrl\.|\"streamrl\.(?=[a-z_.]*:))")
+    for d, _, files in os.walk(dst):
+        for f in files:
+            if f.endswith(".py"):
+                p = os.path.join(d, f)
+                with open(p) as fh:
+                    text = fh.read()
+                new = pat.sub(lambda m: m.group(0).replace("streamrl.", OLD + "."), text)
+                if new != text:
+                    with open(p, "w") as fh:
+                        fh.write(new)
+    sys.path.insert(0, root)
+    return importlib.import_module(OLD)
+
+
+async def embedded(mod, n: int) -> float:
+    """Seconds per row: as ``small_puts.embedded_streamrl``, with the package ``mod``."""
+    samples = [sample(i) for i in range(n)]
+    async with mod.StreamQueue(capacity=4096, num_shards=4, consumers=["train"]) as q:
+        got = 0
+
+        async def consume():
+            nonlocal got
+            async for mb in q.stream("train", ["tokens", "reward"], BATCH, partition="p"):
+                got += (await mb.materialize()).batch_size[0]
+
+        task = asyncio.ensure_future(consume())
+        await asyncio.sleep(0)
+        gc.collect()
+        if NO_GC:
+            gc.disable()
+        t0 = time.perf_counter()
+        for s in samples:
+            await q.put(s, partition="p")
+        await q.seal("p")
+        await task
+        dt = time.perf_counter() - t0
+        gc.enable()
+    assert got == n, (got, n)
+    return dt / n
+
+
+async def asyncio_queue(n: int) -> float:
+    """As ``small_puts.embedded_asyncio_queue``."""
+    samples = [sample(i) for i in range(n)]
+    q: asyncio.Queue = asyncio.Queue(maxsize=4096)
+    got = 0
+
+    async def consume():
+        nonlocal got
+        buf = []
+        while (s := await q.get()) is not None:
+            buf.append(s)
+            if len(buf) == BATCH:
+                torch.cat([b["tokens"] for b in buf]), torch.cat([b["reward"] for b in buf])
+                got += len(buf)
+                buf = []
+        got += len(buf)
+
+    task = asyncio.ensure_future(consume())
+    await asyncio.sleep(0)
+    gc.collect()
+    if NO_GC:
+        gc.disable()
+    t0 = time.perf_counter()
+    for s in samples:
+        await q.put(s)
+    await q.put(None)
+    await task
+    dt = time.perf_counter() - t0
+    gc.enable()
+    return dt / n
+
+
+def controller(mod, total: int, batch: int = 256) -> float:
+    """Rows/s of CPU time: as ``small_puts.controller_batched``, with ``mod``."""
+    ctl = importlib.import_module(mod.__name__ + ".controller")
+    c = ctl.Controller(1 << 16, num_shards=4, consumers=["t"])
+    req = ctl.Request("t", ("x", "y"), batch, partition="p")
+    nb = {"x": [8] * batch, "y": [4] * batch}
+    t0 = time.process_time()
+    for _ in range(total // batch):
+        tok = c.allocate("p", batch, ("x", "y"), nbytes=12 * batch)
+        c.commit(tok, nb)
+        d = c.take(req)
+        c.ack([d.lease])
+        c.drain()
+    return total / (time.process_time() - t0)
+
+
+async def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--against", required=True, metavar="OLD_TREE")
+    ap.add_argument("--rows", type=int, default=10_000)
+    ap.add_argument("--reps", type=int, default=10)
+    ap.add_argument("--json", default=None)
+    ap.add_argument("--no-gc", action="store_true",
+                    help="the cyclic GC off in the timed runs (less noise; no GC cost)")
+    a = ap.parse_args()
+    global NO_GC
+    NO_GC = a.no_gc
+    import streamrl as new
+
+    old = load_old(a.against)
+    for m in (old, new):  # warm
+        await embedded(m, 500)
+    runs: dict[str, list[float]] = {k: [] for k in ("old", "new", "queue", "ctl_old", "ctl_new")}
+    for i in range(a.reps):
+        pair = [("old", old), ("new", new)]
+        if i % 2:
+            pair.reverse()
+        for k, m in pair:
+            runs[k].append(await embedded(m, a.rows) * 1e6)
+            runs["queue"].append(await asyncio_queue(a.rows) * 1e6)
+        for k, m in pair:
+            runs["ctl_" + k].append(controller(m, 64_000))
+    med = {k: statistics.median(v) for k, v in runs.items()}
+    res = {"embedded_us_per_row": {"old": med["old"], "new": med["new"]},
+           "asyncio_queue_us_per_row": med["queue"],
+           "cost_ratio": {"old": med["old"] / med["queue"], "new": med["new"] / med["queue"]},
+           "controller_rows_per_cpu_s": {"old": med["ctl_old"], "new": med["ctl_new"]},
+           "reps": a.reps, "rows": a.rows}
+    q = {k: statistics.quantiles(v, n=4) for k, v in runs.items() if len(v) > 1}
+    res["quartiles"] = q
+    for k in ("old", "new"):
+        print(f"{k}: embedded quartiles {q[k][0]:.2f} .. {q[k][2]:.2f} us/row")
+        print(f"{k}: embedded {med[k]:.2f} us/row = {med[k] / med['queue']:.2f}x asyncio.Queue "
+              f"({med['queue']:.2f}) | bare controller {med['ctl_' + k]:,.0f} rows per CPU-s")
+    print(f"new/old: embedded {med['new'] / med['old']:.2f}x the time, controller "
+          f"{med['ctl_new'] / med['ctl_old']:.2f}x the rate (medians of {a.reps} alternating runs)")
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(res, f, indent=2)
+
+
+if __name__ == "__main__":
+    try:
+        import uvloop
+
+        uvloop.run(main())
+    except ImportError:
+        asyncio.run(main())
