@@ -385,11 +385,27 @@ class ControllerService:
             if (self._space_q or ctl.admission(n, total, version) is not None
                     or not ctl.owns_ids(shard, ids)):
                 return PutAnswer(PutStatus.BUSY)
-            tok = ctl.allocate(partition, n, fields, nbytes=total, version=version, ids=ids,
-                               shard=shard, dtypes=dtypes)
+            # rows of one shape, no tag, no filter: admitted and committed at once,
+            # without a write token (the common small put)
+            res = None if tags else ctl.admit_stored(
+                partition, ids, shard, nbytes, version=version, dtypes=dtypes,
+                admitted=True, at_once_only=True)
+            if res is None:
+                tok = ctl.allocate(partition, n, fields, nbytes=total, version=version,
+                                   ids=ids, shard=shard, dtypes=dtypes)
         except StreamRLError as e:
             return PutAnswer(PutStatus.REFUSED, error=e)
-        return PutAnswer(PutStatus.OK, await self.commit(tok, nbytes, tags), rows=list(ids))
+        if res is None:
+            return PutAnswer(PutStatus.OK, await self.commit(tok, nbytes, tags),
+                             rows=list(ids))
+        try:  # (no filter: waking waiters and storage deletes of other calls are left)
+            if not self._done_now():
+                await self._after()
+        except anyio.get_cancelled_exc_class():
+            # as a commit cancelled after it landed: the rows are taken back
+            await shielded(self.retract_rows(ids))
+            raise
+        return PutAnswer(PutStatus.OK, res, rows=list(ids))
 
     async def unit_ids(self, shard: int, n: int) -> tuple[int, int]:
         """Lease ``n`` fresh row ids ``[start, end)`` to storage unit ``shard`` for the

@@ -207,3 +207,91 @@ async def test_the_actor_answers_put_rows_in_its_wire_form():
     ans = FROM_WIRE["put_rows"](wire)
     assert ans.status is PutStatus.OK and ans.rows == [start]
     assert (await actor.stats()).rows == 1
+
+
+# -- put_rows: a unit's small put, admitted and committed by the service
+
+
+class _HeldDeletes(LocalDataPlane):
+    """In-process units whose deletes wait until ``go`` is set."""
+
+    def __init__(self, n: int):
+        super().__init__([StorageUnit(i) for i in range(n)])
+        import asyncio
+
+        self.go = asyncio.Event()
+        self.waiting = asyncio.Event()
+
+    async def delete(self, parts):
+        self.waiting.set()
+        await self.go.wait()
+        await super().delete(parts)
+
+
+def _service(**kw):
+    from streamrl.controller import Controller
+
+    data = _HeldDeletes(1)
+    return ControllerService(Controller(16, num_shards=1, **kw), data), data
+
+
+async def _stored(svc, data, n=1):
+    start, _ = await svc.unit_ids(0, n)
+    ids = list(range(start, start + n))
+    data.units[0].put(ids, {"x": torch.zeros(n)})
+    return ids
+
+
+async def test_put_rows_of_one_shape_are_committed_without_a_write_token():
+    """Rows of one shape, with no tag and no filter, are admitted and committed in one
+    step: no write token is made, and a consumer waiting for them gets them."""
+    svc, data = _service()
+    ids = await _stored(svc, data, 2)
+    tokens = svc.ctl._next_token
+    ans = await svc.put_rows("p", ["x"], ids, 0, {"x": [4, 4]})
+    assert ans.status is PutStatus.OK and ans.rows == ids
+    assert svc.ctl._next_token == tokens  # no write token was made
+    assert svc.ctl.c_put == 2 and svc.ctl.bytes_held == 8
+    d = await svc.take(Request("t", ("x",), 2, partition="p"), 1.0)
+    assert sorted(d.rows) == ids
+
+
+async def test_put_rows_with_a_filter_still_runs_it():
+    """With a filter the rows go through a write token and the filter judges them (a
+    row it rejects is dropped and never delivered)."""
+    from streamrl.messages import FilterSpec
+
+    svc, data = _service()
+    await svc.add_filter(lambda td: [False] * td.batch_size[0],
+                         FilterSpec("none", frozenset({"x"})))
+    data.go.set()
+    ids = await _stored(svc, data)
+    ans = await svc.put_rows("p", ["x"], ids, 0, {"x": [4]})
+    assert ans.status is PutStatus.OK
+    assert svc.ctl.c_filtered_by == {"none": 1} and not svc.ctl.rows
+
+
+async def test_put_rows_cancelled_after_the_commit_takes_the_rows_back():
+    """Cancelled while it waits for what it has to do after the commit (here: storage
+    deletes of an earlier drop), the put takes its rows back before the cancellation
+    goes on: dropped as "cancelled", gone from the unit, never delivered."""
+    import asyncio
+
+    svc, data = _service()
+    old = await _stored(svc, data)
+    assert (await svc.put_rows("p", ["x"], old, 0, {"x": [4]})).status is PutStatus.OK
+    svc.ctl.drop(old, "dropped")  # its storage delete is left for the next call to do
+    ids = await _stored(svc, data)
+    put = asyncio.ensure_future(svc.put_rows("p", ["x"], ids, 0, {"x": [4]}))
+    await asyncio.wait_for(data.waiting.wait(), 5)  # committed; deleting the old row
+    assert ids[0] in svc.ctl.rows
+    put.cancel()
+    await asyncio.sleep(0.05)
+    assert not put.done()  # the take-back waits for the deletes it needs
+    data.go.set()
+    with pytest.raises(asyncio.CancelledError):
+        await put
+    assert not svc.ctl.rows and svc.ctl.c_dropped.get("cancelled") == 1
+    assert not data.units[0].row_fields  # both rows deleted from the unit
+    await svc.seal("p")
+    assert await svc.take(Request("t", ("x",), 1, partition="p"), 1.0) is None
