@@ -387,7 +387,7 @@ class ControllerService:
                 return PutAnswer(PutStatus.BUSY)
             # rows of one shape, no tag, no filter: admitted and committed at once,
             # without a write token (the common small put)
-            res = None if tags else ctl.admit_stored(
+            res = None if tags or nbytes.keys() != set(fields) else ctl.admit_stored(
                 partition, ids, shard, nbytes, version=version, dtypes=dtypes,
                 admitted=True, at_once_only=True)
             if res is None:

@@ -295,3 +295,15 @@ async def test_put_rows_cancelled_after_the_commit_takes_the_rows_back():
     assert not data.units[0].row_fields  # both rows deleted from the unit
     await svc.seal("p")
     assert await svc.take(Request("t", ("x",), 1, partition="p"), 1.0) is None
+
+
+async def test_put_rows_naming_a_field_without_sizes_goes_through_a_write_token():
+    """A field named without its bytes is written with 0 bytes, as a commit does: such
+    a put is not admitted at once, and the field is ready all the same."""
+    svc, data = _service()
+    ids = await _stored(svc, data)
+    tokens = svc.ctl._next_token
+    ans = await svc.put_rows("p", ["x", "y"], ids, 0, {"x": [4]})
+    assert ans.status is PutStatus.OK and svc.ctl._next_token == tokens + 1
+    d = await svc.take(Request("t", ("x", "y"), 1, partition="p"), 1.0)
+    assert d.rows == ids
