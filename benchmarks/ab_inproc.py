@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import gc
 import importlib
 import json
 import os
@@ -34,14 +33,9 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 sys.path.insert(0, HERE)
 
-import torch  # noqa: E402
-
-from small_puts import BATCH, sample  # noqa: E402
+from small_puts import controller_batched, embedded_asyncio_queue, embedded_streamrl  # noqa: E402
 
 OLD = "streamrl_old"
-#: --no-gc: the cyclic GC is off while a run is timed (its collections, whose cost
-#: depends on everything the process holds, land in some runs and not in others)
-NO_GC = False
 
 
 def load_old(tree: str) -> object:
@@ -68,81 +62,6 @@ def load_old(tree: str) -> object:
     return importlib.import_module(OLD)
 
 
-async def embedded(mod, n: int) -> float:
-    """Seconds per row: as ``small_puts.embedded_streamrl``, with the package ``mod``."""
-    samples = [sample(i) for i in range(n)]
-    async with mod.StreamQueue(capacity=4096, num_shards=4, consumers=["train"]) as q:
-        got = 0
-
-        async def consume():
-            nonlocal got
-            async for mb in q.stream("train", ["tokens", "reward"], BATCH, partition="p"):
-                got += (await mb.materialize()).batch_size[0]
-
-        task = asyncio.ensure_future(consume())
-        await asyncio.sleep(0)
-        gc.collect()
-        if NO_GC:
-            gc.disable()
-        t0 = time.perf_counter()
-        for s in samples:
-            await q.put(s, partition="p")
-        await q.seal("p")
-        await task
-        dt = time.perf_counter() - t0
-        gc.enable()
-    assert got == n, (got, n)
-    return dt / n
-
-
-async def asyncio_queue(n: int) -> float:
-    """As ``small_puts.embedded_asyncio_queue``."""
-    samples = [sample(i) for i in range(n)]
-    q: asyncio.Queue = asyncio.Queue(maxsize=4096)
-    got = 0
-
-    async def consume():
-        nonlocal got
-        buf = []
-        while (s := await q.get()) is not None:
-            buf.append(s)
-            if len(buf) == BATCH:
-                torch.cat([b["tokens"] for b in buf]), torch.cat([b["reward"] for b in buf])
-                got += len(buf)
-                buf = []
-        got += len(buf)
-
-    task = asyncio.ensure_future(consume())
-    await asyncio.sleep(0)
-    gc.collect()
-    if NO_GC:
-        gc.disable()
-    t0 = time.perf_counter()
-    for s in samples:
-        await q.put(s)
-    await q.put(None)
-    await task
-    dt = time.perf_counter() - t0
-    gc.enable()
-    return dt / n
-
-
-def controller(mod, total: int, batch: int = 256) -> float:
-    """Rows/s of CPU time: as ``small_puts.controller_batched``, with ``mod``."""
-    ctl = importlib.import_module(mod.__name__ + ".controller")
-    c = ctl.Controller(1 << 16, num_shards=4, consumers=["t"])
-    req = ctl.Request("t", ("x", "y"), batch, partition="p")
-    nb = {"x": [8] * batch, "y": [4] * batch}
-    t0 = time.process_time()
-    for _ in range(total // batch):
-        tok = c.allocate("p", batch, ("x", "y"), nbytes=12 * batch)
-        c.commit(tok, nb)
-        d = c.take(req)
-        c.ack([d.lease])
-        c.drain()
-    return total / (time.process_time() - t0)
-
-
 async def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--against", required=True, metavar="OLD_TREE")
@@ -152,23 +71,24 @@ async def main() -> None:
     ap.add_argument("--no-gc", action="store_true",
                     help="the cyclic GC off in the timed runs (less noise; no GC cost)")
     a = ap.parse_args()
-    global NO_GC
-    NO_GC = a.no_gc
     import streamrl as new
 
     old = load_old(a.against)
     for m in (old, new):  # warm
-        await embedded(m, 500)
+        await embedded_streamrl(500, mod=m)
     runs: dict[str, list[float]] = {k: [] for k in ("old", "new", "queue", "ctl_old", "ctl_new")}
     for i in range(a.reps):
         pair = [("old", old), ("new", new)]
         if i % 2:
             pair.reverse()
         for k, m in pair:
-            runs[k].append(await embedded(m, a.rows) * 1e6)
-            runs["queue"].append(await asyncio_queue(a.rows) * 1e6)
+            runs[k].append(await embedded_streamrl(a.rows, mod=m, no_gc=a.no_gc) * 1e6)
+            runs["queue"].append(await embedded_asyncio_queue(a.rows, no_gc=a.no_gc) * 1e6)
         for k, m in pair:
-            runs["ctl_" + k].append(controller(m, 64_000))
+            ctl = importlib.import_module(m.__name__ + ".controller")
+            runs["ctl_" + k].append(controller_batched(64_000, controller=ctl.Controller,
+                                                       request=ctl.Request,
+                                                       clock=time.process_time))
     med = {k: statistics.median(v) for k, v in runs.items()}
     res = {"embedded_us_per_row": {"old": med["old"], "new": med["new"]},
            "asyncio_queue_us_per_row": med["queue"],

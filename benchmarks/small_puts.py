@@ -68,15 +68,18 @@ def _scraper(url: str, stop: "threading.Event", every: float) -> int:
     return n
 
 
-async def embedded_streamrl(n: int, metrics: bool = False, scrape_every: float = 1.0) -> float:
+async def embedded_streamrl(n: int, metrics: bool = False, scrape_every: float = 1.0, *,
+                            mod=streamrl, no_gc: bool = False) -> float:
     """Seconds per row: one producer putting one-row samples, a consumer streaming
     batches of 64 and materializing them. With ``metrics``: the queue serves
-    Prometheus metrics and a thread scrapes them every ``scrape_every`` seconds."""
+    Prometheus metrics and a thread scrapes them every ``scrape_every`` seconds.
+    ``mod``: the streamrl package to use (benchmarks/ab_inproc.py passes another
+    tree's); ``no_gc``: the cyclic GC is off while the run is timed."""
     import threading
 
     samples = [sample(i) for i in range(n)]
-    async with streamrl.StreamQueue(capacity=4096, num_shards=4, consumers=["train"],
-                                    metrics=True if metrics else None) as q:
+    async with mod.StreamQueue(capacity=4096, num_shards=4, consumers=["train"],
+                               metrics=True if metrics else None) as q:
         got = 0
         stop = threading.Event()
         scraper = (asyncio.ensure_future(asyncio.to_thread(
@@ -91,12 +94,15 @@ async def embedded_streamrl(n: int, metrics: bool = False, scrape_every: float =
         task = asyncio.ensure_future(consume())
         await asyncio.sleep(0)  # the consumer waits first
         gc.collect()  # the samples made above are not collected inside the timed part
+        if no_gc:
+            gc.disable()
         t0 = time.perf_counter()
         for s in samples:
             await q.put(s, partition="p")
         await q.seal("p")
         await task
         dt = time.perf_counter() - t0
+        gc.enable()
         assert got == n, (got, n)
         if scraper is not None:
             stop.set()
@@ -104,8 +110,9 @@ async def embedded_streamrl(n: int, metrics: bool = False, scrape_every: float =
     return dt / n
 
 
-async def embedded_asyncio_queue(n: int) -> float:
-    """The same samples through a bare asyncio.Queue, a torch.cat per 64 rows."""
+async def embedded_asyncio_queue(n: int, *, no_gc: bool = False) -> float:
+    """The same samples through a bare asyncio.Queue, a torch.cat per 64 rows
+    (``no_gc``: the cyclic GC off while the run is timed)."""
     samples = [sample(i) for i in range(n)]
     q: asyncio.Queue = asyncio.Queue(maxsize=4096)
     got = 0
@@ -128,29 +135,35 @@ async def embedded_asyncio_queue(n: int) -> float:
     task = asyncio.ensure_future(consume())
     await asyncio.sleep(0)
     gc.collect()  # as for streamrl: the samples' own collection is outside the timing
+    if no_gc:
+        gc.disable()
     t0 = time.perf_counter()
     for s in samples:
         await q.put(s)
     await q.put(None)
     await task
     dt = time.perf_counter() - t0
+    gc.enable()
     assert got == n
     return dt / n
 
 
-def controller_batched(total_rows: int, batch: int = 256) -> float:
-    """Rows/s through the bare controller: put + take + ack of ``batch``-row batches."""
-    c = Controller(1 << 16, num_shards=4, consumers=["t"])
-    req = Request("t", ("x", "y"), batch, partition="p")
+def controller_batched(total_rows: int, batch: int = 256, *, controller=Controller,
+                       request=Request, clock=time.perf_counter) -> float:
+    """Rows/s through the bare controller: put + take + ack of ``batch``-row batches
+    (``controller``, ``request``: another tree's classes; ``clock``: e.g.
+    ``time.process_time`` for rows per CPU-second)."""
+    c = controller(1 << 16, num_shards=4, consumers=["t"])
+    req = request("t", ("x", "y"), batch, partition="p")
     nb = {"x": [8] * batch, "y": [4] * batch}
-    t0 = time.perf_counter()
+    t0 = clock()
     for _ in range(total_rows // batch):
         tok = c.allocate("p", batch, ("x", "y"), nbytes=12 * batch)
         c.commit(tok, nb)
         d = c.take(req)
         c.ack([d.lease])
         c.drain()
-    return total_rows / (time.perf_counter() - t0)
+    return total_rows / (clock() - t0)
 
 
 def controller_one_row(total_rows: int) -> float:
