@@ -61,6 +61,8 @@ log = logging.getLogger("streamrl")
 
 __all__ = ["CombiningService"]
 
+_NOTHING: Mapping[str, Any] = {}  # (read only)
+
 
 class CombiningService(ControllerService):
     """The controller service with a write-combining stage for one-row puts (see the
@@ -137,6 +139,13 @@ class CombiningService(ControllerService):
             self.flush()
             return None
         return self._append(cols, sizes, b)
+
+    def like_now(self, partition: str, version: int | None) -> Mapping[str, Any]:
+        """:attr:`like` when rows of ``partition`` and ``version`` are staged now (a row
+        that matches it may be staged with :meth:`stage_like`), else an empty mapping."""
+        if self.staged and partition == self._part and version == self._version:
+            return self.like
+        return _NOTHING
 
     def stage_like(self, cols: Mapping[str, Column]) -> tuple[int, int] | None:
         """Stage a put of one new row that the caller found like the rows staged now:

@@ -411,9 +411,8 @@ class StreamQueue:
         part = DEFAULT_PARTITION if partition is None else partition
         # a row like the stage's rows (same partition and version, fields of the same
         # dtypes and bytes: stage.like) is appended without sizing it again
-        like = stage.like  # type: ignore[union-attr]
-        same = (stage.staged and len(data) == len(like)  # type: ignore[union-attr]
-                and part == stage._part and version == stage._version)  # type: ignore[union-attr]
+        like = stage.like_now(part, version)  # type: ignore[union-attr]
+        same = len(data) == len(like)
         for f, v in data.items():
             if (type(v) is not torch.Tensor or type(f) is not str or not f
                     or v.layout is not _STRIDED or v.is_nested or v.is_meta
