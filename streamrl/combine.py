@@ -159,20 +159,12 @@ class CombiningService(ControllerService):
         total = self._bytes + b
         if not n or total > self.max_bytes:
             return None
-        ctl = self.ctl  # (the room check and the append, inlined: every such put runs them)
+        ctl = self.ctl  # (_room, inlined: every such put runs it, and n >= 1 here)
         cap_bytes = ctl.capacity_bytes
         if len(ctl.rows) + n >= ctl.capacity or (
                 cap_bytes is not None and ctl.bytes_held + ctl.reserved_bytes + total > cap_bytes):
             return None
-        rid = self._first + n
-        self._rows.append(cols)
-        self._rsizes.append(self._sizes)
-        self._bytes = total
-        self.staged = n = n + 1
-        shard = self._shard
-        if n >= self._limit:
-            self.flush()
-        return rid, shard
+        return self._append(cols, self._sizes, b)
 
     def _room(self, n: int, b: int) -> bool:
         """Room for one more row of ``b`` bytes with ``n`` staged: the rows held and
