@@ -1,11 +1,16 @@
 """The Ray cases of ``benchmarks/small_puts.py``: one-row puts from many producer actors.
 
 Run: python benchmarks/small_puts.py --ray [--tq]   (or this file alone:
-python benchmarks/small_puts_ray.py [--rows 20000] [--tq] [--producers 4,16])
+python benchmarks/small_puts_ray.py [--rows 20000] [--tq] [--producers 4,16]
+[--episodes 1,16])
 
 Load: P producer actors (async, ``num_cpus=0``) each put ``rows / P`` one-row samples
 (int64 tokens[256] + a float reward) one after another, while the driver streams batches
-of 64 and materializes each. Timed from the moment every producer starts putting until
+of 64 and materializes each. With ``--episodes E`` (E > 1) each producer runs E
+episodes at once (asyncio tasks), each putting its share of the samples one after
+another: an env worker stepping many environments, whose concurrent puts the Ray
+transport combines into fewer calls (``streamrl.transport.ray.coalesce``); these cases
+are reported as ``streamrl_PxE``. Timed from the moment every producer starts putting until
 the driver holds the last row. Before that each producer puts one warm-up row, so
 connections and actors are up.
 
@@ -60,10 +65,14 @@ class _Producer:
     async def warm(self, q, part: str) -> None:
         await q.put(_sample(-1), partition=part)
 
-    async def run(self, q, part: str) -> float:
-        for s in self.samples:
-            await q.put(s, partition=part)
-        return time.perf_counter()
+    async def run(self, q, part: str, episodes: int = 1) -> tuple[float, int]:
+        async def episode(samples):
+            for s in samples:
+                await q.put(s, partition=part)
+
+        await asyncio.gather(*[episode(self.samples[e::episodes]) for e in range(episodes)])
+        co = getattr(q._transport.data, "_coalescer", None)  # calls sent for small puts
+        return time.perf_counter(), 0 if co is None else co.calls
 
     def cpu(self) -> float:
         return time.process_time()
@@ -102,13 +111,14 @@ def _proc_cpu(actor) -> "ray.ObjectRef":  # noqa: F821
     return actor.__ray_call__.remote(lambda self: time.process_time())
 
 
-async def _streamrl_case(ray, producers: int, rows: int, shards: int) -> dict:
+async def _streamrl_case(ray, producers: int, rows: int, shards: int,
+                         episodes: int = 1, capacity: int = 4096) -> dict:
     import streamrl
 
     Producer = ray.remote(num_cpus=0)(_Producer)
     per = rows // producers
     n = per * producers
-    q = streamrl.StreamQueue(transport="ray", capacity=4096, num_shards=shards,
+    q = streamrl.StreamQueue(transport="ray", capacity=capacity, num_shards=shards,
                              consumers=["train"])
     try:
         ctl = q._transport._controller
@@ -140,7 +150,7 @@ async def _streamrl_case(ray, producers: int, rows: int, shards: int) -> dict:
         cpu0 = await asyncio.gather(*[_proc_cpu(a) for a in actors])
         d0 = time.process_time()
         t0 = time.perf_counter()
-        await asyncio.gather(*[p.run.remote(q, "p") for p in ps])
+        ran = await asyncio.gather(*[p.run.remote(q, "p", episodes) for p in ps])
         await q.seal("p")
         t1 = await consumer
         d1 = time.process_time()
@@ -154,7 +164,10 @@ async def _streamrl_case(ray, producers: int, rows: int, shards: int) -> dict:
         for p in ps:
             ray.kill(p)
         return {
-            "producers": producers, "rows": n, "shards": shards, "seconds": dt,
+            "producers": producers, "episodes": episodes, "rows": n, "shards": shards,
+            "seconds": dt,
+            # put calls from the producers per row (warm-up puts included)
+            "unit_calls_per_row": sum(c for _, c in ran) / n,
             "rows_per_s": n / dt,
             "cpu_us_per_row": {
                 "controller": used[0] / n * 1e6,
@@ -225,15 +238,18 @@ def _init_ray():
 
 
 async def ray_cases(rows: int, tq: bool, producers: tuple[int, ...] = (4, 16),
-                    shards: int = 4, tq_rows: int = 2000) -> dict:
+                    shards: int = 4, tq_rows: int = 2000,
+                    episodes: tuple[int, ...] = (1,), capacity: int = 4096) -> dict:
     """The Ray small-put cases (see the module docstring): a dict of results per case,
     plus ratios against the issue's targets."""
     ray = _init_ray()
     out: dict = {"loadavg_before": os.getloadavg()[0]}
     try:
-        for p in producers:
-            out[f"streamrl_{p}"] = await _streamrl_case(ray, p, rows, shards)
-            _log(f"streamrl_{p}", out[f"streamrl_{p}"])
+        for e in episodes:
+            for p in producers:
+                key = f"streamrl_{p}" if e == 1 else f"streamrl_{p}x{e}"
+                out[key] = await _streamrl_case(ray, p, rows, shards, e, capacity)
+                _log(key, out[key])
         if tq:
             import warnings
 
@@ -255,6 +271,8 @@ async def ray_cases(rows: int, tq: bool, producers: tuple[int, ...] = (4, 16),
     finally:
         ray.shutdown()
     lo, hi = min(producers), max(producers)
+    if f"streamrl_{lo}" not in out:  # (only cases of several episodes a producer)
+        return out
     s_lo = out[f"streamrl_{lo}"]["rows_per_s"]
     out["summary"] = {
         f"streamrl_{lo}_rows_per_s": s_lo,
@@ -282,10 +300,14 @@ def main() -> None:
     ap.add_argument("--tq-rows", type=int, default=2000)
     ap.add_argument("--producers", default="4,16")
     ap.add_argument("--shards", type=int, default=4)
+    ap.add_argument("--episodes", default="1",
+                    help="episodes each producer runs at once (comma-separated cases)")
+    ap.add_argument("--capacity", type=int, default=4096, help="the queue's capacity (rows)")
     ap.add_argument("--json", default=None)
     a = ap.parse_args()
     res = asyncio.run(ray_cases(a.rows, a.tq, tuple(int(x) for x in a.producers.split(",")),
-                                a.shards, a.tq_rows))
+                                a.shards, a.tq_rows,
+                                tuple(int(x) for x in a.episodes.split(",")), a.capacity))
     print(json.dumps(res, indent=2))
     if a.json:
         with open(a.json, "w") as f:

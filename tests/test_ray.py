@@ -566,6 +566,72 @@ async def test_a_small_put_is_one_call_to_a_storage_unit(rq, monkeypatch):
     assert [c["t"] for c in td["chat"]] == [0, 1, 2]
 
 
+async def test_concurrent_small_puts_of_a_process_are_combined_into_fewer_calls(rq, monkeypatch):
+    """One process putting many one-row samples at once (the episodes of an env worker):
+    the puts made while others are in flight go to a unit as one call, and every row
+    is delivered once, with the values its own put gave it."""
+    from streamrl.transport.rpc import RpcClient
+
+    q = rq(num_shards=2)
+    await q.put({"x": torch.zeros(1)}, partition="warm")  # connections and id leases
+    calls: list[str] = []
+    call = RpcClient.call
+
+    async def counted(self, method, *args, **kwargs):
+        calls.append(args[1] if method == "cancellable" else method)
+        return await call(self, method, *args, **kwargs)
+
+    monkeypatch.setattr(RpcClient, "call", counted)
+    puts = await asyncio.gather(*[q.put({"x": torch.tensor([float(i)]), "chat": [f"c{i}"]},
+                                        partition="p") for i in range(64)])
+    monkeypatch.undo()
+    assert 2 <= calls.count("put_rows") < 16 and "allocate" not in calls
+    assert len({r for p in puts for r in p.rows}) == 64
+    want = {p.rows[0]: i for i, p in enumerate(puts)}
+    mb = await q.get("t", ["x", "chat"], 64, partition="p", timeout=10)
+    td = await mb.materialize()
+    for r, x, c in zip(mb.rows, td["x"].tolist(), td["chat"]):
+        assert x == want[r] and c == f"c{want[r]}"
+    await mb.drop()
+    st = await q.stats()
+    assert st.put == 65 and st.rows == 1
+
+
+async def test_a_combined_small_put_cancelled_in_flight_takes_back_only_its_rows(rq):
+    """A put cancelled while the call it was combined into is in flight: once the call
+    is answered, its row is dropped as "cancelled" and the cancellation goes on; the
+    other puts of the call keep theirs."""
+    from streamrl.transport.ray.coalesce import PutCoalescer
+
+    q = rq(num_shards=1)
+    await q.put({"x": torch.tensor([-1.0])}, partition="warm")
+    unit = q._transport._units[0]
+    await unit.__ray_call__.remote(
+        lambda self: setattr(self, "_controller", _SlowController(self._controller)))
+    dp = q._transport.data
+    c = dp._coalescer = PutCoalescer(dp._put_rows_call, dp._retract_rows, max_in_flight=1)
+    first = asyncio.ensure_future(q.put({"x": torch.tensor([0.0])}, partition="p"))
+    await _until(lambda: _true(c.in_flight == 1), "the first put to be in flight")
+    rest = [asyncio.ensure_future(q.put({"x": torch.tensor([float(i)])}, partition="p"))
+            for i in (1, 2, 3)]
+    await _until(lambda: _true(c.calls == 2), "the combined put to be sent", timeout=10)
+    rest[1].cancel()
+    await asyncio.sleep(0.2)
+    assert not rest[1].done()  # it waits for the answer and the undo
+    await asyncio.gather(first, rest[0], rest[2])
+    with pytest.raises(asyncio.CancelledError):
+        await rest[1]
+    assert c.rows == 4  # (one call with the three combined)
+    st = await q.stats()
+    assert st.rows == 4 and st.unit_rows == [4] and st.dropped_by.get("cancelled") == 1
+    mb = await q.get("t", ["x"], 3, partition="p", timeout=10)
+    assert sorted((await mb.materialize())["x"].tolist()) == [0.0, 1.0, 3.0]
+
+
+async def _true(v: bool) -> bool:
+    return v
+
+
 async def test_a_small_put_that_is_refused_leaves_nothing_in_its_unit(rq):
     """The unit stores a small put before the controller admits it; a put the controller
     refuses (sealed partition, closed queue) raises as usual and the unit forgets it."""

@@ -29,6 +29,7 @@ from ...messages import PutAnswer, PutStatus
 from ..base import Column
 from ..rpc import ConnectFailed
 from .calls import request_id, spawn, undone
+from .coalesce import PutCoalescer
 from .wire import SHM_MIN, bytes_by_path
 
 if TYPE_CHECKING:
@@ -83,11 +84,13 @@ class UnitAdmission:
         on if the producer's call is cancelled (see :meth:`cancel_put`)."""
         return (await asyncio.shield(fut)).to_wire()
 
-    async def cancel_put(self, rid: str) -> None:
+    async def cancel_put(self, rid: str, rows: list[int] | None = None) -> None:
         """The producer of put ``rid`` was cancelled while it waited for the answer:
         once the put is done, rows it committed are dropped (``"cancelled"``), so a
-        cancelled put leaves nothing behind. Socket channel only."""
-        fut = self._puts.pop(rid, None)
+        cancelled put leaves nothing behind. ``rows``: only those of its rows (one of
+        the puts a producer combined into this one was cancelled; see
+        :mod:`.coalesce`). Socket channel only."""
+        fut = self._puts.pop(rid, None) if rows is None else self._puts.get(rid)
         if fut is None:
             return
         try:
@@ -95,7 +98,10 @@ class UnitAdmission:
         except Exception:  # noqa: BLE001 - nothing committed
             return
         if ans.status is PutStatus.OK and self._controller is not None:
-            await self._controller.retract_rows(ans.rows)
+            mine = set(ans.rows)
+            back = ans.rows if rows is None else [r for r in rows if r in mine]
+            if back:
+                await self._controller.retract_rows(back)
 
     async def _admit(self, n: int, cols: dict, partition: str, fields: list[str],
                      nbytes: dict, tags: dict, version: int | None,
@@ -138,6 +144,11 @@ class PlaneAdmission:
     """The producer's half: sends a small put to one unit (round robin, this node's
     units first) instead of asking the controller for room."""
 
+    #: concurrent small puts of this process are combined into one call (see
+    #: :mod:`.coalesce`); a data plane whose wire form of a put holds per-call state
+    #: turns it off
+    coalesce_puts = True
+
     if TYPE_CHECKING:  # (what the data plane it is mixed into provides)
         num_shards: int
         rpcs: list[RpcClient | None]
@@ -155,6 +166,7 @@ class PlaneAdmission:
         self._unreachable: set[int] = set()  # units put_rows could not connect to
         self._unit_nodes: dict[int, str] = {}  # unit -> its Ray node id (asked once)
         self._node: str | None = None  # this process's Ray node id
+        self._coalescer: PutCoalescer | None = None  # (made in the event loop's thread)
 
     async def put_rows(self, partition: str, cols: Mapping[str, Column], n: int,
                        nbytes: dict, tags: dict, version: int | None,
@@ -162,21 +174,44 @@ class PlaneAdmission:
         """A small put of ``n`` new rows, admitted and committed by one storage unit
         (see :meth:`UnitAdmission.put_rows`): one call instead of asking the
         controller for room first. The unit is one on this process's node when there is
-        one (round robin over them), else any (round robin). Returns ``(rows, shards,
-        commit result)``, or ``None`` when it does not apply (big tensors, no socket
-        channel, no room right now): the caller puts the usual way. Raises what the put
-        would raise."""
+        one (round robin over them), else any (round robin). Puts of this process made
+        while others are in flight are combined into one call (:mod:`.coalesce`).
+        Returns ``(rows, shards, commit result)``, or ``None`` when it does not apply
+        (big tensors, no socket channel, no room right now): the caller puts the usual
+        way. Raises what the put would raise."""
+        if (n < 1 or time.monotonic() < self._busy_until
+                or not any(self.rpcs[s] is not None and s not in self._unreachable
+                           for s in range(self.num_shards))):
+            return None
+        sizes = [sum(v) for v in nbytes.values()]  # each field's bytes
+        if sum(sizes) > FAST_MAX or max(sizes, default=0) >= SHM_MIN:
+            return None  # big tensors go through the arena
+        if not self.coalesce_puts:
+            return await self._put_rows_call(partition, cols, n, nbytes, tags, version,
+                                             dtypes, request_id(), True)
+        if self._coalescer is None:
+            self._coalescer = PutCoalescer(self._put_rows_call, self._retract_rows,
+                                           max_bytes=FAST_MAX)
+        return await self._coalescer.put(partition, cols, n, nbytes, tags, version, dtypes)
+
+    async def _retract_rows(self, shard: int, rid: str, rows: list[int]) -> None:
+        """Drop ``rows`` of the answered put ``rid`` to unit ``shard`` (``"cancelled"``)."""
+        await self._call(shard, "cancel_put", rid, rows)
+
+    async def _put_rows_call(self, partition: str, cols: Mapping[str, Column], n: int,
+                             nbytes: dict, tags: dict, version: int | None,
+                             dtypes: dict | None, rid: str, alone: bool
+                             ) -> tuple[list[int], list[int], Any] | None:
+        """:meth:`put_rows` as one call, request id ``rid`` (see
+        :class:`~.coalesce.PutCoalescer` for ``alone``)."""
         live = [s for s in range(self.num_shards)
                 if self.rpcs[s] is not None and s not in self._unreachable]
-        sizes = [sum(v) for v in nbytes.values()]  # each field's bytes
-        if (not live or n < 1 or time.monotonic() < self._busy_until or sum(sizes) > FAST_MAX
-                or max(sizes, default=0) >= SHM_MIN):  # big tensors go through the arena
+        if not live:
             return None
         wire = self._wire(cols)
         pool = await self._on_this_node(live) or live
         self._next_unit = (self._next_unit + 1) % len(pool)
         shard = pool[self._next_unit]
-        rid = request_id()
         rpc = self.rpcs[shard]
         assert rpc is not None  # (live units have a socket channel)
         try:
@@ -199,6 +234,8 @@ class PlaneAdmission:
         if ans.status is PutStatus.BUSY:  # no room now: wait the usual way (and for a while)
             self._busy_until = time.monotonic() + _BUSY_PAUSE
             return None
+        if ans.status is PutStatus.REFUSED and not alone:
+            return None  # nothing kept: each of the puts combined finds its own error
         if ans.status is not PutStatus.OK:
             assert ans.error is not None  # (REFUSED and FAILED carry their error)
             raise ans.error

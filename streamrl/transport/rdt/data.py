@@ -80,6 +80,10 @@ class RdtPlaneSpec(NamedTuple):
 class RdtDataPlane(RayDataPlane):
     """The Ray transport's data plane, with held tensor fields (see the module docstring)."""
 
+    # a small put's wire form registers the tensors it holds with the put's call (_made):
+    # each put is its own call
+    coalesce_puts = False
+
     def __init__(self, units: Sequence[Any], endpoints: Sequence[Endpoint | None] | None = None,
                  on_lost: Callable | None = None, *, spec: RdtPlaneSpec = RdtPlaneSpec()):
         super().__init__(units, endpoints, on_lost)

@@ -1,0 +1,265 @@
+"""Concurrent small puts of one process, combined into one call.
+
+An agentic env worker runs many episodes at once, and each of them puts its rows one at
+a time. Sent one by one, every such put is a call to a storage unit and a call from the
+unit to the controller: the cost of a small put is the number of messages, not the bytes
+(see docs/benchmarks.md, "Small puts on Ray"). :class:`PutCoalescer` sends a put at
+once while fewer than :attr:`~PutCoalescer.max_in_flight` small puts of this process are
+in flight; a put that comes while they are joins the puts of the same kind waiting
+behind them, and when a call returns, each kind's waiting puts go as one call (of at
+most :attr:`~PutCoalescer.max_bytes`; more go as more calls). Nothing
+waits for a timer (no linger): a process that puts one row at a time sends each at once,
+and the busier it is, the more rows a call carries (a group commit).
+
+Puts of one kind are new rows of the same partition and version, with the same fields
+holding the same kinds of values (tensors of one dtype and row shape, or lists) and the
+same dtypes and tag fields: their columns join into one put of all their rows.
+
+What each ``put`` promises is unchanged: it returns once its rows are admitted and
+committed (the combined call answered), with its own rows; it raises what the combined
+call raised. A combined call that does not apply (``None``: no room, big tensors...) or
+that was refused before anything was kept lets each put go the usual way, where each
+finds its own answer or error. A put cancelled while it waits behind the calls in flight
+leaves at once (nothing was sent for it); one cancelled while its combined call is in
+flight waits until the call is answered and its own rows are taken back (dropped as
+``"cancelled"``), and only then is the cancellation raised, so a retry never races the
+undo; the other puts of the call keep their rows.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections import OrderedDict
+from collections.abc import Awaitable, Callable, Coroutine, Hashable, Mapping, Sequence
+from typing import Any
+
+import torch
+
+from .calls import request_id, spawn, undone
+
+__all__ = ["PutCoalescer"]
+
+_STRIDED = torch.strided
+
+
+class _Put:
+    __slots__ = ("cols", "n", "nbytes", "tags", "fut")
+
+    def __init__(self, cols: Mapping[str, Any], n: int, nbytes: dict, tags: dict,
+                 fut: asyncio.Future):
+        self.cols = cols
+        self.n = n
+        self.nbytes = nbytes
+        self.tags = tags
+        self.fut = fut
+
+
+class _Group:
+    """Puts of one kind waiting to go as one call."""
+
+    __slots__ = ("partition", "version", "dtypes", "puts", "nbytes", "sent", "rid", "settled")
+
+    def __init__(self, partition: str, version: int | None, dtypes: dict | None):
+        self.partition = partition
+        self.version = version
+        self.dtypes = dtypes
+        self.puts: list[_Put] = []
+        self.nbytes = 0  # bytes of the puts
+        self.sent = False
+        self.rid = ""  # the combined call's request id (to take rows of it back)
+        # set once the call is answered and cancelled puts' rows are taken back
+        self.settled: asyncio.Future = asyncio.get_running_loop().create_future()
+
+
+def _kind(partition: str, cols: Mapping[str, Any], tags: Mapping[str, Any],
+          version: int | None, dtypes: Mapping[str, str] | None) -> Hashable | None:
+    """What puts must share to be sent as one (``None``: this one goes alone)."""
+    shape: list[tuple] = []
+    for f, c in cols.items():
+        if type(c) is torch.Tensor:
+            if c.layout is not _STRIDED or c.is_nested:
+                return None
+            shape.append((f, c.dtype, tuple(c.shape[1:])))
+        elif type(c) is list:
+            shape.append((f, list))
+        else:
+            return None
+    return (partition, version, tuple(shape), tuple(tags),
+            None if dtypes is None else tuple(dtypes.items()))
+
+
+def _join(pieces: list[Any]) -> Any:
+    if type(pieces[0]) is torch.Tensor:
+        return torch.cat(pieces)
+    out: list = []
+    for p in pieces:
+        out.extend(p)
+    return out
+
+
+class PutCoalescer:
+    """Combines a process's concurrent small puts of one kind into one call (see the
+    module docstring).
+
+    Args:
+        send: ``send(partition, cols, n, nbytes, tags, version, dtypes, rid, alone)``
+            puts rows in one call (request id ``rid``) and returns ``(rows, shards,
+            result)``, or ``None`` when the put does not apply and nothing was kept;
+            raises what the put raises, except that with ``alone`` false (puts combined)
+            a refusal that kept nothing answers ``None`` too, so that each put finds its
+            own error the usual way. Cancelled, it takes back what it put before it
+            re-raises.
+        retract: ``retract(shard, rid, rows)`` drops ``rows`` of the answered call
+            ``rid`` to unit ``shard`` as ``"cancelled"``.
+
+    Keyword Args:
+        max_bytes: bytes a combined call carries at most (a put that would take its
+            group past it starts a new one).
+        max_in_flight: small puts of this process in flight before the next ones wait
+            and are combined (a group commit: one call in flight, the puts made
+            meanwhile go together when it returns).
+    """
+
+    def __init__(self, send: Callable[..., Awaitable[Any]],
+                 retract: Callable[[int, str, list[int]], Coroutine[Any, Any, Any]], *,
+                 max_bytes: int = 1 << 20, max_in_flight: int = 1):
+        if max_in_flight < 1:
+            raise ValueError(f"max_in_flight must be at least 1, got {max_in_flight}")
+        self._send = send
+        self._retract = retract
+        self.max_in_flight = max_in_flight
+        self.max_bytes = max_bytes
+        self.in_flight = 0
+        self._groups: OrderedDict[Hashable, _Group] = OrderedDict()  # taking puts
+        self._full: list[_Group] = []  # groups that take no more puts, waiting to go
+        #: calls sent and rows they carried (for tests and benchmarks)
+        self.calls = 0
+        self.rows = 0
+
+    async def put(self, partition: str, cols: Mapping[str, Any], n: int, nbytes: dict,
+                  tags: dict, version: int | None, dtypes: dict | None = None) -> Any:
+        """Put ``n`` new rows: at once when fewer than :attr:`max_in_flight` puts are in
+        flight, else combined with the puts of its kind waiting behind them. Returns
+        what ``send`` returns for these rows alone."""
+        kind = None
+        if self.in_flight >= self.max_in_flight:
+            kind = _kind(partition, cols, tags, version, dtypes)
+        if kind is None:
+            self.in_flight += 1
+            self.calls += 1
+            self.rows += n
+            try:
+                return await self._send(partition, cols, n, nbytes, tags, version, dtypes,
+                                        request_id(), True)
+            finally:
+                self.in_flight -= 1
+                self._kick()
+        b = 0
+        for v in nbytes.values():
+            b += sum(v)
+        g = self._groups.get(kind)
+        if g is not None and g.puts and g.nbytes + b > self.max_bytes:
+            self._full.append(self._groups.pop(kind))  # (it goes as it is)
+            g = None
+        if g is None:
+            g = self._groups[kind] = _Group(partition, version, dtypes)
+        me = _Put(cols, n, nbytes, tags, asyncio.get_running_loop().create_future())
+        g.puts.append(me)
+        g.nbytes += b
+        try:
+            return await me.fut
+        except asyncio.CancelledError:
+            await self._cancelled(kind, g, me)
+            raise
+
+    async def _cancelled(self, kind: Hashable, g: _Group, me: _Put) -> None:
+        """``me`` was cancelled: nothing to do if its group was not sent (it leaves the
+        group); else its rows are taken back before the cancellation goes on."""
+        if not g.sent:
+            g.puts.remove(me)
+            g.nbytes -= sum(sum(v) for v in me.nbytes.values())
+            if not g.puts and self._groups.get(kind) is g:
+                del self._groups[kind]
+            return
+        fut = me.fut
+        if fut.done() and not fut.cancelled():  # answered just before the cancellation
+            if fut.exception() is None and fut.result() is not None:
+                rows, shards, _ = fut.result()
+                await undone(self._retract(shards[0], g.rid, rows), "put")
+            return
+        # the group's call takes this put's rows back once it is answered
+        await undone(_wait(g.settled), "put")
+
+    def _kick(self) -> None:
+        """A call returned: each kind's waiting puts go, as one call per kind."""
+        if self.in_flight >= self.max_in_flight:
+            return
+        groups, self._full = self._full, []
+        groups.extend(self._groups.values())
+        self._groups.clear()
+        for g in groups:
+            g.sent = True
+            self.in_flight += 1
+            spawn(self._run(g), "a combined small put")
+
+    async def _run(self, g: _Group) -> None:
+        try:
+            await self._run_group(g)
+        finally:
+            self.in_flight -= 1
+            if not g.settled.done():
+                g.settled.set_result(None)
+            self._kick()
+
+    async def _run_group(self, g: _Group) -> None:
+        puts = [p for p in g.puts if not p.fut.done()]
+        if not puts:
+            return
+        if len(puts) == 1:
+            p = puts[0]
+            cols, n, nbytes, tags = p.cols, p.n, p.nbytes, p.tags
+        else:
+            first = puts[0]
+            cols = {f: _join([p.cols[f] for p in puts]) for f in first.cols}
+            n = sum(p.n for p in puts)
+            nbytes = {f: _join([p.nbytes[f] for p in puts]) for f in first.nbytes}
+            tags = {f: _join([p.tags[f] for p in puts]) for f in first.tags}
+        g.rid = rid = request_id()
+        self.calls += 1
+        self.rows += n
+        try:
+            ans = await self._send(g.partition, cols, n, nbytes, tags, g.version, g.dtypes,
+                                   rid, False)
+        except asyncio.CancelledError:  # (the loop is closing) send took its rows back
+            _answer(puts, None)
+            raise
+        except BaseException as e:
+            for p in puts:
+                if not p.fut.done():
+                    p.fut.set_exception(e)
+            return
+        if ans is None:
+            _answer(puts, None)
+            return
+        rows, shards, res = ans
+        back: list[int] = []
+        at = 0
+        for p in puts:
+            mine = rows[at:at + p.n]
+            if p.fut.cancelled():
+                back.extend(mine)
+            elif not p.fut.done():
+                p.fut.set_result((mine, shards[at:at + p.n], res))
+            at += p.n
+        if back:
+            await undone(self._retract(shards[0], rid, back), "put")
+
+
+def _answer(puts: Sequence[_Put], value: Any) -> None:
+    for p in puts:
+        if not p.fut.done():
+            p.fut.set_result(value)
+
+
+async def _wait(fut: asyncio.Future) -> None:
+    await fut

@@ -1,0 +1,265 @@
+"""A process's concurrent small puts combined into one call (streamrl.transport.ray.coalesce),
+driven with a fake call so that every interleaving is chosen by the test: what goes at
+once, what waits and is combined, what each put gets back, and what a cancellation at
+each await leaves behind."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+
+pytest.importorskip("ray")  # (the module is part of the Ray transport)
+
+from streamrl.transport.ray.coalesce import PutCoalescer  # noqa: E402
+
+
+class FakeUnit:
+    """Stands for ``send`` and ``retract``: numbers rows in call order, keeps what each
+    call carried, and holds a call until the test lets it go (``hold``)."""
+
+    def __init__(self):
+        self.sent: list[dict] = []
+        self.retracted: list[tuple[str, list[int]]] = []
+        self.held: dict[str, asyncio.Event] = {}
+        self.hold = False
+        self.answer = "ok"  # or "none", or an exception to raise
+        self.next = 0
+        self.rows: dict[str, list[int]] = {}  # rid -> rows of the call
+
+    async def send(self, partition, cols, n, nbytes, tags, version, dtypes, rid, alone):
+        self.sent.append(dict(partition=partition, cols=cols, n=n, nbytes=nbytes, tags=tags,
+                              version=version, rid=rid, alone=alone))
+        if self.hold:
+            ev = self.held[rid] = asyncio.Event()
+            await ev.wait()
+        if isinstance(self.answer, BaseException):
+            raise self.answer
+        if self.answer == "none":
+            return None
+        rows = list(range(self.next, self.next + n))
+        self.next += n
+        self.rows[rid] = rows
+        return rows, [3] * n, {"call": rid}
+
+    async def retract(self, shard, rid, rows):
+        assert shard == 3 and set(rows) <= set(self.rows[rid])
+        await asyncio.sleep(0)
+        self.retracted.append((rid, list(rows)))
+
+    def release(self, i: int) -> None:
+        self.held[self.sent[i]["rid"]].set()
+
+
+def _row(v: int, part: str = "p"):
+    return (part, {"x": torch.tensor([[v, v]]), "chat": [f"c{v}"]}, 1,
+            {"x": [16], "chat": [2]}, {}, None, None)
+
+
+async def _settle():
+    for _ in range(5):
+        await asyncio.sleep(0)
+
+
+async def _busy(u: FakeUnit, c: PutCoalescer, k: int) -> list[asyncio.Task]:
+    """``k`` lone puts, held in flight."""
+    u.hold = True
+    first = [asyncio.ensure_future(c.put(*_row(100 + i))) for i in range(k)]
+    await _settle()
+    assert c.in_flight == k and len(u.sent) == k
+    return first
+
+
+async def test_a_lone_put_goes_at_once_alone():
+    u = FakeUnit()
+    c = PutCoalescer(u.send, u.retract)
+    rows, shards, res = await c.put(*_row(1))
+    assert rows == [0] and shards == [3] and len(u.sent) == 1 and u.sent[0]["alone"]
+    assert c.in_flight == 0 and (c.calls, c.rows) == (1, 1)
+
+
+async def test_puts_made_while_calls_are_in_flight_go_as_one_call_per_kind():
+    u = FakeUnit()
+    c = PutCoalescer(u.send, u.retract, max_in_flight=1)
+    first = await _busy(u, c, 1)
+    waiting = [asyncio.ensure_future(c.put(*_row(i))) for i in range(3)]
+    other = asyncio.ensure_future(c.put(*_row(9, part="q")))  # another partition
+    await _settle()
+    assert len(u.sent) == 1 and not any(t.done() for t in waiting)
+    u.hold = False
+    u.release(0)
+    await asyncio.gather(*first, *waiting, other)
+    assert len(u.sent) == 3  # the first, then one call per kind
+    both = u.sent[1]
+    assert both["n"] == 3 and not both["alone"] and both["partition"] == "p"
+    assert both["cols"]["x"].tolist() == [[0, 0], [1, 1], [2, 2]]
+    assert both["cols"]["chat"] == ["c0", "c1", "c2"]
+    assert both["nbytes"] == {"x": [16, 16, 16], "chat": [2, 2, 2]}
+    assert u.sent[2]["partition"] == "q" and u.sent[2]["n"] == 1
+    # each put has its own rows of the combined call, in order
+    assert [t.result()[0] for t in waiting] == [[1], [2], [3]]
+    assert [t.result()[1] for t in waiting] == [[3]] * 3
+    assert other.result()[0] == [4]
+    assert (c.calls, c.rows, c.in_flight) == (3, 5, 0)
+
+
+async def test_puts_of_other_kinds_are_not_combined():
+    """Another version, another row shape or dtype, other tag fields: other calls."""
+    u = FakeUnit()
+    c = PutCoalescer(u.send, u.retract, max_in_flight=1)
+    first = await _busy(u, c, 1)
+    base = _row(0)
+    variants = [
+        base,
+        base[:5] + (7,) + base[6:],  # version
+        (base[0], {"x": torch.tensor([[1, 1, 1]]), "chat": ["a"]}) + base[2:],  # row shape
+        (base[0], {"x": torch.tensor([[1.0, 1.0]]), "chat": ["a"]}) + base[2:],  # dtype
+        base[:4] + ({"chat": ["u"]},) + base[5:],  # a tag field
+    ]
+    tasks = [asyncio.ensure_future(c.put(*v)) for v in variants]
+    await _settle()
+    u.hold = False
+    u.release(0)
+    await asyncio.gather(*first, *tasks)
+    assert len(u.sent) == 1 + len(variants) and all(s["n"] == 1 for s in u.sent)
+
+
+async def test_tags_of_combined_puts_are_joined():
+    u = FakeUnit()
+    c = PutCoalescer(u.send, u.retract, max_in_flight=1)
+    first = await _busy(u, c, 1)
+    tasks = [asyncio.ensure_future(c.put(*(_row(i)[:4] + ({"chat": [f"u{i}"]},)
+                                           + _row(i)[5:]))) for i in range(2)]
+    await _settle()
+    u.hold = False
+    u.release(0)
+    await asyncio.gather(*first, *tasks)
+    assert u.sent[1]["tags"] == {"chat": ["u0", "u1"]}
+
+
+async def test_a_combined_call_carries_at_most_max_bytes():
+    """Puts that would take their group past max_bytes start another group (sent as
+    another call when the call in flight returns)."""
+    u = FakeUnit()
+    c = PutCoalescer(u.send, u.retract, max_in_flight=1, max_bytes=40)  # a put: 18 bytes
+    first = await _busy(u, c, 1)
+    waiting = [asyncio.ensure_future(c.put(*_row(i))) for i in range(5)]
+    await _settle()
+    u.hold = False
+    u.release(0)
+    await asyncio.gather(*first, *waiting)
+    assert [s["n"] for s in u.sent[1:]] == [2, 2, 1]
+    assert [s["cols"]["chat"] for s in u.sent[1:]] == [["c0", "c1"], ["c2", "c3"], ["c4"]]
+    assert [t.result()[0] for t in waiting] == [[1], [2], [3], [4], [5]]
+
+
+async def test_a_put_cancelled_while_it_waits_is_never_sent():
+    u = FakeUnit()
+    c = PutCoalescer(u.send, u.retract, max_in_flight=1)
+    first = await _busy(u, c, 1)
+    waiting = [asyncio.ensure_future(c.put(*_row(i))) for i in range(3)]
+    await _settle()
+    waiting[1].cancel()
+    await _settle()
+    assert waiting[1].cancelled()  # at once: nothing was sent for it
+    u.hold = False
+    u.release(0)
+    await asyncio.gather(*first, waiting[0], waiting[2])
+    assert u.sent[1]["cols"]["chat"] == ["c0", "c2"] and u.retracted == []
+
+
+async def test_a_lone_waiting_put_cancelled_leaves_no_call_behind():
+    u = FakeUnit()
+    c = PutCoalescer(u.send, u.retract, max_in_flight=1)
+    first = await _busy(u, c, 1)
+    t = asyncio.ensure_future(c.put(*_row(5)))
+    await _settle()
+    t.cancel()
+    await _settle()
+    u.release(0)
+    await asyncio.gather(*first)
+    await _settle()
+    assert t.cancelled() and len(u.sent) == 1 and c.in_flight == 0
+
+
+async def test_a_put_cancelled_while_its_combined_call_is_in_flight_takes_back_its_rows_first():
+    """The cancellation goes on only once the call is answered and this put's rows (and
+    only they) are taken back; the other puts of the call keep theirs."""
+    u = FakeUnit()
+    c = PutCoalescer(u.send, u.retract, max_in_flight=1)
+    first = await _busy(u, c, 1)
+    waiting = [asyncio.ensure_future(c.put(*_row(i))) for i in range(3)]
+    await _settle()
+    u.release(0)  # the combined call goes, and is held in flight
+    await _settle()
+    assert len(u.sent) == 2 and u.sent[1]["n"] == 3
+    waiting[1].cancel()
+    await _settle()
+    assert not waiting[1].done()  # waits for the answer and the undo
+    u.release(1)
+    await asyncio.gather(waiting[0], waiting[2])
+    with pytest.raises(asyncio.CancelledError):
+        await waiting[1]
+    rid = u.sent[1]["rid"]
+    assert u.retracted == [(rid, [2])]
+    assert waiting[0].result()[0] == [1] and waiting[2].result()[0] == [3]
+    await asyncio.gather(*first)
+
+
+async def test_a_put_cancelled_just_after_its_answer_takes_its_rows_back_itself():
+    """The call was answered and the put's result set, and it is cancelled before it
+    resumes: it takes back its own rows before the cancellation goes on."""
+    u = FakeUnit()
+    c = PutCoalescer(u.send, u.retract, max_in_flight=1)
+    first = await _busy(u, c, 1)
+    waiting = [asyncio.ensure_future(c.put(*_row(i))) for i in range(2)]
+    await _settle()
+    u.hold = False
+    send = u.send
+
+    async def answered_then_cancel(*args):
+        out = await send(*args)
+        asyncio.get_running_loop().call_soon(waiting[0].cancel)  # after the answers
+        return out
+
+    u.send = answered_then_cancel
+    c._send = answered_then_cancel
+    u.release(0)
+    await asyncio.gather(*first, waiting[1])
+    with pytest.raises(asyncio.CancelledError):
+        await waiting[0]
+    assert u.retracted == [(u.sent[1]["rid"], [1])]
+    assert waiting[1].result()[0] == [2]
+
+
+async def test_a_combined_call_that_does_not_apply_sends_each_put_the_usual_way():
+    u = FakeUnit()
+    c = PutCoalescer(u.send, u.retract, max_in_flight=1)
+    first = await _busy(u, c, 1)
+    waiting = [asyncio.ensure_future(c.put(*_row(i))) for i in range(2)]
+    await _settle()
+    u.hold = False
+    u.answer = "none"
+    u.release(0)
+    assert await asyncio.gather(*waiting) == [None, None]
+    assert first[0].result() is None
+
+
+async def test_a_combined_call_that_fails_raises_in_each_put():
+    u = FakeUnit()
+    c = PutCoalescer(u.send, u.retract, max_in_flight=1)
+    first = await _busy(u, c, 1)
+    waiting = [asyncio.ensure_future(c.put(*_row(i))) for i in range(2)]
+    await _settle()
+    u.hold = False
+    u.answer = RuntimeError("the controller is gone")
+    u.release(0)
+    res = await asyncio.gather(*first, *waiting, return_exceptions=True)
+    assert all(isinstance(r, RuntimeError) for r in res)
+    assert c.in_flight == 0 and not c._groups
+
+
+def test_max_in_flight_must_be_positive():
+    with pytest.raises(ValueError, match="at least 1"):
+        PutCoalescer(lambda *a: None, lambda *a: None, max_in_flight=0)
