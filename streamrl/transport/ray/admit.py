@@ -29,11 +29,11 @@ from ...messages import PutAnswer, PutStatus
 from ..base import Column
 from ..rpc import ConnectFailed
 from .calls import request_id, spawn, undone
-from .coalesce import PutCoalescer
 from .wire import SHM_MIN, bytes_by_path
 
 if TYPE_CHECKING:
     from ..rpc import RpcClient
+    from .coalesce import PutCoalescer
     from .control import RayControl
 
 __all__ = ["UnitAdmission", "PlaneAdmission", "ID_BLOCK", "FAST_MAX"]
@@ -190,6 +190,8 @@ class PlaneAdmission:
             return await self._put_rows_call(partition, cols, n, nbytes, tags, version,
                                              dtypes, request_id(), True)
         if self._coalescer is None:
+            from .coalesce import PutCoalescer  # (imports torch: producers only, not units)
+
             self._coalescer = PutCoalescer(self._put_rows_call, self._retract_rows,
                                            max_bytes=FAST_MAX)
         return await self._coalescer.put(partition, cols, n, nbytes, tags, version, dtypes)
