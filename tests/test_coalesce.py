@@ -71,6 +71,18 @@ async def _busy(u: FakeUnit, c: PutCoalescer, k: int) -> list[asyncio.Task]:
     return first
 
 
+async def _behind(k: int, **kw) -> tuple[FakeUnit, PutCoalescer, list[asyncio.Task],
+                                          list[asyncio.Task]]:
+    """A coalescer (one call in flight) with one lone put held in flight and ``k``
+    one-row puts waiting behind it."""
+    u = FakeUnit()
+    c = PutCoalescer(u.send, u.retract, max_in_flight=1, **kw)
+    first = await _busy(u, c, 1)
+    waiting = [asyncio.ensure_future(c.put(*_row(i))) for i in range(k)]
+    await _settle()
+    return u, c, first, waiting
+
+
 async def test_a_lone_put_goes_at_once_alone():
     u = FakeUnit()
     c = PutCoalescer(u.send, u.retract)
@@ -210,11 +222,7 @@ async def test_a_put_cancelled_while_its_combined_call_is_in_flight_takes_back_i
 async def test_a_put_cancelled_just_after_its_answer_takes_its_rows_back_itself():
     """The call was answered and the put's result set, and it is cancelled before it
     resumes: it takes back its own rows before the cancellation goes on."""
-    u = FakeUnit()
-    c = PutCoalescer(u.send, u.retract, max_in_flight=1)
-    first = await _busy(u, c, 1)
-    waiting = [asyncio.ensure_future(c.put(*_row(i))) for i in range(2)]
-    await _settle()
+    u, c, first, waiting = await _behind(2)
     u.hold = False
     send = u.send
 
@@ -234,11 +242,7 @@ async def test_a_put_cancelled_just_after_its_answer_takes_its_rows_back_itself(
 
 
 async def test_a_combined_call_that_does_not_apply_sends_each_put_the_usual_way():
-    u = FakeUnit()
-    c = PutCoalescer(u.send, u.retract, max_in_flight=1)
-    first = await _busy(u, c, 1)
-    waiting = [asyncio.ensure_future(c.put(*_row(i))) for i in range(2)]
-    await _settle()
+    u, c, first, waiting = await _behind(2)
     u.hold = False
     u.answer = "none"
     u.release(0)
@@ -247,11 +251,7 @@ async def test_a_combined_call_that_does_not_apply_sends_each_put_the_usual_way(
 
 
 async def test_a_combined_call_that_fails_raises_in_each_put():
-    u = FakeUnit()
-    c = PutCoalescer(u.send, u.retract, max_in_flight=1)
-    first = await _busy(u, c, 1)
-    waiting = [asyncio.ensure_future(c.put(*_row(i))) for i in range(2)]
-    await _settle()
+    u, c, first, waiting = await _behind(2)
     u.hold = False
     u.answer = RuntimeError("the controller is gone")
     u.release(0)

@@ -536,14 +536,11 @@ async def test_data_arriving_after_its_write_was_aborted_is_dropped(rq):
     assert (await _arena(q))["used"] == 0
 
 
-async def test_a_small_put_is_one_call_to_a_storage_unit(rq, monkeypatch):
-    """A small put of new rows goes to one storage unit, which admits and commits it
-    (producer -> unit -> controller): no call from the producer to the controller. A big
-    put (tensors through the arena) asks the controller for room first."""
+def _count_calls(monkeypatch) -> list[str]:
+    """The names of the socket calls this process makes from now on (until
+    ``monkeypatch.undo()``)."""
     from streamrl.transport.rpc import RpcClient
 
-    q = rq(num_shards=2)
-    await q.put({"x": torch.zeros(1)}, partition="warm")  # connections and id leases
     calls: list[str] = []
     call = RpcClient.call
 
@@ -553,6 +550,16 @@ async def test_a_small_put_is_one_call_to_a_storage_unit(rq, monkeypatch):
         return await call(self, method, *args, **kwargs)
 
     monkeypatch.setattr(RpcClient, "call", counted)
+    return calls
+
+
+async def test_a_small_put_is_one_call_to_a_storage_unit(rq, monkeypatch):
+    """A small put of new rows goes to one storage unit, which admits and commits it
+    (producer -> unit -> controller): no call from the producer to the controller. A big
+    put (tensors through the arena) asks the controller for room first."""
+    q = rq(num_shards=2)
+    await q.put({"x": torch.zeros(1)}, partition="warm")  # connections and id leases
+    calls = _count_calls(monkeypatch)
     put = await q.put({"x": torch.arange(3.0), "chat": [{"t": i} for i in range(3)]},
                       partition="p")
     assert calls == ["put_rows"]
@@ -570,18 +577,9 @@ async def test_concurrent_small_puts_of_a_process_are_combined_into_fewer_calls(
     """One process putting many one-row samples at once (the episodes of an env worker):
     the puts made while others are in flight go to a unit as one call, and every row
     is delivered once, with the values its own put gave it."""
-    from streamrl.transport.rpc import RpcClient
-
     q = rq(num_shards=2)
     await q.put({"x": torch.zeros(1)}, partition="warm")  # connections and id leases
-    calls: list[str] = []
-    call = RpcClient.call
-
-    async def counted(self, method, *args, **kwargs):
-        calls.append(args[1] if method == "cancellable" else method)
-        return await call(self, method, *args, **kwargs)
-
-    monkeypatch.setattr(RpcClient, "call", counted)
+    calls = _count_calls(monkeypatch)
     puts = await asyncio.gather(*[q.put({"x": torch.tensor([float(i)]), "chat": [f"c{i}"]},
                                         partition="p") for i in range(64)])
     monkeypatch.undo()
