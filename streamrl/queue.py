@@ -30,8 +30,8 @@ from .timing import RoleTiming, Timer
 from .timing import counted as _timed
 from .timing import _current as _timing_now
 from .transport.base import DataPlane, Transport
-from .errors import (EndOfStream, InvalidArgument, LeaseExpired, SchemaError, StreamTimeout,
-                     TransportError)
+from .errors import (EndOfStream, InvalidArgument, LeaseExpired, QueueClosed, SchemaError,
+                     StreamRLError, StreamTimeout, TransportError)
 from .stats import Stats
 
 if TYPE_CHECKING:
@@ -193,6 +193,7 @@ class StreamQueue:
         control = transport.control
         self._stage = control if isinstance(control, CombiningService) else None
         self._periodic = None
+        self._new_rows = _NewRows(self)
         self._session: Session = Session(self, transport)
         if transport.metrics_url is not None and transport.handle is not None:
             # the controller serves the queue-wide series elsewhere: this process's reads
@@ -496,39 +497,70 @@ class StreamQueue:
             tags = self._tags(part, cols)
             done = None
             if self._data.caps.unit_admitted_puts:  # one call, no waiting (Ray)
-                done = await self._data.put_rows(part, cols, n, nbytes, tags, version, dtypes)
-            if done is not None:
-                self._learn_tags(part, done[2].tag_fields)
-                return RowRemoteBatch._put(self, done[0], done[1], cols, part)
-            total = 0
-            for v in nbytes.values():
-                total += sum(v)
-            tok = await ctl.allocate(part, n, names, nbytes=total, version=version,
-                                     timeout=timeout, nowait=nowait, dtypes=dtypes)
+                # a put that waits for room as long as it takes may be put the usual way
+                # together with others (see NewRows)
+                usual = self._new_rows if timeout is None and not nowait else None
+                done = await self._data.put_rows(part, cols, n, nbytes, tags, version, dtypes,
+                                                 usual=usual)
+            if done is None:
+                done = await self._put_new(part, cols, n, nbytes, tags, version, dtypes,
+                                           timeout, nowait)
+            self._learn_tags(part, done[2].tag_fields)
+            return RowRemoteBatch._put(self, done[0], done[1], cols, part)
+        if version is not None:
+            raise InvalidArgument(
+                "version is stamped on new rows only (when they are put); writing fields "
+                "to existing rows keeps their version. Put the rows with the version of "
+                "the policy that produced them")
+        if isinstance(rows, ColumnRemoteBatch):
+            rows = rows.batch
+        if isinstance(rows, RowRemoteBatch):
+            self._own(rows, "write to")
+            target = rows
+            ids = rows.rows
+            part = rows.partition
         else:
-            if version is not None:
-                raise InvalidArgument(
-                    "version is stamped on new rows only (when they are put); writing fields "
-                    "to existing rows keeps their version. Put the rows with the version of "
-                    "the policy that produced them")
-            if isinstance(rows, ColumnRemoteBatch):
-                rows = rows.batch
-            if isinstance(rows, RowRemoteBatch):
-                self._own(rows, "write to")
-                target = rows
-                ids = rows.rows
-                part = rows.partition
-            else:
-                ids = _row_ids(rows)
-                part = None
-            if len(ids) != n:
-                raise SchemaError(
-                    f"writing {n} rows of {list(names)} to {len(ids)} rows; give one value per "
-                    "target row")
-            if len(set(ids)) != len(ids):
-                raise SchemaError("the target rows repeat; write each row once")
-            tags = self._tags(part, cols)
-            tok = await ctl.begin_write(ids, names, overwrite=overwrite, dtypes=dtypes)
+            ids = _row_ids(rows)
+            part = None
+        if len(ids) != n:
+            raise SchemaError(
+                f"writing {n} rows of {list(names)} to {len(ids)} rows; give one value per "
+                "target row")
+        if len(set(ids)) != len(ids):
+            raise SchemaError("the target rows repeat; write each row once")
+        tags = self._tags(part, cols)
+        tok = await ctl.begin_write(ids, names, overwrite=overwrite, dtypes=dtypes)
+        res = await self._store_commit(tok, cols, names, nbytes, tags, new=False)
+        self._learn_tags(part, res.tag_fields)
+        if target is not None:
+            target._learn(cols)
+            return target
+        return RowRemoteBatch._put(self, tok.rows, tok.shards, cols, part)
+
+    async def _put_new(self, part: str, cols: Mapping[str, Column], n: int, nbytes: dict,
+                       tags: dict, version: int | None, dtypes: dict, timeout: float | None,
+                       nowait: bool) -> tuple[list[int], list[int], Any]:
+        """Put ``n`` new rows the usual way: room asked of the controller (waiting for
+        it, see :meth:`put`), the columns stored, then committed. Returns ``(rows,
+        shards, commit result)``."""
+        tok = await self._allocate(part, cols, n, nbytes, version, dtypes, timeout, nowait)
+        res = await self._store_commit(tok, cols, tuple(cols), nbytes, tags, new=True)
+        return tok.rows, tok.shards, res
+
+    def _allocate(self, part: str, cols: Mapping[str, Column], n: int, nbytes: dict,
+                  version: int | None, dtypes: dict, timeout: float | None, nowait: bool):
+        """Room for ``n`` new rows of ``cols`` (a write token), as :meth:`put` waits for it."""
+        total = 0
+        for v in nbytes.values():
+            total += sum(v)
+        return self._control.allocate(part, n, tuple(cols), nbytes=total, version=version,
+                                      timeout=timeout, nowait=nowait, dtypes=dtypes)
+
+    async def _store_commit(self, tok: Any, cols: Mapping[str, Column], names: tuple,
+                            nbytes: dict, tags: dict, *, new: bool) -> Any:
+        """Store the columns of write ``tok`` (new rows, or fields of existing ones) and
+        commit it; on failure or cancellation nothing of it stays admitted."""
+        ctl = self._control
         try:
             units = self._units
             if units is not None and len(tok.rows) == 1:
@@ -551,14 +583,10 @@ class StreamQueue:
             parts: dict[int, list[int]] = {}
             for r, s in zip(tok.rows, tok.shards):
                 parts.setdefault(s, []).append(r)
-            await shielded(self._data.delete(parts) if rows is None
+            await shielded(self._data.delete(parts) if new
                            else self._data.delete_fields(parts, names, write=tok.id))
             raise
-        self._learn_tags(part, res.tag_fields)
-        if target is not None:
-            target._learn(cols)
-            return target
-        return RowRemoteBatch._put(self, tok.rows, tok.shards, cols, part)
+        return res
 
     # ------------------------------------------------------------------ get / stream
 
@@ -930,6 +958,45 @@ class StreamQueue:
         if self._metrics is not None:
             self._metrics.close()
         await self._transport.shutdown()
+
+
+class _NewRows:
+    """A queue's usual way to put new rows, lent to its data plane with each put that
+    waits for room as long as it takes (see :class:`streamrl.transport.base.NewRows`)."""
+
+    __slots__ = ("_q",)
+
+    def __init__(self, q: StreamQueue):
+        self._q = weakref.ref(q)  # (the queue holds this: no cycle)
+
+    async def room(self, partition: str, cols: Mapping[str, Column], n: int, nbytes: dict,
+                   version: int | None, dtypes: dict) -> Any:
+        q = self._q()
+        if q is None:
+            return None
+        try:
+            return await q._allocate(partition, cols, n, nbytes, version, dtypes, None, False)
+        except StreamRLError:  # nothing kept (closed, can never fit...): each put alone
+            # finds its own answer
+            return None
+
+    async def store(self, token: Any, cols: Mapping[str, Column], nbytes: dict, tags: dict
+                    ) -> tuple[list[int], list[int], Any]:
+        q = self._q()
+        if q is None:
+            raise QueueClosed("the queue was collected while a put was in progress")
+        res = await q._store_commit(token, cols, tuple(cols), nbytes, tags, new=True)
+        return token.rows, token.shards, res
+
+    async def abort(self, token: Any) -> None:
+        q = self._q()
+        if q is not None:
+            await shielded(q._control.abort(token))
+
+    async def retract(self, rows: Sequence[int]) -> None:
+        q = self._q()
+        if q is not None:
+            await q._control.retract_rows(rows)
 
 
 class Stream:

@@ -250,7 +250,8 @@ class Stats:
         leaked: rows held in sealed partitions that no task will take any more (should be
             0 at the end of a run).
         leases: open leases.
-        waiting_puts: producers waiting for room or for version pacing.
+        waiting_puts: put requests waiting for room or for version pacing (on Ray, small
+            puts of one process that wait together are one request).
         writes_expired: admitted writes aborted because they were not committed within
             ``lease_timeout`` (their writer presumed dead).
         wait_p50: median seconds consumers waited for a batch (recent 10k takes).

@@ -12,7 +12,7 @@ import torch
 
 pytest.importorskip("ray")  # (the module is part of the Ray transport)
 
-from streamrl.transport.ray.coalesce import PutCoalescer  # noqa: E402
+from streamrl.transport.ray.coalesce import ROOMS, SPLIT, PutCoalescer  # noqa: E402
 
 
 class FakeUnit:
@@ -263,3 +263,216 @@ async def test_a_combined_call_that_fails_raises_in_each_put():
 def test_max_in_flight_must_be_positive():
     with pytest.raises(ValueError, match="at least 1"):
         PutCoalescer(lambda *a: None, lambda *a: None, max_in_flight=0)
+
+
+# -- puts that may wait for room: the usual way, together, when the units have no room
+
+
+class FakeNewRows:
+    """Stands for the queue's usual way (``NewRows``): numbers rows from 1000 in the
+    order room is given; holds a request for room, or a store, while ``hold_room`` /
+    ``hold_store`` is set, until the test lets it go."""
+
+    def __init__(self):
+        self.rooms: list[dict] = []  # each request for room, in order
+        self.stored: list[dict] = []
+        self.retracted: list[list[int]] = []
+        self.aborted: list[dict] = []
+        self.hold_room = False
+        self.hold_store = False
+        self.refuse = False
+        self.gates: list[asyncio.Event] = []
+        self.next = 1000
+
+    async def _gate(self) -> None:
+        ev = asyncio.Event()
+        self.gates.append(ev)
+        await ev.wait()
+
+    def go(self) -> None:
+        """Let every held request go."""
+        for ev in self.gates:
+            ev.set()
+
+    async def room(self, partition, cols, n, nbytes, version, dtypes):
+        req = dict(partition=partition, chat=list(cols["chat"]), n=n, given=False)
+        self.rooms.append(req)
+        if self.hold_room:
+            await self._gate()
+        if self.refuse:
+            return None
+        req["given"] = True
+        tok = {"rows": list(range(self.next, self.next + n))}
+        self.next += n
+        return tok
+
+    async def store(self, tok, cols, nbytes, tags):
+        self.stored.append(dict(rows=tok["rows"], chat=list(cols["chat"]),
+                                x=cols["x"].tolist(), nbytes=nbytes))
+        if self.hold_store:
+            await self._gate()
+        n = len(tok["rows"])
+        return tok["rows"], [5] * n, {"usual": True}
+
+    async def abort(self, tok):
+        self.aborted.append(tok)
+
+    async def retract(self, rows):
+        await asyncio.sleep(0)
+        self.retracted.append(list(rows))
+
+
+_DTYPES = {"x": "int64", "chat": "list"}
+
+
+def _urow(v: int, usual: FakeNewRows):
+    """A one-row put that may wait for room (it comes with ``usual``)."""
+    return _row(v)[:6] + (_DTYPES, usual)
+
+
+async def _full(k: int) -> tuple[FakeUnit, FakeNewRows, PutCoalescer, list[asyncio.Task],
+                                  list[asyncio.Task]]:
+    """The units are full (``send`` answers ``None``): ROOMS lone puts waiting for room
+    at the controller (held), and ``k`` puts of their kind that may wait for room made
+    behind them."""
+    u = FakeUnit()
+    u.answer = "none"
+    nr = FakeNewRows()
+    nr.hold_room = True
+    c = PutCoalescer(u.send, u.retract, max_in_flight=1)
+    lone = []
+    for i in range(ROOMS):
+        lone.append(asyncio.ensure_future(c.put(*_urow(100 + i, nr))))
+        await _settle()
+    # waiting for room, they hold no slot in flight; their kind has ROOMS requests out
+    assert len(nr.rooms) == ROOMS and c.in_flight == 0 and list(c._rooms.values()) == [ROOMS]
+    waiting = [asyncio.ensure_future(c.put(*_urow(i, nr))) for i in range(k)]
+    await _settle()
+    assert len(u.sent) == ROOMS and len(nr.rooms) == ROOMS  # the others wait behind them
+    return u, nr, c, lone, waiting
+
+
+async def test_with_no_room_puts_that_may_wait_go_the_usual_way_together():
+    """One request for room for all the puts made meanwhile, one store of their rows;
+    each put gets its own rows, in order."""
+    u, nr, c, lone, waiting = await _full(3)
+    nr.hold_room = False
+    nr.go()
+    await asyncio.gather(*lone, *waiting)
+    assert [t.result()[0] for t in lone] == [[1000], [1001]]
+    # the combined call was tried first (the units may have room again), then the usual way
+    assert [s["n"] for s in u.sent] == [1, 1, 3] and not u.sent[2]["alone"]
+    assert [r["n"] for r in nr.rooms] == [1, 1, 3]
+    assert [s["rows"] for s in nr.stored] == [[1000], [1001], [1002, 1003, 1004]]
+    assert nr.stored[2]["chat"] == ["c0", "c1", "c2"]
+    assert nr.stored[2]["x"] == [[0, 0], [1, 1], [2, 2]]
+    assert nr.stored[2]["nbytes"] == {"x": [16, 16, 16], "chat": [2, 2, 2]}
+    assert [t.result()[0] for t in waiting] == [[1002], [1003], [1004]]
+    assert [t.result()[1] for t in waiting] == [[5]] * 3
+    assert (c.usual_calls, c.usual_rows, c.in_flight, c._rooms) == (3, 5, 0, {})
+
+
+async def test_puts_of_other_kinds_go_on_while_a_kind_waits_for_room():
+    """Requests for room hold no slot in flight: a put of another kind (another
+    partition, another version: rows the controller may admit sooner) is sent at once,
+    not held behind them."""
+    u, nr, c, lone, waiting = await _full(1)
+    other = asyncio.ensure_future(c.put(*_urow(7, nr)[:0], *(("q",) + _urow(7, nr)[1:])))
+    await _settle()
+    assert len(u.sent) == ROOMS + 1 and u.sent[-1]["partition"] == "q"
+    assert nr.rooms[-1]["partition"] == "q"  # it waits for room at the controller too
+    nr.hold_room = False
+    nr.go()
+    await asyncio.gather(*lone, *waiting, other)
+    assert other.result()[0] and c.in_flight == 0 and c._rooms == {}
+
+
+async def test_puts_that_may_not_wait_are_not_put_the_usual_way():
+    """A put without ``usual`` (it has a timeout, or must not wait) is answered ``None``
+    (the queue puts it alone, with its own timeout), and is not combined with puts that
+    come with ``usual``."""
+    u, nr, c, lone, waiting = await _full(1)
+    plain = asyncio.ensure_future(c.put(*(_row(7)[:6] + (_DTYPES,))))
+    await _settle()
+    assert plain.done() and plain.result() is None  # (another kind: not held behind)
+    nr.hold_room = False
+    nr.go()
+    await asyncio.gather(*lone, *waiting)
+    assert sorted(s["n"] for s in u.sent) == [1] * (ROOMS + 2)  # none combined
+    assert [r["n"] for r in nr.rooms] == [1] * (ROOMS + 1)
+
+
+async def test_a_put_cancelled_while_its_group_waits_for_room_leaves_at_once():
+    """Its group's request for room is taken back and made again without it; nothing
+    is kept or taken back for it."""
+    u, nr, c, lone, waiting = await _full(4)
+    nr.go()  # the lone puts get room; then the others' combined call finds none: they wait
+    await _settle()
+    assert [r["n"] for r in nr.rooms] == [1, 1, 4] and not nr.rooms[2]["given"]
+    waiting[1].cancel()
+    await _settle()
+    assert waiting[1].cancelled()  # at once, though room never came
+    assert [r["n"] for r in nr.rooms] == [1, 1, 4, 3]
+    assert nr.rooms[3]["chat"] == ["c0", "c2", "c3"]
+    nr.hold_room = False
+    nr.go()
+    rest = [waiting[0], waiting[2], waiting[3]]
+    await asyncio.gather(*lone, *rest)
+    assert [t.result()[0] for t in rest] == [[1002], [1003], [1004]]
+    assert nr.stored[2]["chat"] == ["c0", "c2", "c3"]
+    assert nr.retracted == [] and nr.aborted == [] and c.in_flight == 0 and c._rooms == {}
+
+
+async def test_a_put_cancelled_while_its_group_is_stored_takes_back_its_rows_first():
+    """Once room was given, the cancelled put waits for the store and the undo of its own
+    rows (only they); the others keep theirs."""
+    u, nr, c, lone, waiting = await _full(3)
+    nr.hold_room = False
+    nr.hold_store = True
+    nr.go()
+    for _ in range(10):  # (the lone puts' stores go; the group's is held)
+        await _settle()
+        if len(nr.stored) == 3:
+            break
+        nr.go()
+    assert len(nr.stored) == 3 and nr.stored[2]["rows"] == [1002, 1003, 1004]
+    waiting[1].cancel()
+    await _settle()
+    assert not waiting[1].done()  # waits for the store and the undo
+    nr.hold_store = False
+    nr.go()
+    await asyncio.gather(*lone, waiting[0], waiting[2])
+    with pytest.raises(asyncio.CancelledError):
+        await waiting[1]
+    assert nr.retracted == [[1003]] and u.retracted == []
+    assert [t.result()[0] for t in (waiting[0], waiting[2])] == [[1002], [1004]]
+
+
+async def test_a_group_refused_room_sends_each_put_alone():
+    """Room refused and nothing kept (the queue closed, the group can never fit...):
+    each put is answered ``None`` and the queue puts it alone, finding its own error."""
+    u, nr, c, lone, waiting = await _full(2)
+    nr.refuse = True
+    nr.hold_room = False
+    nr.go()
+    assert await asyncio.gather(*lone, *waiting) == [None] * (ROOMS + 2)
+    assert nr.stored == [] and c.in_flight == 0 and c._rooms == {}
+
+
+async def test_a_combined_call_refused_sends_each_put_alone_even_if_it_may_wait():
+    """SPLIT (the unit refused the combined put, nothing kept): each put alone, not the
+    usual way together (one bad put must not fail the others)."""
+    u, nr, c, lone, waiting = await _full(2)
+    send = u.send
+
+    async def split(*args):
+        out = await send(*args)
+        return SPLIT if not args[-1] else out
+
+    c._send = split
+    u.answer = "ok"
+    nr.hold_room = False
+    nr.go()
+    assert await asyncio.gather(*waiting) == [None, None]
+    assert [r["n"] for r in nr.rooms] == [1, 1]
+    assert [t.result()[0] for t in lone] == [[1000], [1001]]

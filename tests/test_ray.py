@@ -667,6 +667,77 @@ async def test_a_small_put_into_a_full_queue_waits_its_turn(rq):
     assert st.rows == 2 and sum(st.unit_rows) == 2
 
 
+async def test_concurrent_small_puts_into_a_full_queue_wait_for_room_together(rq, monkeypatch):
+    """No room in the units: the puts a process makes meanwhile ask the controller for
+    room together (one request for them all) instead of one request each, and every row
+    is delivered once, with the values its own put gave it."""
+    q = rq(num_shards=2, capacity=16)
+    for i in range(16):
+        await q.put({"x": torch.tensor([float(i)])}, partition="p")
+    calls = _count_calls(monkeypatch)
+    puts = asyncio.ensure_future(asyncio.gather(*[
+        q.put({"x": torch.tensor([float(100 + i)])}, partition="p") for i in range(12)]))
+    seen: dict[int, float] = {}
+    while len(seen) < 28:
+        mb = await q.get("t", ["x"], 4, partition="p", timeout=10)
+        for r, x in zip(mb.rows, (await mb.materialize())["x"].tolist()):
+            assert r not in seen
+            seen[r] = x
+        await mb.drop()
+    rows = await puts
+    monkeypatch.undo()
+    assert sorted(seen.values()) == [float(i) for i in range(16)] + [
+        float(100 + i) for i in range(12)]
+    for i, p in enumerate(rows):
+        assert seen[p.rows[0]] == 100 + i
+    assert calls.count("allocate") <= 4  # one for the first, one for those behind it (+2)
+    st = await q.stats()
+    assert st.rows == 0 and sum(st.unit_rows) == 0 and st.put == 28
+
+
+async def test_a_small_put_cancelled_while_its_group_waits_for_room_leaves_at_once(rq):
+    """A put combined with others that wait for room together, cancelled: it leaves at
+    once (the group asks again without it) and nothing of it is kept; the others are
+    put once room comes."""
+    from streamrl.transport.ray.coalesce import ROOMS
+
+    q = rq(num_shards=1, capacity=4)
+    for i in range(4):
+        await q.put({"x": torch.tensor([float(i)])}, partition="p")
+    c = q._transport.data._coalescer
+    c0 = c.calls
+    first = [asyncio.ensure_future(q.put({"x": torch.tensor([float(10 + i)])}, partition="p"))
+             for i in range(ROOMS)]  # each waits for room at the controller, alone
+    await _until(lambda: _true(sum(c._rooms.values()) == ROOMS), "the first puts to wait")
+    rest = [asyncio.ensure_future(q.put({"x": torch.tensor([float(20 + i)])}, partition="p"))
+            for i in range(3)]
+    await asyncio.sleep(0.2)
+    assert c.calls == c0 + ROOMS  # (the three wait behind them, in this process)
+    seen = []
+    mb = await q.get("t", ["x"], 1, partition="p", timeout=10)  # room for one
+    seen += (await mb.materialize())["x"].tolist()
+    await mb.drop()
+    await first[0]
+    await _until(lambda: _true(c.calls == c0 + ROOMS + 1), "the three to go together")
+    await asyncio.sleep(0.3)  # (they find no room and wait for it)
+    assert not any(t.done() for t in rest) and sum(c._rooms.values()) == ROOMS
+    rest[1].cancel()
+    with anyio.fail_after(5):
+        with pytest.raises(asyncio.CancelledError):
+            await rest[1]
+    want = [0.0, 1.0, 2.0, 3.0] + [float(10 + i) for i in range(ROOMS)] + [20.0, 22.0]
+    while len(seen) < len(want):
+        mb = await q.get("t", ["x"], 1, partition="p", timeout=10)
+        seen += (await mb.materialize())["x"].tolist()
+        await mb.drop()
+    await asyncio.gather(*first, rest[0], rest[2])
+    assert sorted(seen) == want
+    assert c.usual_rows == ROOMS + 2  # (the first ones, then the two left, together)
+    st = await q.stats()
+    assert st.put == len(want) and st.rows == 0 and sum(st.unit_rows) == 0
+    assert "cancelled" not in st.dropped_by
+
+
 class _SlowController:
     """Wraps a unit's control-plane client: put_rows waits 2 s before it is sent."""
 

@@ -16,7 +16,7 @@ import abc
 import contextvars
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
     import asyncio
@@ -25,7 +25,7 @@ if TYPE_CHECKING:
 
 from .._types import Column
 
-__all__ = ["DataCaps", "DataPlane", "Transport", "note_moved"]
+__all__ = ["DataCaps", "DataPlane", "NewRows", "Transport", "note_moved"]
 
 #: the bytes per path of the read in progress in this task (see :func:`note_moved`)
 _moving: contextvars.ContextVar[dict[str, int] | None] = contextvars.ContextVar(
@@ -40,6 +40,32 @@ def note_moved(by_path: Mapping[str, int]) -> None:
     if acc is not None:
         for path, n in by_path.items():
             acc[path] = acc.get(path, 0) + n
+
+
+class NewRows(Protocol):
+    """The queue's usual way to put new rows (ask the controller for room, waiting as long
+    as it takes; store; commit), lent to :meth:`DataPlane.put_rows` with a put that may
+    wait for room that long, so that a data plane that combines puts can put a combined
+    group that way when its units have no room (see
+    :mod:`streamrl.transport.ray.coalesce`)."""
+
+    async def room(self, partition: str, cols: Mapping[str, Column], n: int, nbytes: dict,
+                   version: int | None, dtypes: dict) -> Any:
+        """Room for ``n`` new rows of ``cols`` (a write token), waiting as long as it
+        takes; ``None`` when the controller refused them and kept nothing (the queue is
+        closed, they can never fit...): each put then goes alone. Cancelled, it keeps
+        nothing."""
+
+    async def store(self, token: Any, cols: Mapping[str, Column], nbytes: dict, tags: dict
+                    ) -> tuple[list[int], list[int], Any]:
+        """Store the rows of ``token`` and commit them: ``(rows, shards, commit
+        result)``. Failed or cancelled, nothing of it stays."""
+
+    async def abort(self, token: Any) -> None:
+        """Give back room that was not used."""
+
+    async def retract(self, rows: Sequence[int]) -> None:
+        """Drop ``rows`` put this way (``"cancelled"``): a put cancelled meanwhile."""
 
 
 @dataclass(frozen=True)
@@ -75,10 +101,13 @@ class DataPlane(abc.ABC):
 
     async def put_rows(self, partition: str, cols: Mapping[str, Column], n: int,
                        nbytes: dict, tags: dict, version: int | None,
-                       dtypes: dict | None = None) -> tuple[list[int], list[int], Any] | None:
+                       dtypes: dict | None = None, *, usual: NewRows | None = None
+                       ) -> tuple[list[int], list[int], Any] | None:
         """A small put of ``n`` new rows admitted by one storage unit (only when
         ``caps.unit_admitted_puts``): ``(rows, shards, commit result)``, or ``None`` when
-        it does not apply now (the caller puts the usual way)."""
+        it does not apply now (the caller puts the usual way). ``usual``: given when the
+        put may wait for room as long as it takes; the data plane may then put these
+        rows that way itself, with others (see :class:`NewRows`)."""
         raise NotImplementedError(f"{type(self).__name__} does not admit puts in its units")
 
     @abc.abstractmethod

@@ -32,6 +32,7 @@ from .calls import request_id, spawn, undone
 from .wire import SHM_MIN, bytes_by_path
 
 if TYPE_CHECKING:
+    from ..base import NewRows
     from ..rpc import RpcClient
     from .coalesce import PutCoalescer
     from .control import RayControl
@@ -170,16 +171,19 @@ class PlaneAdmission:
 
     async def put_rows(self, partition: str, cols: Mapping[str, Column], n: int,
                        nbytes: dict, tags: dict, version: int | None,
-                       dtypes: dict | None = None) -> tuple[list[int], list[int], Any] | None:
+                       dtypes: dict | None = None, *, usual: NewRows | None = None
+                       ) -> tuple[list[int], list[int], Any] | None:
         """A small put of ``n`` new rows, admitted and committed by one storage unit
         (see :meth:`UnitAdmission.put_rows`): one call instead of asking the
         controller for room first. The unit is one on this process's node when there is
         one (round robin over them), else any (round robin). Puts of this process made
-        while others are in flight are combined into one call (:mod:`.coalesce`).
+        while others are in flight are combined into one call (:mod:`.coalesce`); when
+        the units have no room, those that come with ``usual`` are put that way together.
         Returns ``(rows, shards, commit result)``, or ``None`` when it does not apply
         (big tensors, no socket channel, no room right now): the caller puts the usual
         way. Raises what the put would raise."""
-        if (n < 1 or time.monotonic() < self._busy_until
+        if (n < 1 or (usual is None or not self.coalesce_puts)
+                and time.monotonic() < self._busy_until
                 or not any(self.rpcs[s] is not None and s not in self._unreachable
                            for s in range(self.num_shards))):
             return None
@@ -187,14 +191,17 @@ class PlaneAdmission:
         if sum(sizes) > FAST_MAX or max(sizes, default=0) >= SHM_MIN:
             return None  # big tensors go through the arena
         if not self.coalesce_puts:
-            return await self._put_rows_call(partition, cols, n, nbytes, tags, version,
-                                             dtypes, request_id(), True)
+            ans = await self._put_rows_call(partition, cols, n, nbytes, tags, version,
+                                            dtypes, request_id(), True)
+            assert not isinstance(ans, str)  # (alone: a refusal raises)
+            return ans
         if self._coalescer is None:
             from .coalesce import PutCoalescer  # (imports torch: producers only, not units)
 
             self._coalescer = PutCoalescer(self._put_rows_call, self._retract_rows,
                                            max_bytes=FAST_MAX)
-        return await self._coalescer.put(partition, cols, n, nbytes, tags, version, dtypes)
+        return await self._coalescer.put(partition, cols, n, nbytes, tags, version, dtypes,
+                                         usual)
 
     async def _retract_rows(self, shard: int, rid: str, rows: list[int]) -> None:
         """Drop ``rows`` of the answered put ``rid`` to unit ``shard`` (``"cancelled"``)."""
@@ -203,9 +210,12 @@ class PlaneAdmission:
     async def _put_rows_call(self, partition: str, cols: Mapping[str, Column], n: int,
                              nbytes: dict, tags: dict, version: int | None,
                              dtypes: dict | None, rid: str, alone: bool
-                             ) -> tuple[list[int], list[int], Any] | None:
+                             ) -> tuple[list[int], list[int], Any] | str | None:
         """:meth:`put_rows` as one call, request id ``rid`` (see
-        :class:`~.coalesce.PutCoalescer` for ``alone``)."""
+        :class:`~.coalesce.PutCoalescer` for ``alone``); no call while the units are
+        full (``None``)."""
+        if time.monotonic() < self._busy_until:
+            return None
         live = [s for s in range(self.num_shards)
                 if self.rpcs[s] is not None and s not in self._unreachable]
         if not live:
@@ -237,7 +247,9 @@ class PlaneAdmission:
             self._busy_until = time.monotonic() + _BUSY_PAUSE
             return None
         if ans.status is PutStatus.REFUSED and not alone:
-            return None  # nothing kept: each of the puts combined finds its own error
+            from .coalesce import SPLIT
+
+            return SPLIT  # nothing kept: each of the puts combined finds its own error
         if ans.status is not PutStatus.OK:
             assert ans.error is not None  # (REFUSED and FAILED carry their error)
             raise ans.error

@@ -17,13 +17,26 @@ same dtypes and tag fields: their columns join into one put of all their rows.
 
 What each ``put`` promises is unchanged: it returns once its rows are admitted and
 committed (the combined call answered), with its own rows; it raises what the combined
-call raised. A combined call that does not apply (``None``: no room, big tensors...) or
-that was refused before anything was kept lets each put go the usual way, where each
-finds its own answer or error. A put cancelled while it waits behind the calls in flight
-leaves at once (nothing was sent for it); one cancelled while its combined call is in
-flight waits until the call is answered and its own rows are taken back (dropped as
-``"cancelled"``), and only then is the cancellation raised, so a retry never races the
-undo; the other puts of the call keep their rows.
+call raised. A combined call that was refused before anything was kept (:data:`SPLIT`)
+lets each put go the usual way, where each finds its own answer or error.
+
+When the units have no room (a full queue), puts that may wait for room as long as it
+takes (they come with the queue's :class:`~streamrl.transport.base.NewRows`) go the
+usual way *together*: one request for room for all of them, then their columns stored
+and committed as one write, instead of three calls for each put. A put alone (none in
+flight) goes that way alone. A call waiting for room holds no slot in flight, so puts
+of other kinds (another partition or version, which the controller may admit sooner)
+go on; puts of its kind go on until :data:`ROOMS` requests of the kind wait at the
+controller, and then wait in the process behind them and combine. The controller
+serves waiting puts first come, first served, so none overtakes an earlier one.
+
+Cancellation: a put cancelled while it waits behind the calls in flight leaves at once
+(nothing was sent for it); so does one cancelled while its group waits for room (the
+request for room is withdrawn, and made again for the others). One cancelled while its
+combined call (or its group's store and commit) is in flight waits until that is
+answered and its own rows are taken back (dropped as ``"cancelled"``), and only then is
+the cancellation raised, so a retry never races the undo; the other puts of the call
+keep their rows.
 """
 
 from __future__ import annotations
@@ -31,13 +44,24 @@ from __future__ import annotations
 import asyncio
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Coroutine, Hashable, Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from .calls import request_id, spawn, undone
 
-__all__ = ["PutCoalescer"]
+if TYPE_CHECKING:
+    from ..base import NewRows
+
+__all__ = ["PutCoalescer", "SPLIT"]
+
+#: what ``send`` answers when puts combined must each go alone (refused, nothing kept)
+SPLIT = "split"
+
+#: requests for room of one kind of puts a process has waiting at the controller at once;
+#: more puts of that kind wait in the process, combined (two: the next group is in line
+#: when the first gets room)
+ROOMS = 2
 
 _STRIDED = torch.strided
 
@@ -57,22 +81,30 @@ class _Put:
 class _Group:
     """Puts of one kind waiting to go as one call."""
 
-    __slots__ = ("partition", "version", "dtypes", "puts", "nbytes", "sent", "rid", "settled")
+    __slots__ = ("partition", "version", "dtypes", "usual", "kind", "puts", "nbytes", "sent",
+                 "rid", "room", "settled")
 
-    def __init__(self, partition: str, version: int | None, dtypes: dict | None):
+    def __init__(self, partition: str, version: int | None, dtypes: dict | None,
+                 usual: NewRows | None, kind: Hashable):
+        self.kind = kind
         self.partition = partition
         self.version = version
         self.dtypes = dtypes
+        self.usual = usual  # the usual way, when every put of the group may wait for room
         self.puts: list[_Put] = []
         self.nbytes = 0  # bytes of the puts
         self.sent = False
-        self.rid = ""  # the combined call's request id (to take rows of it back)
+        # the combined call's request id (to take rows of it back); "" once the group
+        # went the usual way (rows are taken back through ``usual``)
+        self.rid = ""
+        self.room: asyncio.Task | None = None  # the group's request for room, while it waits
         # set once the call is answered and cancelled puts' rows are taken back
         self.settled: asyncio.Future = asyncio.get_running_loop().create_future()
 
 
 def _kind(partition: str, cols: Mapping[str, Any], tags: Mapping[str, Any],
-          version: int | None, dtypes: Mapping[str, str] | None) -> Hashable | None:
+          version: int | None, dtypes: Mapping[str, str] | None,
+          usual: NewRows | None) -> Hashable | None:
     """What puts must share to be sent as one (``None``: this one goes alone)."""
     shape: list[tuple] = []
     for f, c in cols.items():
@@ -85,7 +117,7 @@ def _kind(partition: str, cols: Mapping[str, Any], tags: Mapping[str, Any],
         else:
             return None
     return (partition, version, tuple(shape), tuple(tags),
-            None if dtypes is None else tuple(dtypes.items()))
+            None if dtypes is None else tuple(dtypes.items()), usual)
 
 
 def _join(pieces: list[Any]) -> Any:
@@ -104,11 +136,11 @@ class PutCoalescer:
     Args:
         send: ``send(partition, cols, n, nbytes, tags, version, dtypes, rid, alone)``
             puts rows in one call (request id ``rid``) and returns ``(rows, shards,
-            result)``, or ``None`` when the put does not apply and nothing was kept;
-            raises what the put raises, except that with ``alone`` false (puts combined)
-            a refusal that kept nothing answers ``None`` too, so that each put finds its
-            own error the usual way. Cancelled, it takes back what it put before it
-            re-raises.
+            result)``, or ``None`` when the put does not apply and nothing was kept (no
+            room: the usual way); raises what the put raises, except that with ``alone``
+            false (puts combined) a refusal that kept nothing answers :data:`SPLIT`, so
+            that each put finds its own error the usual way. Cancelled, it takes back
+            what it put before it re-raises.
         retract: ``retract(shard, rid, rows)`` drops ``rows`` of the answered call
             ``rid`` to unit ``shard`` as ``"cancelled"``.
 
@@ -132,25 +164,54 @@ class PutCoalescer:
         self.in_flight = 0
         self._groups: OrderedDict[Hashable, _Group] = OrderedDict()  # taking puts
         self._full: list[_Group] = []  # groups that take no more puts, waiting to go
+        # kind -> its calls waiting for room at the controller (they hold no slot in
+        # flight: puts of other kinds go on; see ROOMS)
+        self._rooms: dict[Hashable, int] = {}
         #: calls sent and rows they carried (for tests and benchmarks)
         self.calls = 0
         self.rows = 0
+        #: puts sent the usual way (no room in the units), and rows they carried
+        self.usual_calls = 0
+        self.usual_rows = 0
 
     async def put(self, partition: str, cols: Mapping[str, Any], n: int, nbytes: dict,
-                  tags: dict, version: int | None, dtypes: dict | None = None) -> Any:
+                  tags: dict, version: int | None, dtypes: dict | None = None,
+                  usual: NewRows | None = None) -> Any:
         """Put ``n`` new rows: at once when fewer than :attr:`max_in_flight` puts are in
         flight, else combined with the puts of its kind waiting behind them. Returns
-        what ``send`` returns for these rows alone."""
+        what ``send`` (or, with no room, ``usual``) returns for these rows alone, or
+        ``None``: the caller puts them the usual way. ``usual``: given when this put
+        may wait for room as long as it takes (see the module docstring)."""
         kind = None
-        if self.in_flight >= self.max_in_flight:
-            kind = _kind(partition, cols, tags, version, dtypes)
-        if kind is None:
+        now = self.in_flight < self.max_in_flight
+        if not now or self._rooms:
+            kind = _kind(partition, cols, tags, version, dtypes, usual)
+            if kind is None:
+                now = True
+            elif now and self._rooms.get(kind, 0) >= ROOMS:
+                now = False  # its kind waits for room: this put waits behind, combined
+        if now:
             self.in_flight += 1
             self.calls += 1
             self.rows += n
             try:
-                return await self._send(partition, cols, n, nbytes, tags, version, dtypes,
-                                        request_id(), True)
+                ans = await self._send(partition, cols, n, nbytes, tags, version, dtypes,
+                                       request_id(), True)
+                if ans is None and usual is not None and dtypes is not None:
+                    # no room in the units: the usual way, with the puts of its kind
+                    # made meanwhile waiting behind this one
+                    if kind is None:
+                        kind = _kind(partition, cols, tags, version, dtypes, usual)
+                    self._park(kind)
+                    try:
+                        tok = await usual.room(partition, cols, n, nbytes, version, dtypes)
+                    finally:
+                        self._unpark(kind)
+                    if tok is not None:
+                        self.usual_calls += 1
+                        self.usual_rows += n
+                        ans = await usual.store(tok, cols, nbytes, tags)
+                return ans
             finally:
                 self.in_flight -= 1
                 self._kick()
@@ -162,7 +223,7 @@ class PutCoalescer:
             self._full.append(self._groups.pop(kind))  # (it goes as it is)
             g = None
         if g is None:
-            g = self._groups[kind] = _Group(partition, version, dtypes)
+            g = self._groups[kind] = _Group(partition, version, dtypes, usual, kind)
         me = _Put(cols, n, nbytes, tags, asyncio.get_running_loop().create_future())
         g.puts.append(me)
         g.nbytes += b
@@ -185,22 +246,55 @@ class PutCoalescer:
         if fut.done() and not fut.cancelled():  # answered just before the cancellation
             if fut.exception() is None and fut.result() is not None:
                 rows, shards, _ = fut.result()
-                await undone(self._retract(shards[0], g.rid, rows), "put")
+                await undone(self._take_back(g, shards[0], rows), "put")
+            return
+        if g.room is not None and g.room.cancel():
+            # the group waits for room: it asks again without this put (nothing was kept
+            # for it: a request for room taken back keeps nothing)
             return
         # the group's call takes this put's rows back once it is answered
         await undone(_wait(g.settled), "put")
 
+    def _park(self, kind: Hashable) -> None:
+        """A call of ``kind`` waits for room: it holds no slot in flight meanwhile."""
+        self.in_flight -= 1
+        if kind is not None:
+            self._rooms[kind] = self._rooms.get(kind, 0) + 1
+        self._kick()
+
+    def _unpark(self, kind: Hashable) -> None:
+        """The call of ``kind`` is done waiting for room: it holds its slot again."""
+        if kind is not None:
+            left = self._rooms[kind] - 1
+            if left:
+                self._rooms[kind] = left
+            else:
+                del self._rooms[kind]
+        self.in_flight += 1
+
     def _kick(self) -> None:
-        """A call returned: each kind's waiting puts go, as one call per kind."""
+        """A call returned (or waits for room): each kind's waiting puts go, as one call
+        per kind, except kinds with :data:`ROOMS` calls waiting for room."""
         if self.in_flight >= self.max_in_flight:
             return
-        groups, self._full = self._full, []
-        groups.extend(self._groups.values())
-        self._groups.clear()
-        for g in groups:
-            g.sent = True
-            self.in_flight += 1
-            spawn(self._run(g), "a combined small put")
+        full, self._full = self._full, []
+        taking, self._groups = self._groups, OrderedDict()
+        rooms = self._rooms
+        for g in full:
+            if rooms and rooms.get(g.kind, 0) >= ROOMS:
+                self._full.append(g)  # (stays behind)
+            else:
+                self._go(g)
+        for kind, g in taking.items():
+            if rooms and rooms.get(kind, 0) >= ROOMS:
+                self._groups[kind] = g  # (stays behind, and takes more puts)
+            else:
+                self._go(g)
+
+    def _go(self, g: _Group) -> None:
+        g.sent = True
+        self.in_flight += 1
+        spawn(self._run(g), "a combined small put")
 
     async def _run(self, g: _Group) -> None:
         try:
@@ -215,22 +309,17 @@ class PutCoalescer:
         puts = [p for p in g.puts if not p.fut.done()]
         if not puts:
             return
-        if len(puts) == 1:
-            p = puts[0]
-            cols, n, nbytes, tags = p.cols, p.n, p.nbytes, p.tags
-        else:
-            first = puts[0]
-            cols = {f: _join([p.cols[f] for p in puts]) for f in first.cols}
-            n = sum(p.n for p in puts)
-            nbytes = {f: _join([p.nbytes[f] for p in puts]) for f in first.nbytes}
-            tags = {f: _join([p.tags[f] for p in puts]) for f in first.tags}
+        cols, n, nbytes, tags = _combined(puts)
         g.rid = rid = request_id()
         self.calls += 1
         self.rows += n
         try:
             ans = await self._send(g.partition, cols, n, nbytes, tags, g.version, g.dtypes,
                                    rid, False)
-        except asyncio.CancelledError:  # (the loop is closing) send took its rows back
+            if ans is None and g.usual is not None and g.dtypes is not None:
+                g.rid = ""
+                puts, ans = await self._usual(g)
+        except asyncio.CancelledError:  # (the loop is closing) what was put is taken back
             _answer(puts, None)
             raise
         except BaseException as e:
@@ -238,7 +327,7 @@ class PutCoalescer:
                 if not p.fut.done():
                     p.fut.set_exception(e)
             return
-        if ans is None:
+        if ans is None or ans is SPLIT:
             _answer(puts, None)
             return
         rows, shards, res = ans
@@ -252,7 +341,64 @@ class PutCoalescer:
                 p.fut.set_result((mine, shards[at:at + p.n], res))
             at += p.n
         if back:
-            await undone(self._retract(shards[0], rid, back), "put")
+            await undone(self._take_back(g, shards[0], back), "put")
+
+    async def _usual(self, g: _Group) -> tuple[list[_Put], Any]:
+        """Put the group's puts the usual way (the units had no room): room for all of
+        them (asked again without the puts cancelled while it waits), then one write.
+        Returns the puts it put and the answer."""
+        usual, dtypes = g.usual, g.dtypes
+        assert usual is not None and dtypes is not None
+        self._park(g.kind)  # (no slot held while it waits for room)
+        try:
+            while True:
+                puts = [p for p in g.puts if not p.fut.done()]
+                if not puts:
+                    return puts, None
+                cols, n, nbytes, tags = _combined(puts)
+                g.room = room = asyncio.ensure_future(
+                    usual.room(g.partition, cols, n, nbytes, g.version, dtypes))
+                try:
+                    await asyncio.wait([room])
+                except asyncio.CancelledError:  # (the loop is closing)
+                    if not room.cancel() and not room.cancelled() \
+                            and room.exception() is None and room.result() is not None:
+                        await usual.abort(room.result())  # room given: given back
+                    else:
+                        await asyncio.wait([room])
+                    raise
+                finally:
+                    g.room = None
+                if not room.cancelled():  # (else a put of the group was cancelled: again
+                    break  # without it)
+        finally:
+            self._unpark(g.kind)
+        tok = room.result()
+        if tok is None:  # refused, nothing kept: each put goes alone
+            return puts, None
+        self.usual_calls += 1
+        self.usual_rows += n
+        # (a put cancelled from here on waits for the write and is taken back)
+        return puts, await usual.store(tok, cols, nbytes, tags)
+
+    def _take_back(self, g: _Group, shard: int, rows: list[int]) -> Coroutine[Any, Any, Any]:
+        if g.rid:
+            return self._retract(shard, g.rid, rows)
+        assert g.usual is not None
+        return g.usual.retract(rows)
+
+
+def _combined(puts: Sequence[_Put]) -> tuple[Mapping[str, Any], int, dict, dict]:
+    """The columns, rows, bytes and tags of ``puts`` as one put."""
+    if len(puts) == 1:
+        p = puts[0]
+        return p.cols, p.n, p.nbytes, p.tags
+    first = puts[0]
+    cols = {f: _join([p.cols[f] for p in puts]) for f in first.cols}
+    n = sum(p.n for p in puts)
+    nbytes = {f: _join([p.nbytes[f] for p in puts]) for f in first.nbytes}
+    tags = {f: _join([p.tags[f] for p in puts]) for f in first.tags}
+    return cols, n, nbytes, tags
 
 
 def _answer(puts: Sequence[_Put], value: Any) -> None:

@@ -164,7 +164,9 @@ class RdtDataPlane(RayDataPlane):
                              rt.endpoint, keys)
             raise
 
-    async def put_rows(self, partition, cols, n, nbytes, tags, version, dtypes=None):
+    async def put_rows(self, partition, cols, n, nbytes, tags, version, dtypes=None, *,
+                       usual=None):
+        # (puts are not combined here: ``usual`` is not used, the caller puts the usual way)
         made: list[int] = []
         token = _made.set(made)
         try:
