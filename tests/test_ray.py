@@ -738,6 +738,47 @@ async def test_a_small_put_cancelled_while_its_group_waits_for_room_leaves_at_on
     assert "cancelled" not in st.dropped_by
 
 
+async def test_a_small_put_cancelled_while_its_group_is_stored_takes_back_its_row(rq,
+                                                                                 monkeypatch):
+    """Puts that went the usual way together (the units had no room): one cancelled
+    while the group's rows are being stored waits for the store, has its own row (only
+    it) dropped as "cancelled", then raises; controller and units agree."""
+    import time
+
+    q = rq(num_shards=1, capacity=16)
+    await q.put({"x": torch.tensor([-1.0])}, partition="warm")
+    dp = q._transport.data
+    c = dp._coalescer
+    dp._busy_until = time.monotonic() + 600  # the units say "no room": the usual way
+    stores = []
+    put = dp.put
+
+    async def slow(*args, **kwargs):
+        stores.append(args)
+        await asyncio.sleep(0.5)
+        return await put(*args, **kwargs)
+
+    monkeypatch.setattr(dp, "put", slow)
+    first = asyncio.ensure_future(q.put({"x": torch.tensor([0.0])}, partition="p"))
+    await _until(lambda: _true(len(stores) == 1), "the first put to be stored")
+    rest = [asyncio.ensure_future(q.put({"x": torch.tensor([float(i)])}, partition="p"))
+            for i in (1, 2, 3)]
+    await _until(lambda: _true(len(stores) == 2), "the three to be stored together")
+    rest[1].cancel()
+    await asyncio.sleep(0.1)
+    assert not rest[1].done()  # it waits for the store and the undo
+    await asyncio.gather(first, rest[0], rest[2])
+    with pytest.raises(asyncio.CancelledError):
+        await rest[1]
+    monkeypatch.undo()
+    assert c.usual_rows == 4 and len(stores) == 2
+    st = await q.stats()
+    assert st.dropped_by.get("cancelled") == 1
+    assert st.rows == 4 and st.unit_rows == [4]  # (warm-up row + 3)
+    mb = await q.get("t", ["x"], 3, partition="p", timeout=10)
+    assert sorted((await mb.materialize())["x"].tolist()) == [0.0, 1.0, 3.0]
+
+
 class _SlowController:
     """Wraps a unit's control-plane client: put_rows waits 2 s before it is sent."""
 
