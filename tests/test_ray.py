@@ -608,18 +608,32 @@ async def test_a_combined_small_put_cancelled_in_flight_takes_back_only_its_rows
         lambda self: setattr(self, "_controller", _SlowController(self._controller)))
     dp = q._transport.data
     c = dp._coalescer = PutCoalescer(dp._put_rows_call, dp._retract_rows, max_in_flight=1)
+    await _cancel_one_of_three_combined(
+        q, lambda: _true(c.in_flight == 1), lambda: _true(c.calls == 2), 0.2)
+    assert c.rows == 4  # (one call with the three combined)
+    await _only_the_cancelled_row_dropped(q)
+
+
+async def _cancel_one_of_three_combined(q, first_sent, three_sent, pause: float) -> None:
+    """Put one row; once ``first_sent()``, three more (combined behind it); once
+    ``three_sent()``, cancel the middle one: it must wait for its call (and the undo),
+    then raise, while the others are put."""
     first = asyncio.ensure_future(q.put({"x": torch.tensor([0.0])}, partition="p"))
-    await _until(lambda: _true(c.in_flight == 1), "the first put to be in flight")
+    await _until(first_sent, "the first put to be sent")
     rest = [asyncio.ensure_future(q.put({"x": torch.tensor([float(i)])}, partition="p"))
             for i in (1, 2, 3)]
-    await _until(lambda: _true(c.calls == 2), "the combined put to be sent", timeout=10)
+    await _until(three_sent, "the three to be sent together", timeout=10)
     rest[1].cancel()
-    await asyncio.sleep(0.2)
+    await asyncio.sleep(pause)
     assert not rest[1].done()  # it waits for the answer and the undo
     await asyncio.gather(first, rest[0], rest[2])
     with pytest.raises(asyncio.CancelledError):
         await rest[1]
-    assert c.rows == 4  # (one call with the three combined)
+
+
+async def _only_the_cancelled_row_dropped(q) -> None:
+    """After :func:`_cancel_one_of_three_combined` (and one warm-up row): controller and
+    unit hold 4 rows, one was dropped as "cancelled", the three put read back."""
     st = await q.stats()
     assert st.rows == 4 and st.unit_rows == [4] and st.dropped_by.get("cancelled") == 1
     mb = await q.get("t", ["x"], 3, partition="p", timeout=10)
@@ -759,24 +773,11 @@ async def test_a_small_put_cancelled_while_its_group_is_stored_takes_back_its_ro
         return await put(*args, **kwargs)
 
     monkeypatch.setattr(dp, "put", slow)
-    first = asyncio.ensure_future(q.put({"x": torch.tensor([0.0])}, partition="p"))
-    await _until(lambda: _true(len(stores) == 1), "the first put to be stored")
-    rest = [asyncio.ensure_future(q.put({"x": torch.tensor([float(i)])}, partition="p"))
-            for i in (1, 2, 3)]
-    await _until(lambda: _true(len(stores) == 2), "the three to be stored together")
-    rest[1].cancel()
-    await asyncio.sleep(0.1)
-    assert not rest[1].done()  # it waits for the store and the undo
-    await asyncio.gather(first, rest[0], rest[2])
-    with pytest.raises(asyncio.CancelledError):
-        await rest[1]
+    await _cancel_one_of_three_combined(
+        q, lambda: _true(len(stores) == 1), lambda: _true(len(stores) == 2), 0.1)
     monkeypatch.undo()
     assert c.usual_rows == 4 and len(stores) == 2
-    st = await q.stats()
-    assert st.dropped_by.get("cancelled") == 1
-    assert st.rows == 4 and st.unit_rows == [4]  # (warm-up row + 3)
-    mb = await q.get("t", ["x"], 3, partition="p", timeout=10)
-    assert sorted((await mb.materialize())["x"].tolist()) == [0.0, 1.0, 3.0]
+    await _only_the_cancelled_row_dropped(q)
 
 
 class _SlowController:
