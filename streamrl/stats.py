@@ -272,8 +272,10 @@ class Stats:
             that holds them by Ray Direct Transport: gloo, nccl or nixl), ``"socket"``
             (held tensors served over the holder's socket when RDT cannot serve the
             read), ``"local"`` (held tensors read by the process holding them). Reported
-            by each client without waiting: eventually consistent. Empty for the
-            embedded transport.
+            by each client without waiting, at most every 0.05 s a process
+            (``streamrl.transport.ray.data.REPORT_EVERY``) and before each ``stats()``
+            call of that process: eventually consistent across processes. Empty for
+            the embedded transport.
         closed: whether the queue is closed.
         last_filter_errors: messages of the last filter failures.
 

@@ -521,6 +521,24 @@ async def test_bytes_go_inline_when_shared_memory_cannot_be_mapped(rq, monkeypat
     assert torch.equal((await mb.materialize())["x"], x)
 
 
+async def test_a_process_stats_see_its_own_moves_at_once(rq):
+    """Bytes moved are reported to the controller at most every REPORT_EVERY seconds a
+    process, but a stats call first sends what its process holds back: a put and a read
+    in a row, then stats, count every byte of both."""
+    from streamrl.transport.ray import data as ray_data
+
+    q = rq(num_shards=1)
+    await q.put({"x": torch.ones(4, 1024)}, partition="p")  # (the first report goes at once)
+    before = sum((await q.stats()).bytes_by_path.values())
+    x = torch.randn(8, 1024)
+    await q.put({"x": x}, partition="p")  # within the window: held back
+    mb = await q.get("t", ["x"], 12, partition="p")
+    assert torch.equal((await mb.materialize())["x"][4:], x)
+    assert q._transport._data._unreported  # (held back: the window has not passed)
+    got = sum((await q.stats()).bytes_by_path.values()) - before
+    assert got >= x.nbytes + 12 * 1024 * 4, (got, ray_data.REPORT_EVERY)
+
+
 async def test_data_arriving_after_its_write_was_aborted_is_dropped(rq):
     """A put cancelled while its data is on its way to the unit: the controller forgets
     the rows and deletes them from the unit, possibly before the data lands. The late

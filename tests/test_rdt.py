@@ -504,6 +504,23 @@ async def test_readers_outside_the_group_fall_back_to_the_holders_socket(group):
         assert await wait_for(lambda: _all_free(group["producers"][1:2]))
 
 
+async def _quiet(q, path, deadline=30.0):
+    """Stats once ``bytes_by_path[path]`` has settled: every process reports its moves at
+    most every REPORT_EVERY seconds, so a count taken right after reads may still grow;
+    settled is unchanged over two report windows."""
+    from streamrl.transport.ray.data import REPORT_EVERY
+
+    last = None
+    end = asyncio.get_running_loop().time() + deadline
+    while True:
+        st = await q.stats()
+        got = st.bytes_by_path.get(path, 0)
+        if got == last or asyncio.get_running_loop().time() > end:
+            return st
+        last = got
+        await asyncio.sleep(2 * REPORT_EVERY)
+
+
 async def _has(q, path, n=None):
     st = await q.stats()
     got = st.bytes_by_path.get(path)
@@ -565,7 +582,7 @@ async def test_a_holder_killed_mid_transfer_loses_its_rows_by_name(group, tmp_pa
         assert await coordinator.alive.remote(3) is True
 
         # later reads of that consumer: by RDT as before, intact
-        before = st.bytes_by_path.get("rdt", 0)
+        before = (await _quiet(q, "rdt")).bytes_by_path.get("rdt", 0)
         sums = await live.run.remote(q, 41, 2, "after", ragged=False)
         await q.seal("after")
         got, lost, errors = await asyncio.wait_for(

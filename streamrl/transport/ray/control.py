@@ -60,6 +60,10 @@ class RayControl(_Generated):
     def __init__(self, actor: Any, endpoint: Endpoint | None = None):
         self.actor = actor
         self.rpc = RpcClient(endpoint) if endpoint is not None else None
+        #: called before each ``stats`` call: sends what this process has to report
+        #: (bytes moved per path, which its data plane reports at most every
+        #: ``REPORT_EVERY`` seconds), so its own stats see its own moves
+        self.before_stats: Callable[[], None] | None = None
 
     async def _call(self, method: str, *args: Any, **kwargs: Any) -> Any:
         """Call control method ``method``; Ray's errors become streamrl's. A call in
@@ -68,6 +72,8 @@ class RayControl(_Generated):
         outlives a caller that gave up."""
         if method in _BY_VALUE:
             args, kwargs = _by_value(method, args, kwargs)
+        elif method == "stats" and self.before_stats is not None:
+            self.before_stats()
         rid = request_id() if method in CANCELLABLE else None
         send = (self._send(method, args, kwargs) if rid is None
                 else self._send("cancellable", (rid, method, args, kwargs), {}))

@@ -23,6 +23,7 @@ import functools
 import logging
 import os
 import random
+import time
 import weakref
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any, Protocol
@@ -46,6 +47,10 @@ log = logging.getLogger("streamrl")
 
 #: set while a read is for get_owned: arena blocks are mapped copy-on-write
 _OWNED: contextvars.ContextVar[bool] = contextvars.ContextVar("streamrl_owned", default=False)
+
+
+#: seconds between two reports of bytes moved (``stats().bytes_by_path``) by a process
+REPORT_EVERY = 0.05
 
 
 class DataPlaneFactory(Protocol):
@@ -88,6 +93,9 @@ class RayDataPlane(PlaneAdmission, PlaneCheckpoint, DataPlane):
         #: to the controller, which sums it into ``stats().bytes_by_path``); returns whether
         #: it was taken (else it is offered again with the next move)
         self.report_moved: Callable[[dict[str, int]], bool] | None = None
+        self._next_report = 0.0  # (time.monotonic) when the next report may go
+        self._report_timer: asyncio.TimerHandle | None = None
+        self._report_loop: asyncio.AbstractEventLoop | None = None
         if endpoints is not None:
             self.use_endpoints(endpoints)
         if type(self).get is not RayDataPlane.get:  # a data path that reads its own way:
@@ -149,12 +157,47 @@ class RayDataPlane(PlaneAdmission, PlaneCheckpoint, DataPlane):
                 self.moved[path] += n
                 self._unreported[path] += n
         if self._unreported and self.report_moved is not None:
-            try:
-                taken = self.report_moved(dict(self._unreported))
-            except Exception:  # noqa: BLE001 - statistics never fail a put or a read
-                taken = False
-            if taken:
-                self._unreported.clear()
+            self._report_soon()
+
+    def _report_soon(self) -> None:
+        """Report the bytes not reported yet: now when the last report is
+        :data:`REPORT_EVERY` seconds old (or there is no event loop here), else once that
+        long has passed (a timer of this thread's event loop). One message to the
+        controller per put or read cost it as much as the put itself (a one-row put)."""
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            self.report_now()
+            return
+        timer = self._report_timer
+        if timer is not None:
+            done = self._report_loop is None or self._report_loop.is_closed()
+            if not timer.cancelled() and not done:
+                return  # (one is due)
+            self._report_timer = None  # (its event loop ended before it was due)
+        now = time.monotonic()
+        if now >= self._next_report:
+            self.report_now()
+            self._next_report = now + REPORT_EVERY
+        else:
+            self._report_timer = loop.call_later(self._next_report - now, self._report_due)
+            self._report_loop = loop
+
+    def _report_due(self) -> None:
+        self._report_timer = None
+        self.report_now()
+        self._next_report = time.monotonic() + REPORT_EVERY
+
+    def report_now(self) -> None:
+        """Report the bytes moved and not reported yet (without waiting)."""
+        if not self._unreported or self.report_moved is None:
+            return
+        try:
+            taken = self.report_moved(dict(self._unreported))
+        except Exception:  # noqa: BLE001 - statistics never fail a put or a read
+            taken = False
+        if taken:
+            self._unreported.clear()
 
     def _wire(self, cols: Mapping[str, Column]) -> dict[str, Any]:
         """A put's columns in wire form (:func:`.wire.to_wire`); a data path that keeps

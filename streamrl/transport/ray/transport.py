@@ -82,7 +82,8 @@ class RayTransport(Transport):
                                     on_lost=control.report_lost)
             rpc = control.rpc
             # bytes moved per path go to the controller without waiting (over this event
-            # loop's connection to it; without one yet, with the next move)
+            # loop's connection to it; without one yet, with the next move), at most every
+            # REPORT_EVERY seconds, and before each stats call of this process
             if rpc is not None:
                 data.report_moved = lambda d: rpc.notify("path_bytes", d)
             else:
@@ -91,6 +92,7 @@ class RayTransport(Transport):
                     return True
 
                 data.report_moved = report_moved
+            control.before_stats = data.report_now
             shared = _clients[(self._key, self._data_plane)] = (control, data)
         self._control, self._data = shared
         self._owner = owner
