@@ -656,6 +656,17 @@ class RowRemoteBatch(RemoteBatch):
         if rest is not None:
             await shielded(rest)
 
+    def close_for_ack(self) -> tuple[int, ...]:
+        """Close the delivered batch's lease here and return its lease ids, which the
+        caller acknowledges with its next control call (a stream asking for its next
+        batch: :meth:`streamrl.session.Session.ack_take`). Only for an open lease
+        (:attr:`leased`); use :meth:`ack` otherwise."""
+        if not self._lease.open:
+            raise InvalidArgument("close_for_ack needs an open lease (this batch was "
+                                  "acknowledged, dropped or given back); use ack()")
+        self._lease.close()
+        return self._lease.ids
+
     async def release(self) -> None:
         """Give the delivered batch back unacknowledged: its rows are delivered again to
         the task. Idempotent; runs to the end even if the awaiting task is cancelled."""

@@ -92,6 +92,13 @@ class ControlPlane(Protocol):
         """Acknowledge leases."""
         ...
 
+    async def ack_take(self, lease_ids: Sequence[int], req: Request,
+                       timeout: float | None = None) -> tuple[Delivery | None, str | None]:
+        """Acknowledge leases, then lease the next batch: one call (what a stream does
+        when the next batch is asked for). Returns the take's answer and the ack's
+        :class:`~streamrl.errors.LeaseExpired` message, if it raised one."""
+        ...
+
     async def release(self, lease_ids: Sequence[int]) -> None:
         """Give leases back unacknowledged."""
         ...
@@ -181,9 +188,10 @@ def _methods(proto: type) -> dict[str, inspect.Signature]:
 CONTROL_METHODS: dict[str, inspect.Signature] = _methods(ControlPlane)
 
 #: Calls whose effect is taken back if the caller gives up while it waits: a take's
-#: lease, an admitted write, a commit, a checkpoint's hold on deletes (see
+#: lease (an ``ack_take``'s ack stands), an admitted write, a commit, a checkpoint's hold on deletes (see
 #: :meth:`ControllerService.cancel`).
-CANCELLABLE = frozenset({"take", "allocate", "begin_write", "commit", "checkpoint_begin"})
+CANCELLABLE = frozenset({"take", "ack_take", "allocate", "begin_write", "commit",
+                         "checkpoint_begin"})
 
 
 def check_implements(cls: type, proto: type = ControlPlane) -> list[str]:

@@ -29,6 +29,7 @@ from .transport import registry
 from .timing import RoleTiming, Timer
 from .timing import counted as _timed
 from .timing import _current as _timing_now
+from .timing import is_open as _timing_open
 from .transport.base import DataPlane, Transport
 from .errors import (EndOfStream, InvalidArgument, LeaseExpired, QueueClosed, SchemaError,
                      StreamRLError, StreamTimeout, TransportError)
@@ -1048,14 +1049,25 @@ class Stream:
 
     async def __anext__(self) -> RowRemoteBatch:
         cur, self._current = self._current, None
-        if cur is not None and cur.leased:
-            try:
-                await cur.ack()
-            except LeaseExpired as e:
-                warnings.warn(f"streamrl: {e}", RuntimeWarning, stacklevel=2)
-        if self._done:
-            raise StopAsyncIteration
-        d = await _timed(self._q._control.take(self._req, self._timeout))
+        d: Delivery | None
+        session = self._q._session
+        if (cur is not None and cur.leased and not self._done and not _timing_open()
+                and not session.acks_in_place):
+            # the ack goes with the request for the next batch: one message (it stands
+            # whatever the take does, and is made again alone should the call fail)
+            d, expired = await session.ack_take(cur.close_for_ack(), self._req,
+                                                self._timeout)
+            if expired is not None:
+                warnings.warn(f"streamrl: {expired}", RuntimeWarning, stacklevel=2)
+        else:
+            if cur is not None and cur.leased:
+                try:
+                    await cur.ack()
+                except LeaseExpired as e:
+                    warnings.warn(f"streamrl: {e}", RuntimeWarning, stacklevel=2)
+            if self._done:
+                raise StopAsyncIteration
+            d = await _timed(self._q._control.take(self._req, self._timeout))
         if d is None:
             self._done = True
             raise StopAsyncIteration

@@ -38,8 +38,8 @@ from .controller import OPTIONS as CONTROLLER_OPTIONS, Controller
 from .messages import (END, CommitResult, Delivery, DropReason, FilterJob, FilterSpec, PutAnswer,
                        PutStatus, Request, WriteToken)
 from .checkpoint.cut import CheckpointCut, Hold
-from .errors import (CheckpointError, FilterError, InvalidArgument, QueueClosed, QueueFull,
-                     RowsDropped, StreamRLError, StreamTimeout)
+from .errors import (CheckpointError, FilterError, InvalidArgument, LeaseExpired, QueueClosed,
+                     QueueFull, RowsDropped, StreamRLError, StreamTimeout)
 from .stats import Histogram, Stats, TaskStats, partition_stats
 from .transport.base import DataPlane
 
@@ -688,6 +688,23 @@ class ControllerService:
             self.ctl.ack(lease_ids)
         finally:
             await self._after()
+
+    async def ack_take(self, lease_ids: Sequence[int], req: Request,
+                       timeout: float | None = None) -> tuple[Delivery | None, str | None]:
+        """:meth:`ack` then :meth:`take`, as one call: a stream asking for its next
+        batch acknowledges the one before with it (on a distributed transport, one
+        message to the controller instead of two). The ack runs to the end first, even
+        when this call is cancelled meanwhile, and stands whatever the take does; a
+        :class:`~streamrl.errors.LeaseExpired` it raises comes back as its message
+        (second of the pair) and the take goes on. Returns ``(delivery or None at end
+        of stream, that message or None)``; raises what :meth:`take` raises. Cancelled
+        while it waits for rows, it takes no lease (as :meth:`take`)."""
+        expired = None
+        try:
+            await shielded(self.ack(lease_ids))
+        except LeaseExpired as e:
+            expired = str(e)
+        return await self.take(req, timeout), expired
 
     async def release(self, lease_ids: Sequence[int]) -> None:
         """Give leases back unacknowledged: their rows are delivered again."""

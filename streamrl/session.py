@@ -14,13 +14,16 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
+from ._aio import shielded
 from .columns import Column, assemble
 from .stats import Histogram
 from .transport.base import _moving, note_moved
 
 if TYPE_CHECKING:
     from .batch import RowRemoteBatch
+    from .config import Request
     from .control import ControlPlane
+    from .messages import Delivery
     from .queue import StreamQueue
     from .transport.base import DataPlane, Transport
 
@@ -145,6 +148,30 @@ class Session:
         if now is None:
             return self.control.ack(list(lease_ids))
         return now(list(lease_ids))
+
+    @property
+    def acks_in_place(self) -> bool:
+        """Whether an ack costs no message (the control plane is in this process, see
+        :meth:`ack_now`); a stream then acks its batch before it asks for the next, and
+        otherwise does both in one call (:meth:`ack_take`)."""
+        return getattr(self.control, "ack_now", None) is not None
+
+    async def ack_take(self, lease_ids: Sequence[int], req: Request,
+                       timeout: float | None) -> tuple[Delivery | None, str | None]:
+        """Acknowledge leases and lease the next batch in one control call
+        (:meth:`ControlPlane.ack_take`). Should the call fail or be cancelled, the ack
+        is made again on its own (shielded; a second ack of a lease is a no-op), so a
+        call that never reached the controller leaves no lease behind; then the error
+        goes on."""
+        ids = list(lease_ids)
+        try:
+            return await self.control.ack_take(ids, req, timeout)
+        except BaseException:
+            try:
+                await shielded(self.control.ack(ids))
+            except Exception:  # noqa: BLE001 - (expired meanwhile, or the queue is gone:
+                pass  # the error that got here says more)
+            raise
 
     async def release(self, lease_ids: Sequence[int]) -> None:
         """Give leases back unacknowledged."""

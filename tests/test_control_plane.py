@@ -5,6 +5,7 @@ fail, and the actor's one generic dispatch takes back what a cancelled call did.
 
 from __future__ import annotations
 
+import asyncio
 import inspect
 from collections.abc import Sequence
 
@@ -120,8 +121,8 @@ async def test_the_actor_dispatches_every_call_to_its_service():
 
 @pytest.mark.parametrize("method", sorted(CANCELLABLE))
 async def test_a_cancelled_call_is_taken_back_once_done(method, tmp_path):
-    """cancel(rid) after the call returned: the lease goes back, the admitted write is
-    aborted, the commit retracted, a checkpoint's hold on deletes ended (what
+    """cancel(rid) after the call returned: the lease goes back (an ack_take's ack
+    stands), the admitted write is aborted, the commit retracted, a checkpoint's hold on deletes ended (what
     ControllerActorImpl.cancel promises)."""
     actor = _actor()
     req = Request("t", ("x",), 2, partition="p")
@@ -155,6 +156,18 @@ async def test_a_cancelled_call_is_taken_back_once_done(method, tmp_path):
         assert actor._data.units[0].stats()[0] == 2
         await actor.cancel("r1")
         assert actor._data.units[0].stats()[0] == 0  # the hold ended: deleted
+        return
+    if method == "ack_take":
+        await actor.commit(tok, {"x": [8, 8]})
+        one = Request("t", ("x",), 1, partition="p")
+        first = await actor.take(one, 1.0)
+        d, expired = await actor.cancellable("r1", "ack_take", ([first.lease], one, 1.0), {})
+        assert expired is None and d.rows != first.rows
+        await actor.cancel("r1")
+        st = await actor.stats()
+        assert st.tasks["t"].acked == 1 and st.leases == 0  # the ack stands, the lease went
+        again = await actor.take(one, 1.0)
+        assert again.rows == d.rows  # delivered again; the acked row never is
         return
     await actor.commit(tok, {"x": [8, 8]})
     d = await actor.cancellable("r1", "take", (req, 1.0), {})
@@ -307,3 +320,29 @@ async def test_put_rows_naming_a_field_without_sizes_goes_through_a_write_token(
     assert ans.status is PutStatus.OK and svc.ctl._next_token == tokens + 1
     d = await svc.take(Request("t", ("x", "y"), 1, partition="p"), 1.0)
     assert d.rows == ids
+
+
+@pytest.mark.parametrize("failure", [ConnectionError, asyncio.CancelledError])
+async def test_an_ack_take_that_fails_acks_alone_then_raises(failure):
+    """A stream's ack_take that fails or is cancelled before the controller saw it (no
+    connection yet, say): the session acks the batch alone (a second ack of a lease is
+    a no-op), then the error goes on; no lease is left to its timeout."""
+    from types import SimpleNamespace
+
+    from streamrl.session import Session
+
+    calls = []
+
+    class Control:
+        async def ack_take(self, ids, req, timeout):
+            calls.append(("ack_take", ids))
+            raise failure("nothing was sent")
+
+        async def ack(self, ids):
+            calls.append(("ack", ids))
+
+    session = Session(None, SimpleNamespace(control=Control()))  # type: ignore[arg-type]
+    assert not session.acks_in_place
+    with pytest.raises(failure):
+        await session.ack_take((7,), Request("t", ("x",), 1), None)
+    assert calls == [("ack_take", [7]), ("ack", [7])]

@@ -4,6 +4,7 @@ Each test reads like the rule it checks (see docs/concepts.md)."""
 
 from __future__ import annotations
 
+import asyncio
 import gc
 import pickle
 
@@ -178,6 +179,82 @@ async def test_lease_timeout_redelivers(make_queue):
         await a.ack()
     await b.ack()
     assert (await q.stats()).tasks["t"].expired == 4
+
+
+async def test_a_stream_acks_the_batch_before_when_it_asks_for_the_next(make_queue):
+    """Asking for the next batch acknowledges the one before, whether the next comes,
+    the stream ends, or the wait for it is cancelled (on Ray both go to the controller
+    as one call, ack_take): acked rows are never delivered again, no lease is left."""
+    q = make_queue(consumers=["t"])
+    await q.put(rows_of(8), partition="p")
+    s = q.stream("t", ["idx"], 4, partition="p", timeout=30)
+    first = await s.__anext__()
+    second = await s.__anext__()  # acks the first
+    assert set(first.rows).isdisjoint(second.rows) and not first.leased
+    st = await q.stats()
+    assert st.tasks["t"].acked == 4 and st.tasks["t"].leased == 4
+    waiting = asyncio.ensure_future(s.__anext__())  # acks the second, waits for rows
+    await wait_for(lambda: _acked(q, 8))
+    waiting.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await waiting
+    st = await q.stats()
+    assert st.tasks["t"].leased == 0 and st.leases == 0 and st.rows == 0
+    await q.put(rows_of(4, start=100), partition="p")
+    await q.seal("p")
+    assert sorted(await drain(q, "t", ["idx"], 4, "p")) == list(range(100, 104))
+
+
+async def test_a_next_cancelled_at_once_still_acks_the_batch_before(make_queue):
+    """The request for the next batch cancelled before it could reach the controller:
+    the batch before is acknowledged all the same (made again alone)."""
+    q = make_queue(consumers=["t"])
+    await q.put(rows_of(4), partition="p")
+    s = q.stream("t", ["idx"], 4, partition="p", timeout=30)
+    await s.__anext__()
+    nxt = asyncio.ensure_future(s.__anext__())
+    nxt.cancel()  # (before its first step)
+    with pytest.raises(asyncio.CancelledError):
+        await nxt
+    nxt = asyncio.ensure_future(s.__anext__())
+    await asyncio.sleep(0)
+    nxt.cancel()  # (after its first step)
+    with pytest.raises(asyncio.CancelledError):
+        await nxt
+    st = await wait_for(lambda: _acked(q, 4))
+    assert st is not None and st.tasks["t"].leased == 0
+
+
+async def test_a_batch_whose_lease_expired_warns_on_next_and_comes_again(make_queue):
+    """The lease of the batch in hand expired: asking for the next warns (LeaseExpired's
+    message) instead of raising, and the rows come again, in the next batch."""
+    q = make_queue(lease_timeout=0.3)
+    await q.put(rows_of(4), partition="p")
+    s = q.stream("t", ["idx"], 4, partition="p", timeout=30)
+    first = await s.__anext__()
+    await asyncio.sleep(0.6)
+    with pytest.warns(RuntimeWarning, match="expired"):
+        again = await s.__anext__()
+    assert sorted(again.rows) == sorted(first.rows)
+    await again.ack()
+    assert (await q.stats()).tasks["t"].expired == 4
+
+
+async def _acked(q, n):
+    st = await q.stats()
+    return st if st.tasks.get("t") is not None and st.tasks["t"].acked == n else None
+
+
+async def wait_for(pred, timeout=30.0):
+    """``await pred()`` until it returns something truthy (returned), or ``None`` after
+    ``timeout`` seconds."""
+    loop = asyncio.get_running_loop()
+    end = loop.time() + timeout
+    while True:
+        got = await pred()
+        if got or loop.time() > end:
+            return got
+        await asyncio.sleep(0.02)
 
 
 async def test_release_gives_rows_back(make_queue):

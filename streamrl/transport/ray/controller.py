@@ -62,6 +62,7 @@ def _token(args: tuple, kwargs: dict) -> Any:
 #: ``None`` when there is nothing to undo. Only ids are kept, not results.
 _UNDO: dict[str, Callable[[tuple, dict, Any], tuple[str, tuple] | None]] = {
     "take": lambda a, kw, d: None if d is None else ("release", ([d.lease],)),
+    "ack_take": lambda a, kw, r: None if r[0] is None else ("release", ([r[0].lease],)),
     "allocate": lambda a, kw, tok: ("abort", (tok.id,)),
     "begin_write": lambda a, kw, tok: ("abort", (tok.id,)),
     "commit": lambda a, kw, _res: ("retract", (_token(a, kw),)),
