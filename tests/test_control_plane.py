@@ -346,3 +346,13 @@ async def test_an_ack_take_that_fails_acks_alone_then_raises(failure):
     with pytest.raises(failure):
         await session.ack_take((7,), Request("t", ("x",), 1), None)
     assert calls == [("ack_take", [7]), ("ack", [7])]
+
+
+def test_the_undo_of_a_commit_finds_its_token_by_position_or_by_name():
+    _ray_side()
+    from streamrl.transport.ray.controller import _UNDO
+
+    tok = object()
+    assert _UNDO["commit"]((tok, {"x": [8]}), {}, None) == ("retract", (tok,))
+    assert _UNDO["commit"]((), {"token": tok, "nbytes": {"x": [8]}}, None) == ("retract", (tok,))
+    assert _UNDO["commit"]((), {"nbytes": {"x": [8]}, "token": tok}, None) == ("retract", (tok,))

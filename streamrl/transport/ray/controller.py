@@ -53,7 +53,13 @@ _RECENT = 4096
 
 
 def _token(args: tuple, kwargs: dict) -> Any:
-    """The ``token`` argument of a ``commit`` call."""
+    """The ``token`` argument of a ``commit`` call (its first: by position or by name;
+    binding the signature, the general way, cost 3% of the controller's time under
+    small puts into a full queue)."""
+    if args:
+        return args[0]
+    if "token" in kwargs:
+        return kwargs["token"]
     return CONTROL_METHODS["commit"].bind(None, *args, **kwargs).arguments["token"]
 
 
