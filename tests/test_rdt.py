@@ -18,6 +18,7 @@ import pytest
 import torch
 
 import streamrl
+from polling import wait_for
 from streamrl.errors import CheckpointError, RowsLost
 
 ray = pytest.importorskip("ray")
@@ -408,15 +409,6 @@ def group(ray_session):
     g.destroy()
     for a in actors:
         ray.kill(a)
-
-
-async def wait_for(pred, timeout=30.0):
-    deadline = time.monotonic() + timeout
-    while True:
-        v = await pred()
-        if v or time.monotonic() > deadline:
-            return v
-        await asyncio.sleep(0.2)
 
 
 async def stress(q, producers, consumer) -> tuple[dict, dict, list]:

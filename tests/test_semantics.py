@@ -14,6 +14,7 @@ import torch
 
 import streamrl.sampling
 from streamrl import RowRemoteBatch
+from polling import wait_for
 from streamrl.errors import (DuplicateField, EndOfStream, InvalidArgument, QueueClosed, QueueFull,
                              RowsDropped, SchemaError, StreamRLError, StreamTimeout, UnknownField)
 
@@ -243,18 +244,6 @@ async def test_a_batch_whose_lease_expired_warns_on_next_and_comes_again(make_qu
 async def _acked(q, n):
     st = await q.stats()
     return st if st.tasks.get("t") is not None and st.tasks["t"].acked == n else None
-
-
-async def wait_for(pred, timeout=30.0):
-    """``await pred()`` until it returns something truthy (returned), or ``None`` after
-    ``timeout`` seconds."""
-    loop = asyncio.get_running_loop()
-    end = loop.time() + timeout
-    while True:
-        got = await pred()
-        if got or loop.time() > end:
-            return got
-        await asyncio.sleep(0.02)
 
 
 async def test_release_gives_rows_back(make_queue):
