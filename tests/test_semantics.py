@@ -201,6 +201,7 @@ async def test_a_stream_acks_the_batch_before_when_it_asks_for_the_next(make_que
         await waiting
     st = await q.stats()
     assert st.tasks["t"].leased == 0 and st.leases == 0 and st.rows == 0
+    assert await q.audit() == []  # the controller and the storage units agree
     await q.put(rows_of(4, start=100), partition="p")
     await q.seal("p")
     assert sorted(await drain(q, "t", ["idx"], 4, "p")) == list(range(100, 104))
