@@ -26,7 +26,8 @@ Reported per case:
 * ``controller_raw_us_per_row``: the controller's without taking its idle rate off;
 * ``unit_calls_per_row``: small-put calls the producers made per row (one per put, or
   one per group of puts combined); ``usual_share``: share of the rows that found the
-  units full and were put the usual way (one request for room for a group).
+  units full (a full queue), of which ``wait_share`` waited for room at the controller
+  as one call a group through a unit, the rest put the usual way (room, store, commit).
 
 With ``tq``: TransferQueue 0.1.11 on the same load (polling mode: its blocking
 ``get_meta`` times out while rows trickle in), fewer rows since it is slow, producers
@@ -78,8 +79,9 @@ class _Producer:
         await asyncio.gather(*[episode(self.samples[e::episodes]) for e in range(episodes)])
         co = getattr(q._transport.data, "_coalescer", None)  # calls sent for small puts
         # (and rows put the usual way, together, when the units had no room)
-        return time.perf_counter(), 0 if co is None else co.calls, \
-            0 if co is None else getattr(co, "usual_rows", 0)
+        return (time.perf_counter(), 0 if co is None else co.calls,
+                0 if co is None else getattr(co, "usual_rows", 0),
+                0 if co is None else getattr(co, "wait_rows", 0))
 
     def cpu(self) -> float:
         return time.process_time()
@@ -188,9 +190,12 @@ async def _streamrl_case(ray, producers: int, rows: int, shards: int,
             "seconds": dt,
             # put calls from the producers per row (warm-up puts included)
             "unit_calls_per_row": sum(r[1] for r in ran) / n,
-            # share of the rows put the usual way (room asked of the controller), as
-            # groups, because the units had no room (the queue was full)
-            "usual_share": sum(r[2] for r in ran) / n,
+            # share of the rows that found the units full (the queue was full): put
+            # the usual way (room asked of the controller, stored, committed), as
+            # groups, or (wait_share of all rows) as groups that waited for room at
+            # the controller in one call through a unit
+            "usual_share": sum(r[2] + r[3] for r in ran) / n,
+            "wait_share": sum(r[3] for r in ran) / n,
             "rows_per_s": n / dt,
             "cpu_us_per_row": {
                 "controller": used[0] / n * 1e6,

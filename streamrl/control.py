@@ -71,6 +71,14 @@ class ControlPlane(Protocol):
         """Admit and commit new rows a unit already stored (no waiting)."""
         ...
 
+    async def put_rows_wait(self, partition: str, fields: Sequence[str], ids: Sequence[int],
+                            shard: int, nbytes: Mapping[str, Sequence[int]],
+                            tags: Mapping[str, Sequence[Hashable]] | None = None,
+                            version: int | None = None, dtypes: dict[str, str] | None = None
+                            ) -> PutAnswer:
+        """As :meth:`put_rows`, waiting its turn for room (a full queue)."""
+        ...
+
     async def retract_rows(self, rows: Sequence[int]) -> int:
         """Drop new rows whose put was cancelled after it landed."""
         ...
@@ -188,10 +196,11 @@ def _methods(proto: type) -> dict[str, inspect.Signature]:
 CONTROL_METHODS: dict[str, inspect.Signature] = _methods(ControlPlane)
 
 #: Calls whose effect is taken back if the caller gives up while it waits: a take's
-#: lease (an ``ack_take``'s ack stands), an admitted write, a commit, a checkpoint's hold on deletes (see
+#: lease (an ``ack_take``'s ack stands), an admitted write, a commit, the rows of a
+#: ``put_rows_wait``, a checkpoint's hold on deletes (see
 #: :meth:`ControllerService.cancel`).
 CANCELLABLE = frozenset({"take", "ack_take", "allocate", "begin_write", "commit",
-                         "checkpoint_begin"})
+                         "put_rows_wait", "checkpoint_begin"})
 
 
 def check_implements(cls: type, proto: type = ControlPlane) -> list[str]:

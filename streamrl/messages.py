@@ -139,12 +139,14 @@ class PutStatus(enum.Enum):
 @dataclass
 class PutAnswer:
     """The answer to a unit-admitted small put: ``rows`` and ``result`` when
-    :attr:`status` is ``OK``, ``error`` for ``REFUSED`` and ``FAILED``."""
+    :attr:`status` is ``OK``, ``error`` for ``REFUSED`` and ``FAILED``; ``waited``: the
+    put waited for room (:meth:`streamrl.control.ControlPlane.put_rows_wait`)."""
 
     status: PutStatus
     result: "CommitResult | None" = None
     error: BaseException | None = None
     rows: list[int] = field(default_factory=list)
+    waited: bool = False
 
     def to_wire(self) -> tuple:
         """This answer as a tuple of builtins, for the wire: a small put's answer crosses
@@ -153,10 +155,11 @@ class PutAnswer:
         name, when pickled and when unpickled). :meth:`from_wire` reads it back."""
         r = self.result
         return (self.status.value, self.error, self.rows,
-                None if r is None else (r.dead, r.tag_fields, r.missing_tags))
+                None if r is None else (r.dead, r.tag_fields, r.missing_tags), self.waited)
 
     @classmethod
     def from_wire(cls, t: tuple) -> "PutAnswer":
         """The answer :meth:`to_wire` made ``t`` from."""
-        status, error, rows, r = t
-        return cls(PutStatus(status), None if r is None else CommitResult(*r), error, rows)
+        status, error, rows, r, waited = t
+        return cls(PutStatus(status), None if r is None else CommitResult(*r), error, rows,
+                   waited)

@@ -375,28 +375,95 @@ class ControllerService:
         puts, with no wait. Answers :attr:`~PutStatus.OK` with the commit result;
         :attr:`~PutStatus.BUSY` when the rows would have to wait for room or pacing (or
         other producers wait): the unit deletes them and the producer puts the usual
-        way; :attr:`~PutStatus.REFUSED` with the error when they can never be admitted
-        now (closed, sealed, another dtype): the unit deletes them and the producer
-        raises it. A commit error (a filter failed) is raised as from :meth:`commit`."""
+        way (or with :meth:`put_rows_wait`); :attr:`~PutStatus.REFUSED` with the error
+        when they can never be admitted now (closed, sealed, another dtype): the unit
+        deletes them and the producer raises it. A commit error (a filter failed) is
+        raised as from :meth:`commit`."""
+        ctl = self.ctl
+        total = sum(sum(v) for v in nbytes.values())
+        try:
+            if self._space_q or ctl.admission(len(ids), total, version) is not None:
+                return PutAnswer(PutStatus.BUSY)
+            got = self._admit_rows(partition, fields, ids, shard, nbytes, tags, version,
+                                   dtypes, total, True)
+        except StreamRLError as e:
+            return PutAnswer(PutStatus.REFUSED, error=e)
+        return await self._land_rows(ids, got, nbytes, tags)
+
+    async def put_rows_wait(self, partition: str, fields: Sequence[str], ids: Sequence[int],
+                            shard: int, nbytes: Mapping[str, Sequence[int]],
+                            tags: Mapping[str, Sequence[Hashable]] | None = None,
+                            version: int | None = None, dtypes: dict[str, str] | None = None
+                            ) -> PutAnswer:
+        """:meth:`put_rows` for a put that may wait for room as long as it takes: where
+        :meth:`put_rows` answers ``BUSY``, this one waits its turn (first come, first
+        served with every put waiting for room, and for version pacing, as
+        :meth:`allocate` waits), then admits and commits the rows in one step. A full
+        queue's small put then costs the controller one call instead of two (room, then
+        the commit) and its producer one call instead of three. Meanwhile the storage
+        unit holds the rows' bytes, outside the queue's capacity: at most what its
+        producers have waiting (see :mod:`streamrl.transport.ray.coalesce`).
+
+        Answers as :meth:`put_rows`, with :attr:`PutAnswer.waited` set when it waited;
+        ``BUSY`` only when the ids are no longer the unit's to use (it leased two blocks
+        more meanwhile): the unit deletes the rows and the producer puts the usual way.
+        Cancelled while it waits, nothing is kept; cancelled once admitted, the rows are
+        taken back (dropped as ``"cancelled"``) before the cancellation goes on."""
         ctl = self.ctl
         n = len(ids)
         total = sum(sum(v) for v in nbytes.values())
         try:
-            if (self._space_q or ctl.admission(n, total, version) is not None
-                    or not ctl.owns_ids(shard, ids)):
-                return PutAnswer(PutStatus.BUSY)
-            # rows of one shape, no tag, no filter: admitted and committed at once,
-            # without a write token (the common small put)
-            res = None if tags or nbytes.keys() != set(fields) else ctl.admit_stored(
-                partition, ids, shard, nbytes, version=version, dtypes=dtypes,
-                admitted=True, at_once_only=True)
-            if res is None:
-                tok = ctl.allocate(partition, n, fields, nbytes=total, version=version,
-                                   ids=ids, shard=shard, dtypes=dtypes)
+            why = None if self._space_q else ctl.admission(n, total, version)
+            if not self._space_q and why is None:
+                got = self._admit_rows(partition, fields, ids, shard, nbytes, tags, version,
+                                       dtypes, total, True)
+                return await self._land_rows(ids, got, nbytes, tags)
+            ctl.check_dtypes(dtypes)  # (a put that can never be admitted does not wait)
+            if why == "ahead":
+                assert version is not None and ctl.max_lead is not None  # ("ahead")
+                await self._until_version(
+                    version - ctl.max_lead, None,
+                    f"waited for the trainer to reach version {version - ctl.max_lead}")
+            got = await self._in_turn(n, total, None, None, lambda me: self._admit_rows(
+                partition, fields, ids, shard, nbytes, tags, version, dtypes, total, False))
         except StreamRLError as e:
             return PutAnswer(PutStatus.REFUSED, error=e)
-        if res is None:
-            return PutAnswer(PutStatus.OK, await self.commit(tok, nbytes, tags),
+        ans = await self._land_rows(ids, got, nbytes, tags)
+        ans.waited = True
+        return ans
+
+    def _admit_rows(self, partition: str, fields: Sequence[str], ids: Sequence[int],
+                    shard: int, nbytes: Mapping[str, Sequence[int]],
+                    tags: Mapping[str, Sequence[Hashable]] | None, version: int | None,
+                    dtypes: dict[str, str] | None, total: int, admitted: bool
+                    ) -> PutAnswer | CommitResult | WriteToken:
+        """Admit the rows of a unit-admitted put (``admitted``: :meth:`Controller.admission`
+        just said they fit): rows of one shape with no tag and no filter are committed
+        at once (a :class:`CommitResult`), others get a write token to commit; ``BUSY``
+        when ``ids`` are not the unit's to use. Raises what admission raises."""
+        ctl = self.ctl
+        if not ctl.owns_ids(shard, ids):
+            return PutAnswer(PutStatus.BUSY)
+        # rows of one shape, no tag, no filter: admitted and committed at once, without
+        # a write token (the common small put)
+        res = None if tags or nbytes.keys() != set(fields) else ctl.admit_stored(
+            partition, ids, shard, nbytes, version=version, dtypes=dtypes,
+            admitted=admitted, at_once_only=True)
+        if res is not None:
+            return res
+        return ctl.allocate(partition, len(ids), fields, nbytes=total, version=version,
+                            ids=ids, shard=shard, dtypes=dtypes, admitted=admitted)
+
+    async def _land_rows(self, ids: Sequence[int], got: PutAnswer | CommitResult | WriteToken,
+                         nbytes: Mapping[str, Sequence[int]],
+                         tags: Mapping[str, Sequence[Hashable]] | None) -> PutAnswer:
+        """The answer to a unit-admitted put that :meth:`_admit_rows` answered ``got``:
+        a token's write committed, waiters woken. Cancelled meanwhile, the rows are
+        taken back before the cancellation goes on."""
+        if isinstance(got, PutAnswer):
+            return got
+        if isinstance(got, WriteToken):  # (commit takes itself back if cancelled)
+            return PutAnswer(PutStatus.OK, await self.commit(got, nbytes, tags),
                              rows=list(ids))
         try:  # (no filter: waking waiters and storage deletes of other calls are left)
             if not self._done_now():
@@ -405,7 +472,7 @@ class ControllerService:
             # as a commit cancelled after it landed: the rows are taken back
             await shielded(self.retract_rows(ids))
             raise
-        return PutAnswer(PutStatus.OK, res, rows=list(ids))
+        return PutAnswer(PutStatus.OK, got, rows=list(ids))
 
     async def unit_ids(self, shard: int, n: int) -> tuple[int, int]:
         """Lease ``n`` fresh row ids ``[start, end)`` to storage unit ``shard`` for the

@@ -476,3 +476,133 @@ async def test_a_combined_call_refused_sends_each_put_alone_even_if_it_may_wait(
     assert await asyncio.gather(*waiting) == [None, None]
     assert [r["n"] for r in nr.rooms] == [1, 1]
     assert [t.result()[0] for t in lone] == [[1000], [1001]]
+
+
+# -- puts that may wait for room, sent to wait at the controller (send_waiting)
+
+
+class FakeWaiting:
+    """Stands for ``send_waiting``: a put that waits for room at the controller. Numbers
+    rows from 2000 in answer order; holds call ``i`` until ``go(i)`` (or every call,
+    made or to come, after ``go()``); cancelled, it takes its put back (the unit and
+    the controller forget it) once ``undo`` is set, then re-raises; answers ``None``
+    (it does not apply) while ``skip`` is set."""
+
+    def __init__(self):
+        self.sent: list[dict] = []
+        self.withdrawn: list[str] = []
+        self.gates: list[asyncio.Event] = []
+        self.open = False
+        self.undo = asyncio.Event()
+        self.undo.set()
+        self.skip = False
+        self.next = 2000
+
+    def go(self, i: int | None = None) -> None:
+        if i is None:
+            self.open = True
+        for k, ev in enumerate(self.gates):
+            if i is None or k == i:
+                ev.set()
+
+    async def send(self, partition, cols, n, nbytes, tags, version, dtypes, rid, alone):
+        self.sent.append(dict(n=n, chat=list(cols["chat"]), rid=rid, alone=alone))
+        if self.skip:
+            return None
+        gate = asyncio.Event()
+        self.gates.append(gate)
+        if self.open:
+            gate.set()
+        try:
+            await gate.wait()
+        except asyncio.CancelledError:
+            await self.undo.wait()
+            self.withdrawn.append(rid)
+            raise
+        rows = list(range(self.next, self.next + n))
+        self.next += n
+        return rows, [4] * n, {"waited": rid}
+
+
+async def _full_waiting(k: int):
+    """As :func:`_full`, with ``send_waiting``: ROOMS lone puts wait at the controller
+    (held), and ``k`` puts of their kind wait behind them in the process."""
+    u = FakeUnit()
+    u.answer = "none"
+    nr = FakeNewRows()
+    w = FakeWaiting()
+    c = PutCoalescer(u.send, u.retract, max_in_flight=1, send_waiting=w.send)
+    lone = []
+    for i in range(ROOMS):
+        lone.append(asyncio.ensure_future(c.put(*_urow(100 + i, nr))))
+        await _settle()
+    assert len(w.sent) == ROOMS and c.in_flight == 0 and list(c._rooms.values()) == [ROOMS]
+    waiting = [asyncio.ensure_future(c.put(*_urow(i, nr))) for i in range(k)]
+    await _settle()
+    assert len(w.sent) == ROOMS  # the others wait behind them
+    return u, nr, w, c, lone, waiting
+
+
+async def test_with_no_room_puts_that_may_wait_wait_at_the_controller_as_one_call():
+    """The units have no room: each lone put, then the puts made meanwhile as one call,
+    wait for room at the controller (no request for room, no store: one call each);
+    each put gets its own rows, in order."""
+    u, nr, w, c, lone, waiting = await _full_waiting(3)
+    w.go()
+    await asyncio.gather(*lone, *waiting)
+    assert [s["n"] for s in w.sent] == [1, 1, 3]
+    assert [s["alone"] for s in w.sent] == [True, True, False]
+    assert w.sent[2]["chat"] == ["c0", "c1", "c2"]
+    assert [t.result()[0] for t in lone] == [[2000], [2001]]
+    assert [t.result()[0] for t in waiting] == [[2002], [2003], [2004]]
+    assert [t.result()[1] for t in waiting] == [[4]] * 3
+    assert nr.rooms == [] and nr.stored == []
+    assert (c.wait_calls, c.wait_rows, c.usual_calls, c.in_flight, c._rooms) == (3, 5, 0, 0, {})
+
+
+async def test_a_put_cancelled_while_its_group_waits_at_the_controller_leaves_after_the_withdrawal():
+    """The group's waiting put is withdrawn (the controller and the unit forget it)
+    before the cancelled put leaves, so a retry never races it; the group then waits
+    again without it."""
+    u, nr, w, c, lone, waiting = await _full_waiting(3)
+    first = w.sent[:]
+    w.undo.clear()  # the withdrawal takes a while
+    for i in range(ROOMS):  # the lone puts land; the group's call is sent and held
+        w.go(i)
+    await asyncio.gather(*lone)
+    for _ in range(10):
+        await _settle()
+        if len(w.sent) == ROOMS + 1:
+            break
+    assert len(w.sent) == ROOMS + 1 and w.sent[-1]["n"] == 3 and w.sent[:ROOMS] == first
+    waiting[1].cancel()
+    await _settle()
+    assert not waiting[1].done()  # it waits for the withdrawal
+    w.undo.set()
+    with pytest.raises(asyncio.CancelledError):
+        await waiting[1]
+    assert w.withdrawn == [w.sent[ROOMS]["rid"]]
+    await _settle()
+    assert w.sent[-1]["n"] == 2 and w.sent[-1]["chat"] == ["c0", "c2"]
+    w.go()
+    await asyncio.gather(waiting[0], waiting[2])
+    assert [t.result()[0] for t in (waiting[0], waiting[2])] == [[2002], [2003]]
+    assert u.retracted == [] and nr.rooms == [] and c.in_flight == 0 and c._rooms == {}
+
+
+async def test_a_waiting_put_that_does_not_apply_goes_the_usual_way():
+    """``send_waiting`` answers ``None`` (nothing kept: the unit holds enough waiting
+    puts, say): the puts ask for room and are stored the usual way, together."""
+    u = FakeUnit()
+    u.answer = "none"
+    nr = FakeNewRows()
+    w = FakeWaiting()
+    w.skip = True
+    c = PutCoalescer(u.send, u.retract, max_in_flight=1, send_waiting=w.send)
+    puts = [asyncio.ensure_future(c.put(*_urow(i, nr))) for i in range(3)]
+    await asyncio.gather(*puts)
+    assert [t.result()[0] for t in puts] == [[1000], [1001], [1002]]
+    # each call that waited would have asked for room the usual way instead
+    assert [s["n"] for s in w.sent] == [r["n"] for r in nr.rooms]
+    assert sum(r["n"] for r in nr.rooms) == 3 and len(nr.stored) == len(nr.rooms)
+    assert (c.wait_calls, c.wait_rows, c.usual_rows) == (0, 0, 3)

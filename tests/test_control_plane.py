@@ -122,8 +122,9 @@ async def test_the_actor_dispatches_every_call_to_its_service():
 @pytest.mark.parametrize("method", sorted(CANCELLABLE))
 async def test_a_cancelled_call_is_taken_back_once_done(method, tmp_path):
     """cancel(rid) after the call returned: the lease goes back (an ack_take's ack
-    stands), the admitted write is aborted, the commit retracted, a checkpoint's hold on deletes ended (what
-    ControllerActorImpl.cancel promises)."""
+    stands), the admitted write is aborted, the commit retracted, a waiting small put's
+    rows dropped, a checkpoint's hold on deletes ended (what ControllerActorImpl.cancel
+    promises)."""
     actor = _actor()
     req = Request("t", ("x",), 2, partition="p")
     tok = await actor.allocate("p", 2, ["x"], nbytes=16)
@@ -156,6 +157,19 @@ async def test_a_cancelled_call_is_taken_back_once_done(method, tmp_path):
         assert actor._data.units[0].stats()[0] == 2
         await actor.cancel("r1")
         assert actor._data.units[0].stats()[0] == 0  # the hold ended: deleted
+        return
+    if method == "put_rows_wait":
+        await actor.abort(tok)
+        start, _ = await actor.unit_ids(0, 4)
+        actor._data.units[0].put([start], {"x": torch.zeros(1)})
+        wire = await actor.cancellable("r1", "put_rows_wait",
+                                       ("p", ["x"], [start], 0, {"x": [8]}), {})
+        assert PutAnswer.from_wire(wire).status is PutStatus.OK
+        assert (await actor.stats()).rows == 1
+        await actor.cancel("r1")
+        st = await actor.stats()
+        assert st.rows == 0 and st.dropped_by.get("cancelled") == 1  # its rows went back
+        assert actor._data.units[0].stats()[0] == 0  # and left the unit
         return
     if method == "ack_take":
         await actor.commit(tok, {"x": [8, 8]})
@@ -320,6 +334,107 @@ async def test_put_rows_naming_a_field_without_sizes_goes_through_a_write_token(
     assert ans.status is PutStatus.OK and svc.ctl._next_token == tokens + 1
     d = await svc.take(Request("t", ("x", "y"), 1, partition="p"), 1.0)
     assert d.rows == ids
+
+
+# -- put_rows_wait: a unit's small put that waits its turn for room
+
+
+async def _full_service(capacity=2):
+    """A service whose queue holds ``capacity`` rows (full), their storage deletes free."""
+    from streamrl.controller import Controller
+
+    data = _HeldDeletes(1)
+    data.go.set()
+    svc = ControllerService(Controller(capacity, num_shards=1), data)
+    held = await _stored(svc, data, capacity)
+    assert (await svc.put_rows("p", ["x"], held, 0, {"x": [4] * capacity})).status \
+        is PutStatus.OK
+    return svc, data, held
+
+
+async def _waiting(svc, coro):
+    task = asyncio.ensure_future(coro)
+    for _ in range(20):
+        await asyncio.sleep(0)
+    assert not task.done()
+    return task
+
+
+async def test_put_rows_wait_with_room_lands_at_once():
+    svc, data = _service()
+    ids = await _stored(svc, data)
+    ans = await svc.put_rows_wait("p", ["x"], ids, 0, {"x": [4]})
+    assert ans.status is PutStatus.OK and ans.rows == ids and not ans.waited
+    assert svc.ctl.c_put == 1
+
+
+async def test_put_rows_wait_waits_its_turn_for_room_then_lands():
+    """Where put_rows answers BUSY, put_rows_wait waits; it is first in line before a
+    producer that asks for room after it, and lands (admitted and committed, ``waited``)
+    once room frees; the later one goes on waiting."""
+    svc, data, held = await _full_service()
+    ids = await _stored(svc, data)
+    assert (await svc.put_rows("p", ["x"], ids, 0, {"x": [4]})).status is PutStatus.BUSY
+    put = await _waiting(svc, svc.put_rows_wait("p", ["x"], ids, 0, {"x": [4]}))
+    later = await _waiting(svc, svc.allocate("p", 1, ["x"], nbytes=4))
+    await svc.drop(held[:1])
+    ans = await asyncio.wait_for(put, 5)
+    assert ans.status is PutStatus.OK and ans.rows == ids and ans.waited
+    assert ids[0] in svc.ctl.rows and not later.done()  # FIFO: the later one still waits
+    await svc.drop(held[1:])
+    tok = await asyncio.wait_for(later, 5)
+    await svc.abort(tok)
+    d = await svc.take(Request("t", ("x",), 1, partition="p"), 1.0)
+    assert d.rows == ids
+
+
+async def test_put_rows_wait_cancelled_while_it_waits_keeps_nothing():
+    """Cancelled in line: nothing admitted, its place given up (the next in line gets
+    the room that frees)."""
+    svc, data, held = await _full_service()
+    ids = await _stored(svc, data)
+    put = await _waiting(svc, svc.put_rows_wait("p", ["x"], ids, 0, {"x": [4]}))
+    later = await _waiting(svc, svc.allocate("p", 1, ["x"], nbytes=4))
+    put.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await put
+    assert svc.ctl.c_put == 2 and ids[0] not in svc.ctl.rows
+    await svc.drop(held[:1])
+    tok = await asyncio.wait_for(later, 5)  # the room went to the next in line
+    assert len(svc.ctl.rows) == 2 and not svc._space_q
+    await svc.abort(tok)
+
+
+async def test_put_rows_wait_is_refused_when_the_queue_closes_while_it_waits():
+    svc, data, held = await _full_service()
+    ids = await _stored(svc, data)
+    put = await _waiting(svc, svc.put_rows_wait("p", ["x"], ids, 0, {"x": [4]}))
+    await svc.close()
+    ans = await asyncio.wait_for(put, 5)
+    assert ans.status is PutStatus.REFUSED and "closed" in str(ans.error)
+    assert ids[0] not in svc.ctl.rows
+
+
+async def test_put_rows_wait_that_can_never_fit_is_refused_at_once():
+    svc, data, held = await _full_service()
+    ids = await _stored(svc, data, 3)
+    ans = await svc.put_rows_wait("p", ["x"], ids, 0, {"x": [4] * 3})
+    assert ans.status is PutStatus.REFUSED and not svc._space_q
+
+
+async def test_put_rows_wait_whose_ids_are_no_longer_the_units_answers_busy():
+    """While it waited, the unit leased two blocks of ids more (only its last two are
+    its to use): admitted with them, the rows could not be told from others; it
+    answers BUSY (the unit deletes them, the producer puts the usual way)."""
+    svc, data, held = await _full_service()
+    ids = await _stored(svc, data)
+    put = await _waiting(svc, svc.put_rows_wait("p", ["x"], ids, 0, {"x": [4]}))
+    await svc.unit_ids(0, 4)
+    await svc.unit_ids(0, 4)
+    await svc.drop(held[:1])
+    ans = await asyncio.wait_for(put, 5)
+    assert ans.status is PutStatus.BUSY and ids[0] not in svc.ctl.rows
+    assert svc.ctl.c_put == 2 and not svc._space_q
 
 
 @pytest.mark.parametrize("failure", [ConnectionError, asyncio.CancelledError])

@@ -681,22 +681,82 @@ async def test_a_small_put_that_is_refused_leaves_nothing_in_its_unit(rq):
     assert st.rows == 1 and st.unit_rows == [1]
 
 
-async def test_a_small_put_into_a_full_queue_waits_its_turn(rq):
-    """No room: the unit hands the put back (it does not wait holding the data) and the
-    producer waits for room the usual way."""
+async def test_a_small_put_into_a_full_queue_waits_its_turn_at_the_controller(rq, monkeypatch):
+    """No room: the put goes again to a unit, which holds its row (outside the
+    capacity) while the controller has it wait its turn; once room frees it is admitted
+    and committed there. The producer makes no call to the controller: the first
+    attempt is handed back (the queue is full), the second waits."""
     q = rq(num_shards=2, capacity=2)
     for i in range(2):
         await q.put({"x": torch.tensor([i])}, partition="p")
+    calls = _count_calls(monkeypatch)
     third = asyncio.ensure_future(q.put({"x": torch.tensor([2])}, partition="p"))
     await anyio.sleep(0.3)
-    assert not third.done()
-    assert sum((await q.stats()).unit_rows) == 2  # the waiting put's data is not stored
+    assert not third.done() and calls == ["put_rows", "put_rows"]
+    monkeypatch.undo()
+    st = await q.stats()
+    assert st.rows == 2 and sum(st.unit_rows) == 3  # its unit holds it while it waits
+    mb = await q.get("t", ["x"], 1, partition="p", timeout=10)
+    await mb.drop()
+    with anyio.fail_after(10):
+        put = await third
+    st = await q.stats()
+    assert st.rows == 2 and sum(st.unit_rows) == 2
+    mb = await q.get("t", ["x"], 2, partition="p", timeout=10)
+    assert put.rows[0] in mb.rows
+
+
+async def test_a_unit_holds_at_most_wait_bytes_of_waiting_puts(rq, monkeypatch):
+    """Past its WAIT_BYTES of waiting puts, a unit hands a put that may wait back, and
+    the producer waits for room the usual way, holding its row itself."""
+    q = rq(num_shards=1, capacity=2)
+    await q._transport._units[0].__ray_call__.remote(lambda u: setattr(u, "wait_bytes", 0))
+    for i in range(2):
+        await q.put({"x": torch.tensor([i])}, partition="p")
+    calls = _count_calls(monkeypatch)
+    third = asyncio.ensure_future(q.put({"x": torch.tensor([2])}, partition="p"))
+    await anyio.sleep(0.3)
+    assert not third.done() and calls == ["put_rows", "put_rows", "allocate"]
+    monkeypatch.undo()
+    assert (await q.stats()).unit_rows == [2]  # the waiting put's row is not stored
     mb = await q.get("t", ["x"], 1, partition="p", timeout=10)
     await mb.drop()
     with anyio.fail_after(10):
         await third
     st = await q.stats()
-    assert st.rows == 2 and sum(st.unit_rows) == 2
+    assert st.rows == 2 and st.unit_rows == [2]
+
+
+async def test_a_small_put_cancelled_while_it_waits_for_room_leaves_nothing(rq):
+    """Cancelled while it waits at the controller: the controller forgets it, its unit
+    deletes its row, and nothing of it is ever admitted or delivered; the room that
+    frees goes to the next put."""
+    q = rq(num_shards=1, capacity=2)
+    for i in range(2):
+        await q.put({"x": torch.tensor([i])}, partition="p")
+    third = asyncio.ensure_future(q.put({"x": torch.tensor([2])}, partition="p"))
+
+    async def held() -> bool:
+        return (await q.stats()).unit_rows == [3]
+
+    await _until(held, "the unit to hold the waiting put")
+    third.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await third
+    st = await q.stats()
+    assert st.rows == 2 and st.unit_rows == [2] and st.put == 2
+    assert "cancelled" not in st.dropped_by  # (never admitted)
+    mb = await q.get("t", ["x"], 1, partition="p", timeout=10)
+    await mb.drop()
+    await q.put({"x": torch.tensor([3])}, partition="p")
+    await q.seal("p")
+    got = []
+    async for mb in q.stream("t", ["x"], 1, partition="p", timeout=10):
+        got += (await mb.materialize())["x"].tolist()
+        await mb.drop()
+    assert sorted(got) == [1, 3]
+    st = await q.stats()
+    assert st.rows == 0 and st.unit_rows == [0]
 
 
 async def test_concurrent_small_puts_into_a_full_queue_wait_for_room_together(rq, monkeypatch):
@@ -728,9 +788,9 @@ async def test_concurrent_small_puts_into_a_full_queue_wait_for_room_together(rq
 
 
 async def test_a_small_put_cancelled_while_its_group_waits_for_room_leaves_at_once(rq):
-    """A put combined with others that wait for room together, cancelled: it leaves at
-    once (the group asks again without it) and nothing of it is kept; the others are
-    put once room comes."""
+    """A put combined with others that wait for room together, cancelled: it leaves
+    once the group's waiting put is withdrawn (the group asks again without it) and
+    nothing of it is kept; the others are put once room comes."""
     from streamrl.transport.ray.coalesce import ROOMS
 
     q = rq(num_shards=1, capacity=4)
@@ -764,7 +824,8 @@ async def test_a_small_put_cancelled_while_its_group_waits_for_room_leaves_at_on
         await mb.drop()
     await asyncio.gather(*first, rest[0], rest[2])
     assert sorted(seen) == want
-    assert c.usual_rows == ROOMS + 2  # (the first ones, then the two left, together)
+    # (the first ones, then the two left, together: each waited at the controller)
+    assert c.wait_rows == ROOMS + 2 and c.usual_rows == 0
     st = await q.stats()
     assert st.put == len(want) and st.rows == 0 and sum(st.unit_rows) == 0
     assert "cancelled" not in st.dropped_by
@@ -782,6 +843,7 @@ async def test_a_small_put_cancelled_while_its_group_is_stored_takes_back_its_ro
     dp = q._transport.data
     c = dp._coalescer
     dp._busy_until = time.monotonic() + 600  # the units say "no room": the usual way
+    monkeypatch.setattr(c, "_send_waiting", None)  # (not waiting at the controller)
     stores = []
     put = dp.put
 

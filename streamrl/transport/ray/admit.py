@@ -14,14 +14,25 @@ The answer is a :class:`~streamrl.messages.PutAnswer`. Where it does not apply (
 tensors, no socket channel, no room right now: ``BUSY``) nothing is kept and the
 producer puts the usual way. A producer cancelled while it waits has the unit drop what
 it committed (:meth:`UnitAdmission.cancel_put`), so a cancelled put leaves nothing behind.
+
+A full queue: puts that may wait for room as long as it takes (``wait``) go the same
+way, and the controller has them wait their turn
+(:meth:`~streamrl.control.ControlPlane.put_rows_wait`, first come, first served with
+every other waiting put) instead of answering ``BUSY``: one call from the producer and
+one to the controller, where asking for room, storing and committing make three and
+two. The unit holds their rows meanwhile, outside the queue's capacity, up to
+:data:`WAIT_BYTES`; a producer that gives up withdraws the put (:meth:`cancel_put`: the
+controller forgets it, or drops its rows had it just admitted them, and the unit
+deletes them).
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import time
 from collections import OrderedDict
-from collections.abc import Mapping
+from collections.abc import Awaitable, Mapping
 from typing import TYPE_CHECKING, Any
 
 from ...errors import TransportError
@@ -42,6 +53,10 @@ __all__ = ["UnitAdmission", "PlaneAdmission", "ID_BLOCK", "FAST_MAX"]
 ID_BLOCK = 4096  # row ids a unit leases at a time for the puts it admits
 FAST_MAX = 1 << 20  # puts up to this many bytes may be admitted by a unit (put_rows)
 _BUSY_PAUSE = 0.02  # seconds without put_rows after a unit found the queue full
+#: bytes of small puts a unit holds while they wait for room (a full queue), outside the
+#: queue's capacity; past it, a put that may wait is handed back (``BUSY``) and its
+#: producer waits for room the usual way, holding its own rows
+WAIT_BYTES = 16 << 20
 
 
 class UnitAdmission:
@@ -58,10 +73,13 @@ class UnitAdmission:
         self._ids = [0, 0]  # [next, end) of the row ids leased for put_rows (socket thread)
         self._ids_lock: asyncio.Lock | None = None
         self._puts: OrderedDict[str, asyncio.Task] = OrderedDict()  # put_rows by request id
+        self._waiting: set[str] = set()  # request ids of puts that may wait for room
+        self.wait_bytes = WAIT_BYTES  # (see WAIT_BYTES)
+        self._held_waiting = 0  # bytes of puts waiting for room now
 
     def put_rows(self, n: int, cols: dict, partition: str, fields: list[str], nbytes: dict,
                  tags: dict, version: int | None, rid: str | None = None,
-                 dtypes: dict | None = None):
+                 dtypes: dict | None = None, wait: bool = False):
         """A small put of ``n`` new rows (inline data), admitted by this unit: it stores
         them under row ids the controller leased to it, then asks the controller to
         admit and commit them in one step, without waiting for room. Consumers waiting
@@ -70,11 +88,22 @@ class UnitAdmission:
         its wire form (:meth:`PutAnswer.to_wire`):
         ``OK`` (with rows and commit result); ``BUSY`` (nothing kept: the producer puts
         the usual way); ``REFUSED`` (nothing kept) or ``FAILED`` (committed, then a
-        filter failed, or the controller is gone), with the error."""
-        fut = spawn(self._admit(n, cols, partition, fields, nbytes, tags, version, dtypes),
+        filter failed, or the controller is gone), with the error.
+
+        ``wait``: the put may wait for room as long as it takes: where the controller
+        would answer ``BUSY`` it waits its turn instead
+        (:meth:`~streamrl.control.ControlPlane.put_rows_wait`), and this unit holds the
+        rows meanwhile, outside the queue's capacity, up to :data:`WAIT_BYTES` (past
+        it, ``BUSY`` as without ``wait``); needs ``rid`` (the producer withdraws it with
+        :meth:`cancel_put`)."""
+        fut = spawn(self._admit(n, cols, partition, fields, nbytes, tags, version, dtypes,
+                                wait and rid is not None),
                     f"a small put admitted by storage unit {self.index}")
         if rid is not None:  # the producer may give up: see cancel_put
             self._puts[rid] = fut
+            if wait:
+                self._waiting.add(rid)
+                fut.add_done_callback(functools.partial(_forget_wait, self._waiting, rid))
             while len(self._puts) > 4096:
                 self._puts.popitem(last=False)
         return self._answer(fut)
@@ -82,22 +111,33 @@ class UnitAdmission:
     @staticmethod
     async def _answer(fut: asyncio.Future) -> tuple:
         """``fut``'s answer in its wire form (:meth:`PutAnswer.to_wire`); the put goes
-        on if the producer's call is cancelled (see :meth:`cancel_put`)."""
-        return (await asyncio.shield(fut)).to_wire()
+        on if the producer's call is cancelled (see :meth:`cancel_put`). A put withdrawn
+        while it waited for room answers ``BUSY`` (nothing kept)."""
+        try:
+            ans = await asyncio.shield(fut)
+        except asyncio.CancelledError:
+            if not fut.cancelled():
+                raise
+            ans = PutAnswer(PutStatus.BUSY)
+        return ans.to_wire()
 
     async def cancel_put(self, rid: str, rows: list[int] | None = None) -> None:
         """The producer of put ``rid`` was cancelled while it waited for the answer:
         once the put is done, rows it committed are dropped (``"cancelled"``), so a
         cancelled put leaves nothing behind. ``rows``: only those of its rows (one of
         the puts a producer combined into this one was cancelled; see
-        :mod:`.coalesce`). Socket channel only."""
+        :mod:`.coalesce`). A put that waits for room (``wait``) and is withdrawn whole
+        stops waiting: the controller forgets it (or takes its rows back, had it just
+        admitted them) and this unit deletes them. Socket channel only."""
         fut = self._puts.pop(rid, None) if rows is None else self._puts.get(rid)
         if fut is None:
             return
-        try:
-            ans = await fut
-        except Exception:  # noqa: BLE001 - nothing committed
+        if rows is None and rid in self._waiting:
+            fut.cancel()  # (see _admit: what it stored is deleted, nothing is admitted)
+        await asyncio.wait([fut])
+        if fut.cancelled() or fut.exception() is not None:  # nothing committed
             return
+        ans = fut.result()
         if ans.status is PutStatus.OK and self._controller is not None:
             mine = set(ans.rows)
             back = ans.rows if rows is None else [r for r in rows if r in mine]
@@ -106,9 +146,11 @@ class UnitAdmission:
 
     async def _admit(self, n: int, cols: dict, partition: str, fields: list[str],
                      nbytes: dict, tags: dict, version: int | None,
-                     dtypes: dict | None = None) -> PutAnswer:
+                     dtypes: dict | None = None, wait: bool = False) -> PutAnswer:
         # shielded from the producer's cancellation (see put_rows): what it stores is
-        # either committed or deleted here, never left behind
+        # either committed or deleted here, never left behind; a put that waits for room
+        # is cancelled by cancel_put: the controller call takes its effect back, and what
+        # was stored here is deleted
         ctl = self._controller
         if ctl is None:
             return PutAnswer(PutStatus.BUSY)
@@ -124,21 +166,38 @@ class UnitAdmission:
             # path says why
             return PutAnswer(PutStatus.BUSY)
         ids = list(range(start, start + n))
+        size = 0
+        if wait:
+            for v in nbytes.values():
+                size += sum(v)
+            if self._held_waiting + size > self.wait_bytes:
+                wait, size = False, 0  # (holds enough: no room now is BUSY)
         try:
             self.put([(ids, cols)])
         except Exception as e:  # noqa: BLE001 - nothing stored
             return PutAnswer(PutStatus.REFUSED, error=e)
+        self._held_waiting += size
         try:
-            ans = await ctl.put_rows(partition, fields, ids, self.index, nbytes, tags,
-                                     version, dtypes)
+            ans = await (ctl.put_rows_wait if wait else ctl.put_rows)(
+                partition, fields, ids, self.index, nbytes, tags, version, dtypes)
+        except asyncio.CancelledError:  # (withdrawn: cancel_put) the controller stopped
+            # the call or took its rows back before this is raised (see RayControl._call)
+            self.delete(ids)
+            raise
         except ConnectFailed:
             ans = PutAnswer(PutStatus.BUSY)  # nothing sent
         except Exception as e:  # noqa: BLE001 - committed (or the connection broke: it
             # may have been); the controller dropped what it had to
             return PutAnswer(PutStatus.FAILED, error=e)
+        finally:
+            self._held_waiting -= size
         if ans.status is not PutStatus.OK:
             self.delete(ids)
         return ans
+
+
+def _forget_wait(waiting: set[str], rid: str, _fut: asyncio.Future) -> None:
+    waiting.discard(rid)
 
 
 class PlaneAdmission:
@@ -199,7 +258,8 @@ class PlaneAdmission:
             from .coalesce import PutCoalescer  # (imports torch: producers only, not units)
 
             self._coalescer = PutCoalescer(self._put_rows_call, self._retract_rows,
-                                           max_bytes=FAST_MAX)
+                                           max_bytes=FAST_MAX,
+                                           send_waiting=self._put_rows_waiting)
         return await self._coalescer.put(partition, cols, n, nbytes, tags, version, dtypes,
                                          usual)
 
@@ -207,14 +267,25 @@ class PlaneAdmission:
         """Drop ``rows`` of the answered put ``rid`` to unit ``shard`` (``"cancelled"``)."""
         await self._call(shard, "cancel_put", rid, rows)
 
+    def _put_rows_waiting(self, partition: str, cols: Mapping[str, Column], n: int,
+                          nbytes: dict, tags: dict, version: int | None, dtypes: dict | None,
+                          rid: str, alone: bool
+                          ) -> Awaitable[tuple[list[int], list[int], Any] | str | None]:
+        """:meth:`_put_rows_call` of a put that may wait for room as long as it takes
+        (the unit has it wait at the controller: one call, where the usual way makes
+        three)."""
+        return self._put_rows_call(partition, cols, n, nbytes, tags, version, dtypes, rid,
+                                   alone, True)
+
     async def _put_rows_call(self, partition: str, cols: Mapping[str, Column], n: int,
                              nbytes: dict, tags: dict, version: int | None,
-                             dtypes: dict | None, rid: str, alone: bool
+                             dtypes: dict | None, rid: str, alone: bool, wait: bool = False
                              ) -> tuple[list[int], list[int], Any] | str | None:
         """:meth:`put_rows` as one call, request id ``rid`` (see
         :class:`~.coalesce.PutCoalescer` for ``alone``); no call while the units are
-        full (``None``)."""
-        if time.monotonic() < self._busy_until:
+        full (``None``), unless the put may ``wait`` for room at the controller (then
+        the units are taken to be full for a while more if it waited)."""
+        if not wait and time.monotonic() < self._busy_until:
             return None
         live = [s for s in range(self.num_shards)
                 if self.rpcs[s] is not None and s not in self._unreachable]
@@ -228,7 +299,8 @@ class PlaneAdmission:
         assert rpc is not None  # (live units have a socket channel)
         try:
             ans = PutAnswer.from_wire(await rpc.call("put_rows", n, wire, partition, list(cols),
-                                                     nbytes, tags, version, rid, dtypes))
+                                                     nbytes, tags, version, rid, dtypes,
+                                                     wait))
         except asyncio.CancelledError:
             # the unit finishes the put (shielded) and then drops what it committed;
             # the cancellation goes on once that is done, so a retry cannot race it
@@ -244,8 +316,11 @@ class PlaneAdmission:
                 f"lost the connection to storage unit {shard} during a put ({e}); the rows "
                 "may or may not have been put") from None
         if ans.status is PutStatus.BUSY:  # no room now: wait the usual way (and for a while)
-            self._busy_until = time.monotonic() + _BUSY_PAUSE
+            if not wait:  # (a waiting put's BUSY: its ids were no longer the unit's)
+                self._busy_until = time.monotonic() + _BUSY_PAUSE
             return None
+        if ans.waited:  # the queue is full: the next puts wait for room at once
+            self._busy_until = time.monotonic() + _BUSY_PAUSE
         if ans.status is PutStatus.REFUSED and not alone:
             from .coalesce import SPLIT
 

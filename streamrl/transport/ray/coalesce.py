@@ -21,10 +21,12 @@ call raised. A combined call that was refused before anything was kept (:data:`S
 lets each put go the usual way, where each finds its own answer or error.
 
 When the units have no room (a full queue), puts that may wait for room as long as it
-takes (they come with the queue's :class:`~streamrl.transport.base.NewRows`) go the
-usual way *together*: one request for room for all of them, then their columns stored
-and committed as one write, instead of three calls for each put. A put alone (none in
-flight) goes that way alone. A call waiting for room holds no slot in flight, so puts
+takes (they come with the queue's :class:`~streamrl.transport.base.NewRows`) go
+*together* as one put that waits for room at the controller (``send_waiting``: the unit
+stores the rows and the controller admits and commits them when their turn comes; one
+call, where the usual way makes three: room, store, commit), or, where that does not
+apply, the usual way together: one request for room for all of them, then their columns
+stored and committed as one write. A put alone (none in flight) goes that way alone. A call waiting for room holds no slot in flight, so puts
 of other kinds (another partition or version, which the controller may admit sooner)
 go on; puts of its kind go on until :data:`ROOMS` requests of the kind wait at the
 controller, and then wait in the process behind them and combine. The controller
@@ -32,7 +34,9 @@ serves waiting puts first come, first served, so none overtakes an earlier one.
 
 Cancellation: a put cancelled while it waits behind the calls in flight leaves at once
 (nothing was sent for it); so does one cancelled while its group waits for room (the
-request for room is withdrawn, and made again for the others). One cancelled while its
+request for room is withdrawn, and made again for the others), once the group's put
+that waited for room is withdrawn (the controller forgets it, or takes its rows back
+had it just admitted them, and the unit deletes them). One cancelled while its
 combined call (or its group's store and commit) is in flight waits until that is
 answered and its own rows are taken back (dropped as ``"cancelled"``), and only then is
 the cancellation raised, so a retry never races the undo; the other puts of the call
@@ -82,7 +86,7 @@ class _Group:
     """Puts of one kind waiting to go as one call."""
 
     __slots__ = ("partition", "version", "dtypes", "usual", "kind", "puts", "nbytes", "sent",
-                 "rid", "room", "settled")
+                 "rid", "room", "waits", "settled")
 
     def __init__(self, partition: str, version: int | None, dtypes: dict | None,
                  usual: NewRows | None, kind: Hashable):
@@ -98,6 +102,7 @@ class _Group:
         # went the usual way (rows are taken back through ``usual``)
         self.rid = ""
         self.room: asyncio.Task | None = None  # the group's request for room, while it waits
+        self.waits = False  # ``room`` is the group's put waiting for room (send_waiting)
         # set once the call is answered and cancelled puts' rows are taken back
         self.settled: asyncio.Future = asyncio.get_running_loop().create_future()
 
@@ -143,6 +148,12 @@ class PutCoalescer:
             what it put before it re-raises.
         retract: ``retract(shard, rid, rows)`` drops ``rows`` of the answered call
             ``rid`` to unit ``shard`` as ``"cancelled"``.
+        send_waiting: as ``send``, for puts that may wait for room as long as it takes:
+            the call waits at the controller where ``send`` answers ``None`` (one call
+            where ``usual`` makes three); ``None`` (it does not apply, nothing kept):
+            the puts go the usual way. Cancelled, it takes back what it put (or its
+            request for room) before it re-raises. Without it, puts go the usual way
+            whenever the units have no room.
 
     Keyword Args:
         max_bytes: bytes a combined call carries at most (a put that would take its
@@ -154,10 +165,12 @@ class PutCoalescer:
 
     def __init__(self, send: Callable[..., Awaitable[Any]],
                  retract: Callable[[int, str, list[int]], Coroutine[Any, Any, Any]], *,
-                 max_bytes: int = 1 << 20, max_in_flight: int = 1):
+                 max_bytes: int = 1 << 20, max_in_flight: int = 1,
+                 send_waiting: Callable[..., Awaitable[Any]] | None = None):
         if max_in_flight < 1:
             raise ValueError(f"max_in_flight must be at least 1, got {max_in_flight}")
         self._send = send
+        self._send_waiting = send_waiting
         self._retract = retract
         self.max_in_flight = max_in_flight
         self.max_bytes = max_bytes
@@ -173,6 +186,9 @@ class PutCoalescer:
         #: puts sent the usual way (no room in the units), and rows they carried
         self.usual_calls = 0
         self.usual_rows = 0
+        #: puts sent with ``send_waiting`` (no room in the units), and rows they carried
+        self.wait_calls = 0
+        self.wait_rows = 0
 
     async def put(self, partition: str, cols: Mapping[str, Any], n: int, nbytes: dict,
                   tags: dict, version: int | None, dtypes: dict | None = None,
@@ -203,8 +219,16 @@ class PutCoalescer:
                     if kind is None:
                         kind = _kind(partition, cols, tags, version, dtypes, usual)
                     self._park(kind)
+                    tok = None
                     try:
-                        tok = await usual.room(partition, cols, n, nbytes, version, dtypes)
+                        if self._send_waiting is not None:  # (it waits at the controller)
+                            ans = await self._send_waiting(partition, cols, n, nbytes, tags,
+                                                           version, dtypes, request_id(), True)
+                            if ans is not None:
+                                self.wait_calls += 1
+                                self.wait_rows += n
+                        if ans is None:
+                            tok = await usual.room(partition, cols, n, nbytes, version, dtypes)
                     finally:
                         self._unpark(kind)
                     if tok is not None:
@@ -248,9 +272,13 @@ class PutCoalescer:
                 rows, shards, _ = fut.result()
                 await undone(self._take_back(g, shards[0], rows), "put")
             return
-        if g.room is not None and g.room.cancel():
+        room = g.room
+        if room is not None and room.cancel():
             # the group waits for room: it asks again without this put (nothing was kept
-            # for it: a request for room taken back keeps nothing)
+            # for it: a request for room taken back keeps nothing; a put waiting for room
+            # takes back what it put before it ends, and this one leaves after that)
+            if g.waits:
+                await undone(asyncio.wait([room]), "put")
             return
         # the group's call takes this put's rows back once it is answered
         await undone(_wait(g.settled), "put")
@@ -344,11 +372,14 @@ class PutCoalescer:
             await undone(self._take_back(g, shards[0], back), "put")
 
     async def _usual(self, g: _Group) -> tuple[list[_Put], Any]:
-        """Put the group's puts the usual way (the units had no room): room for all of
-        them (asked again without the puts cancelled while it waits), then one write.
+        """Put the group's puts the usual way (the units had no room): as one put that
+        waits for room at the controller (``send_waiting``), else room for all of them
+        (asked again without the puts cancelled while it waits), then one write.
         Returns the puts it put and the answer."""
         usual, dtypes = g.usual, g.dtypes
         assert usual is not None and dtypes is not None
+        waits = self._send_waiting is not None
+        rid = ""
         self._park(g.kind)  # (no slot held while it waits for room)
         try:
             while True:
@@ -356,21 +387,43 @@ class PutCoalescer:
                 if not puts:
                     return puts, None
                 cols, n, nbytes, tags = _combined(puts)
-                g.room = room = asyncio.ensure_future(
-                    usual.room(g.partition, cols, n, nbytes, g.version, dtypes))
+                if waits:
+                    assert self._send_waiting is not None  # (waits)
+                    rid = request_id()
+                    aw = self._send_waiting(g.partition, cols, n, nbytes, tags, g.version,
+                                            dtypes, rid, False)
+                else:
+                    aw = usual.room(g.partition, cols, n, nbytes, g.version, dtypes)
+                g.room = room = asyncio.ensure_future(aw)
+                g.waits = waits
                 try:
                     await asyncio.wait([room])
                 except asyncio.CancelledError:  # (the loop is closing)
-                    if not room.cancel() and not room.cancelled() \
-                            and room.exception() is None and room.result() is not None:
-                        await usual.abort(room.result())  # room given: given back
-                    else:
+                    if room.cancel() or room.cancelled() or room.exception() is not None \
+                            or room.result() is None:
                         await asyncio.wait([room])
+                    elif waits:  # its rows landed: taken back
+                        if type(room.result()) is tuple:
+                            rows, shards, _ = room.result()
+                            await self._retract(shards[0], rid, rows)
+                    else:  # room given: given back
+                        await usual.abort(room.result())
                     raise
                 finally:
                     g.room = None
-                if not room.cancelled():  # (else a put of the group was cancelled: again
-                    break  # without it)
+                    g.waits = False
+                if room.cancelled():  # a put of the group was cancelled: again without it
+                    continue
+                if not waits:
+                    break
+                ans = room.result()  # (raises what the put raised)
+                if ans is None:  # (it does not apply, nothing kept): the usual way
+                    waits = False
+                    continue
+                g.rid = rid  # (rows of cancelled puts are taken back through the unit)
+                self.wait_calls += 1
+                self.wait_rows += n
+                return puts, ans
         finally:
             self._unpark(g.kind)
         tok = room.result()

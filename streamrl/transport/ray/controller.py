@@ -7,11 +7,12 @@ goes to the service through one dispatch (:meth:`ControllerActorImpl._serve`). N
 here is written per call, except what :data:`_UNDO` says about the cancellable ones.
 
 A call its caller may give up on (:data:`~streamrl.control.CANCELLABLE`: ``take``,
-``allocate``, ``begin_write``, ``commit``, ``checkpoint_begin``) comes wrapped with a
-request id (:meth:`ControllerActorImpl.cancellable`); :meth:`ControllerActorImpl.cancel`
-then stops it, or takes back what it did (a take's lease is released, an admitted write
-aborted, a commit retracted, a checkpoint's hold on deletes ended), so nothing outlives a
-caller that is gone.
+``ack_take``, ``allocate``, ``begin_write``, ``commit``, ``put_rows_wait``,
+``checkpoint_begin``) comes wrapped with a request id
+(:meth:`ControllerActorImpl.cancellable`); :meth:`ControllerActorImpl.cancel` then stops
+it, or takes back what it did (a take's lease is released, an admitted write aborted, a
+commit retracted, a waiting small put's rows dropped, a checkpoint's hold on deletes
+ended), so nothing outlives a caller that is gone.
 
 The actor's own methods, which are not controller calls: :meth:`~ControllerActorImpl.endpoints`,
 :meth:`~ControllerActorImpl.handles`, :meth:`~ControllerActorImpl.cancellable`,
@@ -34,7 +35,7 @@ from ...config import QueueConfig
 from ...control import CANCELLABLE, CONTROL_METHODS, forwarders
 from ...controller import Controller
 from ...errors import InvalidArgument
-from ...messages import PutAnswer
+from ...messages import PutAnswer, PutStatus
 from ...service import ControllerService
 from ...stats import Stats
 from ..rpc import RpcServer
@@ -72,17 +73,20 @@ _UNDO: dict[str, Callable[[tuple, dict, Any], tuple[str, tuple] | None]] = {
     "allocate": lambda a, kw, tok: ("abort", (tok.id,)),
     "begin_write": lambda a, kw, tok: ("abort", (tok.id,)),
     "commit": lambda a, kw, _res: ("retract", (_token(a, kw),)),
+    "put_rows_wait": lambda a, kw, ans: (("retract_rows", (ans.rows,))
+                                         if ans.status is PutStatus.OK else None),
     "checkpoint_begin": lambda a, kw, cut: ("checkpoint_end", (cut.token,)),
 }
 assert _UNDO.keys() == CANCELLABLE, "every cancellable control call needs its undo"
 
 #: calls after which the actor lets the consumers they woke run before it replies (a
 #: small put's consumers hear of its rows no later than its producer)
-_YIELD_AFTER = frozenset({"put_rows"})
+_YIELD_AFTER = frozenset({"put_rows", "put_rows_wait"})
 
 #: calls whose answer goes out in a cheaper form than itself (see
 #: :data:`.control.FROM_WIRE`, which reads it back): call -> how
-TO_WIRE: dict[str, Callable[[Any], Any]] = {"put_rows": PutAnswer.to_wire}
+TO_WIRE: dict[str, Callable[[Any], Any]] = {"put_rows": PutAnswer.to_wire,
+                                           "put_rows_wait": PutAnswer.to_wire}
 
 
 class ActorService(ControllerService):
