@@ -67,6 +67,8 @@ class ControllerService:
         self._sub_waiters: dict[tuple, dict[anyio.Event, int]] = {}
         self._part_waiters: dict[str | None, set[anyio.Event]] = {}
         self._space_q: OrderedDict[object, anyio.Event] = OrderedDict()
+        # rows storage units hold for puts waiting for room (put_rows_wait): not strays
+        self._waiting_rows: set[int] = set()
         self._pace_waiters: set[anyio.Event] = set()
         self._filters: dict[str, Callable] = {}
         self._filter_failures: deque[str] = deque(maxlen=16)
@@ -424,8 +426,13 @@ class ControllerService:
                 await self._until_version(
                     version - ctl.max_lead, None,
                     f"waited for the trainer to reach version {version - ctl.max_lead}")
-            got = await self._in_turn(n, total, None, None, lambda me: self._admit_rows(
-                partition, fields, ids, shard, nbytes, tags, version, dtypes, total, False))
+            self._waiting_rows.update(ids)
+            try:
+                got = await self._in_turn(n, total, None, None, lambda me: self._admit_rows(
+                    partition, fields, ids, shard, nbytes, tags, version, dtypes, total,
+                    False))
+            finally:
+                self._waiting_rows.difference_update(ids)
         except StreamRLError as e:
             return PutAnswer(PutStatus.REFUSED, error=e)
         ans = await self._land_rows(ids, got, nbytes, tags)
@@ -1024,7 +1031,7 @@ class ControllerService:
 
         Each committed field of each row must be held by the row's unit; a unit may hold
         more only for writes still in flight. Rows the units hold that the controller
-        does not know are strays, unless a write of new rows is in flight. Reads every
+        does not know are strays, unless they wait for room (:meth:`put_rows_wait`). Reads every
         unit's inventory: a check for tests and debugging, not for hot paths."""
         ctl = self.ctl
         inv = await self.data.inventory()
@@ -1050,7 +1057,8 @@ class ControllerService:
         for shard, rows in enumerate(inv):
             if shard in ctl.dead_shards:
                 continue
-            stray = [r for r in rows if r not in ctl.rows or ctl.rows[r].shard != shard]
+            stray = [r for r in rows if (r not in ctl.rows or ctl.rows[r].shard != shard)
+                     and r not in self._waiting_rows]
             if stray:
                 out.append(f"unit {shard} holds rows {stray[:8]} the controller does not know")
         return out

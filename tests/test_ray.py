@@ -696,6 +696,7 @@ async def test_a_small_put_into_a_full_queue_waits_its_turn_at_the_controller(rq
     monkeypatch.undo()
     st = await q.stats()
     assert st.rows == 2 and sum(st.unit_rows) == 3  # its unit holds it while it waits
+    assert await q.audit() == []  # (a row waiting for room is no stray)
     mb = await q.get("t", ["x"], 1, partition="p", timeout=10)
     await mb.drop()
     with anyio.fail_after(10):
