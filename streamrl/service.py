@@ -421,13 +421,13 @@ class ControllerService:
                                        dtypes, total, True)
                 return await self._land_rows(ids, got, nbytes, tags)
             ctl.check_dtypes(dtypes)  # (a put that can never be admitted does not wait)
-            if why == "ahead":
-                assert version is not None and ctl.max_lead is not None  # ("ahead")
-                await self._until_version(
-                    version - ctl.max_lead, None,
-                    f"waited for the trainer to reach version {version - ctl.max_lead}")
             self._waiting_rows.update(ids)
             try:
+                if why == "ahead":
+                    assert version is not None and ctl.max_lead is not None  # ("ahead")
+                    await self._until_version(
+                        version - ctl.max_lead, None,
+                        f"waited for the trainer to reach version {version - ctl.max_lead}")
                 got = await self._in_turn(n, total, None, None, lambda me: self._admit_rows(
                     partition, fields, ids, shard, nbytes, tags, version, dtypes, total,
                     False))

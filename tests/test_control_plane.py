@@ -405,6 +405,23 @@ async def test_put_rows_wait_cancelled_while_it_waits_keeps_nothing():
     await svc.abort(tok)
 
 
+async def test_put_rows_wait_waits_for_version_pacing_its_rows_no_strays():
+    """Rows of a version too far ahead (max_lead) wait for the trainer's version; the
+    unit's copy of them is not a stray meanwhile (audit), and they land once it moves."""
+    from streamrl.controller import Controller
+
+    data = _HeldDeletes(1)
+    data.go.set()
+    svc = ControllerService(Controller(16, num_shards=1, max_lead=1), data)
+    ids = await _stored(svc, data)
+    put = await _waiting(svc, svc.put_rows_wait("p", ["x"], ids, 0, {"x": [4]}, version=2))
+    assert await svc.audit() == []
+    await svc.set_version(1)
+    ans = await asyncio.wait_for(put, 5)
+    assert ans.status is PutStatus.OK and ans.waited and ids[0] in svc.ctl.rows
+    assert await svc.audit() == []
+
+
 async def test_put_rows_wait_is_refused_when_the_queue_closes_while_it_waits():
     svc, data, held = await _full_service()
     ids = await _stored(svc, data)
