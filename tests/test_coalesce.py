@@ -57,6 +57,10 @@ def _row(v: int, part: str = "p"):
             {"x": [16], "chat": [2]}, {}, None, None)
 
 
+def _ids(start: int, n: int) -> list[int]:
+    return list(range(start, start + n))
+
+
 async def _settle():
     for _ in range(5):
         await asyncio.sleep(0)
@@ -359,17 +363,17 @@ async def test_with_no_room_puts_that_may_wait_go_the_usual_way_together():
     nr.hold_room = False
     nr.go()
     await asyncio.gather(*lone, *waiting)
-    assert [t.result()[0] for t in lone] == [[1000], [1001]]
+    assert [t.result()[0] for t in lone] == [[1000 + i] for i in range(ROOMS)]
     # the combined call was tried first (the units may have room again), then the usual way
-    assert [s["n"] for s in u.sent] == [1, 1, 3] and not u.sent[2]["alone"]
-    assert [r["n"] for r in nr.rooms] == [1, 1, 3]
-    assert [s["rows"] for s in nr.stored] == [[1000], [1001], [1002, 1003, 1004]]
-    assert nr.stored[2]["chat"] == ["c0", "c1", "c2"]
-    assert nr.stored[2]["x"] == [[0, 0], [1, 1], [2, 2]]
-    assert nr.stored[2]["nbytes"] == {"x": [16, 16, 16], "chat": [2, 2, 2]}
-    assert [t.result()[0] for t in waiting] == [[1002], [1003], [1004]]
+    assert [s["n"] for s in u.sent] == [1] * ROOMS + [3] and not u.sent[ROOMS]["alone"]
+    assert [r["n"] for r in nr.rooms] == [1] * ROOMS + [3]
+    assert [s["rows"] for s in nr.stored] == [[1000 + i] for i in range(ROOMS)] + [_ids(1000 + ROOMS, 3)]
+    assert nr.stored[ROOMS]["chat"] == ["c0", "c1", "c2"]
+    assert nr.stored[ROOMS]["x"] == [[0, 0], [1, 1], [2, 2]]
+    assert nr.stored[ROOMS]["nbytes"] == {"x": [16, 16, 16], "chat": [2, 2, 2]}
+    assert [t.result()[0] for t in waiting] == [[1000 + ROOMS + i] for i in range(3)]
     assert [t.result()[1] for t in waiting] == [[5]] * 3
-    assert (c.usual_calls, c.usual_rows, c.in_flight, c._rooms) == (3, 5, 0, {})
+    assert (c.usual_calls, c.usual_rows, c.in_flight, c._rooms) == (ROOMS + 1, ROOMS + 3, 0, {})
 
 
 async def test_puts_of_other_kinds_go_on_while_a_kind_waits_for_room():
@@ -408,18 +412,18 @@ async def test_a_put_cancelled_while_its_group_waits_for_room_leaves_at_once():
     u, nr, c, lone, waiting = await _full(4)
     nr.go()  # the lone puts get room; then the others' combined call finds none: they wait
     await _settle()
-    assert [r["n"] for r in nr.rooms] == [1, 1, 4] and not nr.rooms[2]["given"]
+    assert [r["n"] for r in nr.rooms] == [1] * ROOMS + [4] and not nr.rooms[ROOMS]["given"]
     waiting[1].cancel()
     await _settle()
     assert waiting[1].cancelled()  # at once, though room never came
-    assert [r["n"] for r in nr.rooms] == [1, 1, 4, 3]
-    assert nr.rooms[3]["chat"] == ["c0", "c2", "c3"]
+    assert [r["n"] for r in nr.rooms] == [1] * ROOMS + [4, 3]
+    assert nr.rooms[ROOMS + 1]["chat"] == ["c0", "c2", "c3"]
     nr.hold_room = False
     nr.go()
     rest = [waiting[0], waiting[2], waiting[3]]
     await asyncio.gather(*lone, *rest)
-    assert [t.result()[0] for t in rest] == [[1002], [1003], [1004]]
-    assert nr.stored[2]["chat"] == ["c0", "c2", "c3"]
+    assert [t.result()[0] for t in rest] == [[1000 + ROOMS + i] for i in range(3)]
+    assert nr.stored[ROOMS]["chat"] == ["c0", "c2", "c3"]
     assert nr.retracted == [] and nr.aborted == [] and c.in_flight == 0 and c._rooms == {}
 
 
@@ -432,10 +436,10 @@ async def test_a_put_cancelled_while_its_group_is_stored_takes_back_its_rows_fir
     nr.go()
     for _ in range(10):  # (the lone puts' stores go; the group's is held)
         await _settle()
-        if len(nr.stored) == 3:
+        if len(nr.stored) == ROOMS + 1:
             break
         nr.go()
-    assert len(nr.stored) == 3 and nr.stored[2]["rows"] == [1002, 1003, 1004]
+    assert len(nr.stored) == ROOMS + 1 and nr.stored[ROOMS]["rows"] == _ids(1000 + ROOMS, 3)
     waiting[1].cancel()
     await _settle()
     assert not waiting[1].done()  # waits for the store and the undo
@@ -444,8 +448,8 @@ async def test_a_put_cancelled_while_its_group_is_stored_takes_back_its_rows_fir
     await asyncio.gather(*lone, waiting[0], waiting[2])
     with pytest.raises(asyncio.CancelledError):
         await waiting[1]
-    assert nr.retracted == [[1003]] and u.retracted == []
-    assert [t.result()[0] for t in (waiting[0], waiting[2])] == [[1002], [1004]]
+    assert nr.retracted == [[1000 + ROOMS + 1]] and u.retracted == []
+    assert [t.result()[0] for t in (waiting[0], waiting[2])] == [[1000 + ROOMS], [1000 + ROOMS + 2]]
 
 
 async def test_a_group_refused_room_sends_each_put_alone():
@@ -474,8 +478,8 @@ async def test_a_combined_call_refused_sends_each_put_alone_even_if_it_may_wait(
     nr.hold_room = False
     nr.go()
     assert await asyncio.gather(*waiting) == [None, None]
-    assert [r["n"] for r in nr.rooms] == [1, 1]
-    assert [t.result()[0] for t in lone] == [[1000], [1001]]
+    assert [r["n"] for r in nr.rooms] == [1] * ROOMS
+    assert [t.result()[0] for t in lone] == [[1000 + i] for i in range(ROOMS)]
 
 
 # -- puts that may wait for room, sent to wait at the controller (send_waiting)
@@ -550,14 +554,15 @@ async def test_with_no_room_puts_that_may_wait_wait_at_the_controller_as_one_cal
     u, nr, w, c, lone, waiting = await _full_waiting(3)
     w.go()
     await asyncio.gather(*lone, *waiting)
-    assert [s["n"] for s in w.sent] == [1, 1, 3]
-    assert [s["alone"] for s in w.sent] == [True, True, False]
-    assert w.sent[2]["chat"] == ["c0", "c1", "c2"]
-    assert [t.result()[0] for t in lone] == [[2000], [2001]]
-    assert [t.result()[0] for t in waiting] == [[2002], [2003], [2004]]
+    assert [s["n"] for s in w.sent] == [1] * ROOMS + [3]
+    assert [s["alone"] for s in w.sent] == [True] * ROOMS + [False]
+    assert w.sent[ROOMS]["chat"] == ["c0", "c1", "c2"]
+    assert [t.result()[0] for t in lone] == [[2000 + i] for i in range(ROOMS)]
+    assert [t.result()[0] for t in waiting] == [[2000 + ROOMS + i] for i in range(3)]
     assert [t.result()[1] for t in waiting] == [[4]] * 3
     assert nr.rooms == [] and nr.stored == []
-    assert (c.wait_calls, c.wait_rows, c.usual_calls, c.in_flight, c._rooms) == (3, 5, 0, 0, {})
+    assert (c.wait_calls, c.wait_rows, c.usual_calls, c.in_flight, c._rooms) == (
+        ROOMS + 1, ROOMS + 3, 0, 0, {})
 
 
 async def test_a_put_cancelled_while_its_group_waits_at_the_controller_leaves_after_the_withdrawal():
@@ -586,7 +591,7 @@ async def test_a_put_cancelled_while_its_group_waits_at_the_controller_leaves_af
     assert w.sent[-1]["n"] == 2 and w.sent[-1]["chat"] == ["c0", "c2"]
     w.go()
     await asyncio.gather(waiting[0], waiting[2])
-    assert [t.result()[0] for t in (waiting[0], waiting[2])] == [[2002], [2003]]
+    assert [t.result()[0] for t in (waiting[0], waiting[2])] == [[2000 + ROOMS], [2000 + ROOMS + 1]]
     assert u.retracted == [] and nr.rooms == [] and c.in_flight == 0 and c._rooms == {}
 
 

@@ -63,9 +63,12 @@ __all__ = ["PutCoalescer", "SPLIT"]
 SPLIT = "split"
 
 #: requests for room of one kind of puts a process has waiting at the controller at once;
-#: more puts of that kind wait in the process, combined (two: the next group is in line
-#: when the first gets room)
-ROOMS = 2
+#: more puts of that kind wait in the process, combined. One: a group that waits at the
+#: controller (``send_waiting``) lands in the call that waited, so the next is sent at
+#: once, and the fewer groups wait, the larger each one is (fewer calls; see
+#: docs/benchmarks.md, stop 30). Two did better when a group that got room still had to
+#: be stored and committed before the next went.
+ROOMS = 1
 
 _STRIDED = torch.strided
 
