@@ -415,7 +415,7 @@ class ControllerService:
         n = len(ids)
         total = sum(sum(v) for v in nbytes.values())
         try:
-            why = None if self._space_q else ctl.admission(n, total, version)
+            why = ctl.admission(n, total, version)
             if not self._space_q and why is None:
                 got = self._admit_rows(partition, fields, ids, shard, nbytes, tags, version,
                                        dtypes, total, True)
@@ -436,7 +436,7 @@ class ControllerService:
         except StreamRLError as e:
             return PutAnswer(PutStatus.REFUSED, error=e)
         ans = await self._land_rows(ids, got, nbytes, tags)
-        ans.waited = True
+        ans.waited = ans.status is PutStatus.OK
         return ans
 
     def _admit_rows(self, partition: str, fields: Sequence[str], ids: Sequence[int],

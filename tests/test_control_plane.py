@@ -422,6 +422,29 @@ async def test_put_rows_wait_waits_for_version_pacing_its_rows_no_strays():
     assert await svc.audit() == []
 
 
+async def test_put_rows_wait_behind_others_still_waits_for_version_pacing():
+    """Others wait for room already, and the put is of a version too far ahead: it
+    waits for the version too (not refused once room comes)."""
+    from streamrl.controller import Controller
+
+    data = _HeldDeletes(1)
+    data.go.set()
+    svc = ControllerService(Controller(2, num_shards=1, max_lead=1), data)
+    held = await _stored(svc, data, 2)
+    await svc.put_rows("p", ["x"], held, 0, {"x": [4, 4]})
+    first = await _waiting(svc, svc.allocate("p", 1, ["x"], nbytes=4))
+    ids = await _stored(svc, data)
+    put = await _waiting(svc, svc.put_rows_wait("p", ["x"], ids, 0, {"x": [4]}, version=2))
+    await svc.drop(held)
+    await svc.abort(await asyncio.wait_for(first, 5))
+    for _ in range(20):
+        await asyncio.sleep(0)
+    assert not put.done()  # room, but not the version
+    await svc.set_version(1)
+    ans = await asyncio.wait_for(put, 5)
+    assert ans.status is PutStatus.OK and ans.waited and ids[0] in svc.ctl.rows
+
+
 async def test_put_rows_wait_is_refused_when_the_queue_closes_while_it_waits():
     svc, data, held = await _full_service()
     ids = await _stored(svc, data)

@@ -29,7 +29,6 @@ deletes them).
 from __future__ import annotations
 
 import asyncio
-import functools
 import time
 from collections import OrderedDict
 from collections.abc import Awaitable, Mapping
@@ -72,8 +71,8 @@ class UnitAdmission:
     def _init_admission(self) -> None:
         self._ids = [0, 0]  # [next, end) of the row ids leased for put_rows (socket thread)
         self._ids_lock: asyncio.Lock | None = None
-        self._puts: OrderedDict[str, asyncio.Task] = OrderedDict()  # put_rows by request id
-        self._waiting: set[str] = set()  # request ids of puts that may wait for room
+        # put_rows by request id: the task, and whether it may wait for room
+        self._puts: OrderedDict[str, tuple[asyncio.Task, bool]] = OrderedDict()
         self.wait_bytes = WAIT_BYTES  # (see WAIT_BYTES)
         self._held_waiting = 0  # bytes of puts waiting for room now
 
@@ -96,14 +95,12 @@ class UnitAdmission:
         rows meanwhile, outside the queue's capacity, up to :data:`WAIT_BYTES` (past
         it, ``BUSY`` as without ``wait``); needs ``rid`` (the producer withdraws it with
         :meth:`cancel_put`)."""
+        wait = wait and rid is not None
         fut = spawn(self._admit(n, cols, partition, fields, nbytes, tags, version, dtypes,
-                                wait and rid is not None),
+                                wait),
                     f"a small put admitted by storage unit {self.index}")
         if rid is not None:  # the producer may give up: see cancel_put
-            self._puts[rid] = fut
-            if wait:
-                self._waiting.add(rid)
-                fut.add_done_callback(functools.partial(_forget_wait, self._waiting, rid))
+            self._puts[rid] = (fut, wait)
             while len(self._puts) > 4096:
                 self._puts.popitem(last=False)
         return self._answer(fut)
@@ -129,10 +126,11 @@ class UnitAdmission:
         :mod:`.coalesce`). A put that waits for room (``wait``) and is withdrawn whole
         stops waiting: the controller forgets it (or takes its rows back, had it just
         admitted them) and this unit deletes them. Socket channel only."""
-        fut = self._puts.pop(rid, None) if rows is None else self._puts.get(rid)
-        if fut is None:
+        put = self._puts.pop(rid, None) if rows is None else self._puts.get(rid)
+        if put is None:
             return
-        if rows is None and rid in self._waiting:
+        fut, waits = put
+        if rows is None and waits:
             fut.cancel()  # (see _admit: what it stored is deleted, nothing is admitted)
         await asyncio.wait([fut])
         if fut.cancelled() or fut.exception() is not None:  # nothing committed
@@ -194,10 +192,6 @@ class UnitAdmission:
         if ans.status is not PutStatus.OK:
             self.delete(ids)
         return ans
-
-
-def _forget_wait(waiting: set[str], rid: str, _fut: asyncio.Future) -> None:
-    waiting.discard(rid)
 
 
 class PlaneAdmission:
