@@ -633,7 +633,10 @@ async def test_waiting_puts_are_served_in_order(make_queue):
     order = []
 
     async def put(tag, n):
-        rows = await q.put(rows_of(n), partition="p")
+        # (with a timeout, each put waits at the controller as a request of its own; on
+        # Ray, puts of one process that may wait for ever wait there one group at a
+        # time, and the next ones behind it in the process: in order as well)
+        rows = await q.put(rows_of(n), partition="p", timeout=60)
         order.append((min(rows.rows), tag))  # row ids are handed out in admission order
 
     async def waiting(n):
