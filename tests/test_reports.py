@@ -103,3 +103,35 @@ def test_without_an_event_loop_a_move_is_reported_at_once():
     d.count_moved({"rdt": 1})
     d.count_moved({"rdt": 2})
     assert sent == [{"rdt": 1}, {"rdt": 2}]
+
+
+def test_moves_counted_from_several_threads_are_all_reported_once():
+    """A process's plane is shared by its threads (a sync twin's loop thread, an RDT
+    reader, the caller's loop): moves counted and reports taken at the same time from
+    several of them lose nothing and send nothing twice."""
+    import sys
+    import threading
+
+    sent: list = []
+    d = _plane(sent)
+    n, threads = 20_000, 3
+    old = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)  # (switch threads as often as possible: races show)
+    try:
+        def work(path: str) -> None:
+            for i in range(n):
+                d.count_moved({path: 1, "all": 1})  # (no event loop: reported at once)
+                if i % 7 == 0:
+                    d.report_now()
+
+        ts = [threading.Thread(target=work, args=(f"p{k}",)) for k in range(threads)]
+        for t in ts:
+            t.start()
+        for t in ts:
+            t.join()
+    finally:
+        sys.setswitchinterval(old)
+    d.report_now()
+    assert _total(sent, "all") == n * threads
+    assert all(_total(sent, f"p{k}") == n for k in range(threads))
+    assert d.moved["all"] == n * threads

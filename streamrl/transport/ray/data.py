@@ -23,6 +23,7 @@ import functools
 import logging
 import os
 import random
+import threading
 import time
 import weakref
 from collections.abc import Awaitable, Callable, Mapping, Sequence
@@ -89,6 +90,9 @@ class RayDataPlane(PlaneAdmission, PlaneCheckpoint, DataPlane):
         #: bytes this process moved, per path (``"shm"``, ``"inline"``; subclasses add theirs)
         self.moved: collections.Counter = collections.Counter()
         self._unreported: collections.Counter = collections.Counter()
+        # the two counters are shared by every thread of the process that uses this
+        # plane (a sync twin's loop thread, an RDT reader...): updated under this lock
+        self._moved_lock = threading.Lock()
         #: called with ``{path: bytes}`` moved since the last call (the transport sends it
         #: to the controller, which sums it into ``stats().bytes_by_path``); returns whether
         #: it was taken (else it is offered again with the next move)
@@ -152,11 +156,13 @@ class RayDataPlane(PlaneAdmission, PlaneCheckpoint, DataPlane):
         """Record bytes moved per path, and report them (without waiting); a read in
         progress in this task counts them too (``materialize`` per path)."""
         note_moved(by_path)
-        for path, n in by_path.items():
-            if n:
-                self.moved[path] += n
-                self._unreported[path] += n
-        if self._unreported and self.report_moved is not None:
+        with self._moved_lock:
+            for path, n in by_path.items():
+                if n:
+                    self.moved[path] += n
+                    self._unreported[path] += n
+            pending = bool(self._unreported)
+        if pending and self.report_moved is not None:
             self._report_soon()
 
     def _report_soon(self) -> None:
@@ -193,12 +199,16 @@ class RayDataPlane(PlaneAdmission, PlaneCheckpoint, DataPlane):
         """Report the bytes moved and not reported yet (without waiting)."""
         if not self._unreported or self.report_moved is None:
             return
+        with self._moved_lock:  # (taken out whole: a move counted meanwhile waits)
+            held = dict(self._unreported)
+            self._unreported.clear()
         try:
-            taken = self.report_moved(dict(self._unreported))
+            taken = self.report_moved(held)
         except Exception:  # noqa: BLE001 - statistics never fail a put or a read
             taken = False
-        if taken:
-            self._unreported.clear()
+        if not taken:  # offered again with the next move or report
+            with self._moved_lock:
+                self._unreported.update(held)
 
     def _wire(self, cols: Mapping[str, Column]) -> dict[str, Any]:
         """A put's columns in wire form (:func:`.wire.to_wire`); a data path that keeps
