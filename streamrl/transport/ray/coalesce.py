@@ -26,8 +26,8 @@ takes (they come with the queue's :class:`~streamrl.transport.base.NewRows`) go
 stores the rows and the controller admits and commits them when their turn comes; one
 call, where the usual way makes three: room, store, commit), or, where that does not
 apply, the usual way together: one request for room for all of them, then their columns
-stored and committed as one write. A put alone (none in flight) goes that way alone. A call waiting for room holds no slot in flight, so puts
-of other kinds (another partition or version, which the controller may admit sooner)
+stored and committed as one write. A put alone (none in flight) goes that way alone. A
+call waiting for room holds no slot in flight, so puts of other kinds (another partition or version, which the controller may admit sooner)
 go on; puts of its kind go on until :data:`ROOMS` requests of the kind wait at the
 controller, and then wait in the process behind them and combine. The controller
 serves waiting puts first come, first served, so none overtakes an earlier one.
