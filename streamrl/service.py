@@ -22,6 +22,7 @@ controller actor's on Ray); no locks are needed because controller calls never a
 
 from __future__ import annotations
 
+import asyncio
 import inspect
 import logging
 import math
@@ -29,7 +30,7 @@ import time
 from collections import OrderedDict, deque
 from collections.abc import (Awaitable, Callable, Collection, Hashable, Iterable, Mapping,
                              Sequence)
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import Any, TypeVar
 
 import anyio
 
@@ -42,9 +43,6 @@ from .errors import (CheckpointError, FilterError, InvalidArgument, LeaseExpired
                      QueueFull, RowsDropped, StreamRLError, StreamTimeout)
 from .stats import Histogram, Stats, TaskStats, partition_stats
 from .transport.base import DataPlane
-
-if TYPE_CHECKING:
-    import asyncio
 
 log = logging.getLogger("streamrl")
 T = TypeVar("T")
@@ -82,6 +80,10 @@ class ControllerService:
         self._hold: Hold | None = None
         self._hold_ended: anyio.Event = anyio.Event()
         self._holds = 0
+        # storage deletes running behind the call that caused them (see _delete_behind);
+        # room they free is given to waiting producers once none is left
+        self._behind: set[asyncio.Task] = set()
+        self._freed_behind = False
 
     # ------------------------------------------------------------------ plumbing
 
@@ -170,8 +172,6 @@ class ControllerService:
         Filter failures are raised (``raise_filter_errors``) or logged; either way the
         rows concerned are dropped and counted."""
         if self._loop is None:
-            import asyncio
-
             self._loop = asyncio.get_running_loop()
         if self._deferred:
             self._apply_deferred()
@@ -209,6 +209,38 @@ class ControllerService:
             for e in errors:
                 log.error("streamrl: %s", e)
 
+    def _delete_behind(self) -> None:
+        """Start the storage deletes in the controller's outbox without waiting for
+        them: for a call whose answer does not depend on them (:meth:`ack_take`: the
+        consumer's next batch). Room they free goes to producers waiting for it once
+        they are done, as when awaited (:meth:`_wake`); :meth:`stats`, :meth:`audit`,
+        :meth:`close` and checkpoints wait for them first (:meth:`_deletes_done`).
+        They run to the end whatever happens to the call that started them."""
+        ctl = self.ctl
+        deletes = ctl.deletes
+        if not deletes or self._hold is not None:
+            return  # (a checkpoint's hold: _after splits them)
+        ctl.deletes = {}
+        if self._delete_sync(deletes):
+            return
+        task = asyncio.ensure_future(self._deleted_behind(deletes))
+        self._behind.add(task)
+
+    async def _deleted_behind(self, deletes: dict[int, list[int]]) -> None:
+        try:
+            await self._delete(deletes)
+        finally:
+            self._behind.discard(asyncio.current_task())
+            if not self._behind and self._freed_behind:
+                self._freed_behind = False
+                self._wake((), (), True)
+
+    async def _deletes_done(self) -> None:
+        """Wait until the storage deletes running behind calls (:meth:`_delete_behind`)
+        are done."""
+        while self._behind:
+            await shielded(asyncio.wait(set(self._behind)))
+
     async def _delete(self, deletes: dict[int, list[int]]) -> None:
         if self._hold is not None:  # rows of a checkpoint's cut: deleted once written
             deletes = self._hold.split(deletes)
@@ -231,7 +263,9 @@ class ControllerService:
         for name in changed:
             for ev in self._part_waiters.get(name, ()):
                 ev.set()
-        if freed:
+        if freed and self._behind:  # (once the deletes running behind are done)
+            self._freed_behind = True
+        elif freed:
             if self._space_q:
                 next(iter(self._space_q.values())).set()
             for ev in self._pace_waiters:
@@ -775,9 +809,16 @@ class ControllerService:
         while it waits for rows, it takes no lease (as :meth:`take`)."""
         expired = None
         try:
-            await shielded(self.ack(lease_ids))
+            self.ctl.ack(lease_ids)
         except LeaseExpired as e:
             expired = str(e)
+        except BaseException:
+            await shielded(self._after())
+            raise
+        # the next batch does not wait for the units to delete the rows acknowledged
+        # (a consumer keeping up with a full queue waited a round trip to them a batch)
+        self._delete_behind()
+        await shielded(self._after())
         return await self.take(req, timeout), expired
 
     async def release(self, lease_ids: Sequence[int]) -> None:
@@ -829,6 +870,7 @@ class ControllerService:
         """Close; returns rows still held per partition (logged when not empty)."""
         self.ctl.close()
         await self._after()
+        await self._deletes_done()
         held = self.ctl.held_by_partition()
         if held:
             log.info("streamrl: queue closed with rows held: %s", held)
@@ -978,6 +1020,8 @@ class ControllerService:
         ctl = self.ctl
         ctl.expire()
         await self._after()
+        if with_units:
+            await self._deletes_done()
         tasks = {}
         states = ctl.task_states()
         for t in set(ctl.c_delivered) | set(ctl.c_acked) | {s.task for s in ctl.subs.values()}:
@@ -1034,6 +1078,7 @@ class ControllerService:
         does not know are strays, unless they wait for room (:meth:`put_rows_wait`). Reads every
         unit's inventory: a check for tests and debugging, not for hot paths."""
         ctl = self.ctl
+        await self._deletes_done()
         inv = await self.data.inventory()
         out: list[str] = []
         inflight, writing = ctl.rows_in_writes()

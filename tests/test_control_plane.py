@@ -339,13 +339,14 @@ async def test_put_rows_naming_a_field_without_sizes_goes_through_a_write_token(
 # -- put_rows_wait: a unit's small put that waits its turn for room
 
 
-async def _full_service(capacity=2):
-    """A service whose queue holds ``capacity`` rows (full), their storage deletes free."""
+async def _full_service(capacity=2, **kw):
+    """A service whose queue holds ``capacity`` rows (full), their storage deletes free
+    (``kw``: more options of the controller)."""
     from streamrl.controller import Controller
 
     data = _HeldDeletes(1)
     data.go.set()
-    svc = ControllerService(Controller(capacity, num_shards=1), data)
+    svc = ControllerService(Controller(capacity, num_shards=1, **kw), data)
     held = await _stored(svc, data, capacity)
     assert (await svc.put_rows("p", ["x"], held, 0, {"x": [4] * capacity})).status \
         is PutStatus.OK
@@ -475,6 +476,86 @@ async def test_put_rows_wait_whose_ids_are_no_longer_the_units_answers_busy():
     ans = await asyncio.wait_for(put, 5)
     assert ans.status is PutStatus.BUSY and ids[0] not in svc.ctl.rows
     assert svc.ctl.c_put == 2 and not svc._space_q
+
+
+# -- ack_take: the next batch does not wait for the storage deletes of the ack
+
+
+async def _acked_full_queue():
+    """A full queue (capacity 2) whose units' deletes wait for ``data.go``, a producer
+    waiting for room, and a consumer's ``ack_take`` of both rows under way: returns
+    ``(svc, data, producer task, ack_take task, ids of two more stored rows)``."""
+    svc, data, held = await _full_service(consumers=["t"])
+    data.go.clear()  # (deletes wait from now on)
+    req = Request("t", ("x",), 2, partition="p")
+    d = await svc.take(req, 1.0)
+    assert sorted(d.rows) == sorted(held)
+    more = await _stored(svc, data, 2)
+    producer = await _waiting(svc, svc.put_rows_wait("p", ["x"], more, 0, {"x": [4, 4]}))
+    nxt = asyncio.ensure_future(svc.ack_take([d.lease], req, 5.0))
+    await asyncio.wait_for(data.waiting.wait(), 5)  # the ack's deletes are running
+    return svc, data, producer, nxt, more
+
+
+async def test_ack_take_answers_before_the_units_delete_and_room_waits_for_them():
+    """The consumer's next batch does not wait for the units to delete the rows it
+    acknowledged; the room those deletes free goes to a producer waiting for it only
+    once they are done (what the units hold stays within capacity). stats() with the
+    units waits for them too."""
+    svc, data, producer, nxt, more = await _acked_full_queue()
+    stats = asyncio.ensure_future(svc.stats())
+    for _ in range(20):
+        await asyncio.sleep(0)
+    assert not producer.done() and not stats.done()  # room and unit counts: not yet
+    assert svc.ctl.c_acked["t"] == 2 and not svc.ctl.rows  # the ack itself is done
+    data.go.set()
+    ans = await asyncio.wait_for(producer, 5)
+    assert ans.status is PutStatus.OK and ans.waited
+    d, expired = await asyncio.wait_for(nxt, 5)  # its rows: the producer's
+    assert sorted(d.rows) == sorted(more) and expired is None
+    st = await asyncio.wait_for(stats, 5)
+    assert st.unit_rows == [2]  # the producer's: the stats call waited for the deletes
+    await svc.ack([d.lease])
+    assert (await svc.stats()).unit_rows == [0] and not svc._behind
+
+
+async def test_ack_take_gets_its_next_batch_while_the_deletes_run():
+    """With rows ready, ack_take answers while the deletes of its ack still run."""
+    svc, data, held = await _full_service(capacity=4, consumers=["t"])
+    data.go.clear()
+    req = Request("t", ("x",), 2, partition="p")
+    d = await svc.take(req, 1.0)
+    d2, _ = await asyncio.wait_for(svc.ack_take([d.lease], req, 5.0), 5)
+    assert sorted(d.rows + d2.rows) == sorted(held)
+    assert data.waiting.is_set() and svc._behind  # (its deletes still wait)
+    data.go.set()
+    await svc.ack([d2.lease])
+    assert await svc.audit() == [] and not svc._behind
+    assert (await svc.stats()).unit_rows == [0]
+
+
+async def test_deletes_behind_a_cancelled_ack_take_still_finish_and_close_waits():
+    """Cancelling the ack_take (its take waiting for rows) cancels neither its ack nor
+    the deletes running behind it; close() returns once they are done."""
+    svc, data, held = await _full_service(consumers=["t"])
+    data.go.clear()
+    req = Request("t", ("x",), 2, partition="p")
+    d = await svc.take(req, 1.0)
+    call = asyncio.ensure_future(svc.ack_take([d.lease], req, 5.0))
+    await asyncio.wait_for(data.waiting.wait(), 5)
+    for _ in range(5):
+        await asyncio.sleep(0)
+    call.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await call
+    assert svc._behind and svc.ctl.c_acked["t"] == 2
+    closing = asyncio.ensure_future(svc.close())
+    for _ in range(20):
+        await asyncio.sleep(0)
+    assert not closing.done()
+    data.go.set()
+    assert await asyncio.wait_for(closing, 5) == {}
+    assert data.units[0].stats() == (0, 0)  # deleted, not left behind
 
 
 @pytest.mark.parametrize("failure", [ConnectionError, asyncio.CancelledError])
