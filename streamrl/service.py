@@ -213,9 +213,11 @@ class ControllerService:
         """Start the storage deletes in the controller's outbox without waiting for
         them: for a call whose answer does not depend on them (:meth:`ack_take`: the
         consumer's next batch). Room they free goes to producers waiting for it once
-        they are done, as when awaited (:meth:`_wake`); :meth:`stats`, :meth:`audit`,
-        :meth:`close` and checkpoints wait for them first (:meth:`_deletes_done`).
-        They run to the end whatever happens to the call that started them."""
+        they are done, as when awaited (:meth:`_wake`); :meth:`stats`, :meth:`audit`
+        and :meth:`close` wait for those running when they are called
+        (:meth:`_deletes_done`). A checkpoint need not: the rows they delete had left
+        the controller before its cut. They run to the end whatever happens to the
+        call that started them."""
         ctl = self.ctl
         deletes = ctl.deletes
         if not deletes or self._hold is not None:
@@ -237,8 +239,9 @@ class ControllerService:
 
     async def _deletes_done(self) -> None:
         """Wait until the storage deletes running behind calls (:meth:`_delete_behind`)
-        are done."""
-        while self._behind:
+        now are done (not those started meanwhile: a consumer that keeps acknowledging
+        could otherwise hold the caller for ever)."""
+        if self._behind:
             await shielded(asyncio.wait(set(self._behind)))
 
     async def _delete(self, deletes: dict[int, list[int]]) -> None:
