@@ -55,6 +55,14 @@ BATCH = 64
 ISSUE_PACE_US = 1.8
 
 
+def pace(us: float) -> dict:
+    """The machine's pace from the bare asyncio.Queue case's ``us`` a row: that, the
+    issue's, and the factor that scales a time per row measured here to the issue's
+    machine."""
+    return {"asyncio_queue_us_per_row": us, "issue_us_per_row": ISSUE_PACE_US,
+            "scale_to_issue": ISSUE_PACE_US / us}
+
+
 def sample(i: int) -> dict:
     return {"tokens": torch.full((1, TOKENS), i, dtype=torch.int64),
             "reward": torch.tensor([float(i)])}
@@ -465,8 +473,7 @@ async def main() -> None:
     # metrics on (endpoint + a scrape a second) against off, interleaved pairs, the
     # order alternating: CPU time per row, and wall time
     res["metrics"] = await metrics_case(a.metrics_rows, a.metrics_reps, a.scrape_every)
-    res["pace"] = {"asyncio_queue_us_per_row": b * 1e6, "issue_us_per_row": ISSUE_PACE_US,
-                   "scale_to_issue": ISSUE_PACE_US / (b * 1e6)}
+    res["pace"] = pace(b * 1e6)
     res["controller_batched_rows_per_s"] = med([controller_batched(256_000) for _ in range(a.reps)])
     res["controller_one_row_us"] = med([controller_one_row(a.rows) for _ in range(a.reps)]) * 1e6
     if a.ray:

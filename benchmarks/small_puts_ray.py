@@ -61,23 +61,17 @@ BATCH = 64
 TQ_STALL_S = 60.0  # TransferQueue case: give up after this long without a batch
 IDLE_S = 1.0  # seconds of idle CPU measured per case, to take Ray's own threads off
 HERE = os.path.dirname(os.path.abspath(__file__))
-#: the bare asyncio.Queue case's cost per row (us) on the machine the issue's targets were
-#: set on (the issue's text): absolute targets are read against this machine's pace
-ISSUE_PACE_US = 1.8
 
 
 async def machine_pace(rows: int = 20_000, reps: int = 3) -> dict:
-    """This machine's pace: the median cost per row (us) of ``small_puts``'s bare
-    ``asyncio.Queue`` case, and the factor that scales a CPU time per row measured here
-    to the issue's machine (``ISSUE_PACE_US`` over it)."""
+    """This machine's pace (``small_puts.pace``) from the median cost per row of
+    ``small_puts``'s bare ``asyncio.Queue`` case."""
     import statistics
 
     import small_puts
 
-    us = statistics.median([await small_puts.embedded_asyncio_queue(rows) * 1e6
-                            for _ in range(reps)])
-    return {"asyncio_queue_us_per_row": us, "issue_us_per_row": ISSUE_PACE_US,
-            "scale_to_issue": ISSUE_PACE_US / us}
+    return small_puts.pace(statistics.median(
+        [await small_puts.embedded_asyncio_queue(rows) * 1e6 for _ in range(reps)]))
 
 
 def _sample(i: int) -> dict:
