@@ -633,7 +633,10 @@ class RowRemoteBatch(RemoteBatch):
         delivered (from ``put``).
 
         An ack runs to the end even when the awaiting task is cancelled meanwhile (the
-        cancellation goes on after it), so a lease is never left half-acknowledged.
+        cancellation goes on after it), so a lease is never left half-acknowledged. It
+        does not wait for the storage units to delete rows it lets go (every task done
+        with them): producers waiting for the room they free get it once they are gone,
+        and ``stats()`` waits for them.
 
         Raises:
             LeaseExpired: the lease had expired and the rows went to another consumer,

@@ -157,7 +157,10 @@ class ControllerService:
             if self._done_now():
                 raise
             return self._after_then(e)
-        return None if self._done_now() else self._after()
+        if self._done_now():
+            return None
+        self._delete_behind()  # (as ack: the answer does not wait for the deletes)
+        return self._after()
 
     def _sync_ok(self) -> bool:
         """Whether a call may run without awaiting (see :meth:`_done_now`)."""
@@ -211,8 +214,8 @@ class ControllerService:
 
     def _delete_behind(self) -> None:
         """Start the storage deletes in the controller's outbox without waiting for
-        them: for a call whose answer does not depend on them (:meth:`ack_take`: the
-        consumer's next batch). Room they free goes to producers waiting for it once
+        them: for a call whose answer does not depend on them (:meth:`ack` and
+        :meth:`ack_take`: the consumer's acknowledgement, its next batch). Room they free goes to producers waiting for it once
         they are done, as when awaited (:meth:`_wake`); :meth:`stats`, :meth:`audit`
         and :meth:`close` wait for those running when they are called
         (:meth:`_deletes_done`). A checkpoint need not: the rows they delete had left
@@ -794,10 +797,14 @@ class ControllerService:
         return "; ".join(parts) + f". {hint[0].upper()}{hint[1:]}. Pass a longer timeout."
 
     async def ack(self, lease_ids: Sequence[int]) -> None:
-        """Acknowledge leases (see :meth:`Controller.ack`)."""
+        """Acknowledge leases (see :meth:`Controller.ack`). Answers without waiting for
+        the storage deletes of the rows it lets go (:meth:`_delete_behind`): room they
+        free goes to producers waiting for it once they are done, and :meth:`stats`
+        with the units, :meth:`audit` and :meth:`close` wait for them."""
         try:
             self.ctl.ack(lease_ids)
         finally:
+            self._delete_behind()
             await self._after()
 
     async def ack_take(self, lease_ids: Sequence[int], req: Request,

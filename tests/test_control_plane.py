@@ -534,6 +534,29 @@ async def test_ack_take_gets_its_next_batch_while_the_deletes_run():
     assert (await svc.stats()).unit_rows == [0]
 
 
+async def test_ack_answers_before_the_units_delete_and_room_waits_for_them():
+    """An explicit ack (get + ack) does not wait for the units to delete the rows it
+    lets go either; a producer waiting for room gets it only once they are done, and
+    stats() with the units waits for them."""
+    svc, data, held = await _full_service(consumers=["t"])
+    data.go.clear()  # (deletes wait from now on)
+    d = await svc.take(Request("t", ("x",), 2, partition="p"), 1.0)
+    more = await _stored(svc, data, 2)
+    producer = await _waiting(svc, svc.put_rows_wait("p", ["x"], more, 0, {"x": [4, 4]}))
+    await asyncio.wait_for(svc.ack([d.lease]), 5)  # answers while the deletes wait
+    assert data.waiting.is_set() and svc._behind
+    assert svc.ctl.c_acked["t"] == 2 and not svc.ctl.rows
+    stats = asyncio.ensure_future(svc.stats())
+    for _ in range(20):
+        await asyncio.sleep(0)
+    assert not producer.done() and not stats.done()  # room and unit counts: not yet
+    data.go.set()
+    ans = await asyncio.wait_for(producer, 5)
+    assert ans.status is PutStatus.OK and ans.waited
+    assert (await asyncio.wait_for(stats, 5)).unit_rows == [2]
+    assert await svc.audit() == [] and not svc._behind
+
+
 async def test_deletes_behind_a_cancelled_ack_take_still_finish_and_close_waits():
     """Cancelling the ack_take (its take waiting for rows) cancels neither its ack nor
     the deletes running behind it; close() returns once they are done."""
