@@ -215,9 +215,10 @@ class ControllerService:
     def _delete_behind(self) -> None:
         """Start the storage deletes in the controller's outbox without waiting for
         them: for a call whose answer does not depend on them (:meth:`ack` and
-        :meth:`ack_take`: the consumer's acknowledgement, its next batch). Room they free goes to producers waiting for it once
-        they are done, as when awaited (:meth:`_wake`); :meth:`stats`, :meth:`audit`
-        and :meth:`close` wait for those running when they are called
+        :meth:`ack_take`: the consumer's acknowledgement, its next batch). Room they
+        free goes to producers waiting for it once they are done, as when awaited
+        (:meth:`_wake`); :meth:`stats`, :meth:`audit` and :meth:`close` wait for those
+        running when they are called
         (:meth:`_deletes_done`). A checkpoint need not: the rows they delete had left
         the controller before its cut. They run to the end whatever happens to the
         call that started them."""
