@@ -6,7 +6,9 @@ python benchmarks/small_puts_ray.py [--rows 20000] [--tq] [--producers 4,16]
 
 Load: P producer actors (async, ``num_cpus=0``) each put ``rows / P`` one-row samples
 (int64 tokens[256] + a float reward) one after another, while the driver streams batches
-of 64 and materializes each. With ``--episodes E`` (E > 1) each producer runs E
+of 64 and materializes each (``--consumer get``: takes each batch with ``get`` and
+acknowledges it with ``ack()``, as a consumer with its own loop or the TransferQueue
+compat layer does). With ``--episodes E`` (E > 1) each producer runs E
 episodes at once (asyncio tasks), each putting its share of the samples one after
 another: an env worker stepping many environments, whose concurrent puts the Ray
 transport combines into fewer calls (``streamrl.transport.ray.coalesce``); these cases
@@ -155,7 +157,8 @@ def _proc_cpu(actor) -> "ray.ObjectRef":  # noqa: F821
 
 
 async def _streamrl_case(ray, producers: int, rows: int, shards: int,
-                         episodes: int = 1, capacity: int = 4096) -> dict:
+                         episodes: int = 1, capacity: int = 4096,
+                         consumer: str = "stream") -> dict:
     import streamrl
 
     Producer = ray.remote(num_cpus=0)(_Producer)
@@ -175,6 +178,17 @@ async def _streamrl_case(ray, producers: int, rows: int, shards: int,
 
         async def consume() -> float:
             nonlocal got
+            if consumer == "get":  # each batch taken by get and acknowledged by ack()
+                while True:
+                    try:
+                        mb = await q.get("train", ["tokens", "reward"], BATCH,
+                                         partition="p", timeout=600)
+                    except streamrl.errors.EndOfStream:
+                        break
+                    td = await mb.materialize()
+                    got += td.batch_size[0]
+                    await mb.ack()
+                return time.perf_counter()
             async for mb in q.stream("train", ["tokens", "reward"], BATCH, partition="p",
                                      timeout=600):
                 td = await mb.materialize()
@@ -188,14 +202,14 @@ async def _streamrl_case(ray, producers: int, rows: int, shards: int,
         await asyncio.sleep(IDLE_S)
         idle1 = await asyncio.gather(*[_proc_cpu(a) for a in actors])
         idle = [(b - a) / (time.perf_counter() - ti) for a, b in zip(idle0, idle1)]
-        consumer = asyncio.ensure_future(consume())
+        reader = asyncio.ensure_future(consume())
         await asyncio.sleep(0.2)  # the consumer waits first
         cpu0 = await asyncio.gather(*[_proc_cpu(a) for a in actors])
         d0 = time.process_time()
         t0 = time.perf_counter()
         ran = await asyncio.gather(*[p.run.remote(q, "p", episodes) for p in ps])
         await q.seal("p")
-        t1 = await consumer
+        t1 = await reader
         d1 = time.process_time()
         cpu1 = await asyncio.gather(*[_proc_cpu(a) for a in actors])
         assert got == n, (got, n)
@@ -208,7 +222,7 @@ async def _streamrl_case(ray, producers: int, rows: int, shards: int,
             ray.kill(p)
         return {
             "producers": producers, "episodes": episodes, "rows": n, "shards": shards,
-            "seconds": dt,
+            "consumer": consumer, "seconds": dt,
             # put calls from the producers per row (warm-up puts included)
             "unit_calls_per_row": sum(r[1] for r in ran) / n,
             # share of the rows that found the units full (the queue was full): put
@@ -289,7 +303,8 @@ def _init_ray():
 
 async def ray_cases(rows: int, tq: bool, producers: tuple[int, ...] = (4, 16),
                     shards: int = 4, tq_rows: int = 2000,
-                    episodes: tuple[int, ...] = (1,), capacity: int = 4096) -> dict:
+                    episodes: tuple[int, ...] = (1,), capacity: int = 4096,
+                    consumer: str = "stream") -> dict:
     """The Ray small-put cases (see the module docstring): a dict of results per case,
     plus ratios against the issue's targets."""
     pace = await machine_pace()  # (before Ray starts: its processes take CPU)
@@ -299,7 +314,7 @@ async def ray_cases(rows: int, tq: bool, producers: tuple[int, ...] = (4, 16),
         for e in episodes:
             for p in producers:
                 key = f"streamrl_{p}" if e == 1 else f"streamrl_{p}x{e}"
-                out[key] = await _streamrl_case(ray, p, rows, shards, e, capacity)
+                out[key] = await _streamrl_case(ray, p, rows, shards, e, capacity, consumer)
                 out[key]["controller_us_at_issue_pace"] = (
                     out[key]["cpu_us_per_row"]["controller"] * pace["scale_to_issue"])
                 _log(key, out[key])
@@ -364,11 +379,15 @@ def main() -> None:
     ap.add_argument("--episodes", default="1",
                     help="episodes each producer runs at once (comma-separated cases)")
     ap.add_argument("--capacity", type=int, default=4096, help="the queue's capacity (rows)")
+    ap.add_argument("--consumer", choices=("stream", "get"), default="stream",
+                    help="how the driver consumes: `async for` over stream() (each batch "
+                    "acknowledged by asking for the next), or get() + ack() per batch")
     ap.add_argument("--json", default=None)
     a = ap.parse_args()
     res = asyncio.run(ray_cases(a.rows, a.tq, tuple(int(x) for x in a.producers.split(",")),
                                 a.shards, a.tq_rows,
-                                tuple(int(x) for x in a.episodes.split(",")), a.capacity))
+                                tuple(int(x) for x in a.episodes.split(",")), a.capacity,
+                                a.consumer))
     print(json.dumps(res, indent=2))
     if a.json:
         with open(a.json, "w") as f:
