@@ -198,6 +198,37 @@ _PLAIN_DTYPES: dict[torch.dtype, str] = {
 _DTYPE_NAMES: dict[torch.dtype, str] = {}
 
 
+def one_row_dense(data: dict) -> tuple[dict[str, list[int]], dict[str, str], tuple] | None:
+    """What a put needs of ``data`` when it is one row of plain dense tensors (a dict of
+    field name -> strided tensor of one row, not nested, meta or requiring grad, of a
+    dtype in :data:`_PLAIN_DTYPES`): ``(nbytes, dtypes, shapes)``, where ``nbytes`` maps
+    each field to ``[its bytes]``, ``dtypes`` to its dtype's name, and ``shapes`` is
+    ``((field, dtype, row shape), ...)`` in the dict's order. One pass, as
+    :func:`to_columns` and the sizes after it would make them. ``None`` for anything
+    else (:func:`to_columns` then does it all, its errors included); never raises."""
+    nbytes: dict[str, list[int]] = {}
+    dtypes: dict[str, str] = {}
+    shapes = []
+    names = _PLAIN_DTYPES
+    for f, v in data.items():
+        if (type(v) is not torch.Tensor or type(f) is not str or not f
+                or v.layout is not _STRIDED or v.is_nested or v.is_meta or v.requires_grad):
+            return None
+        shape = v.shape  # (cheaper than dim() and size(0))
+        if not shape or shape[0] != 1:
+            return None
+        dtype = v.dtype
+        name = names.get(dtype)
+        if name is None:
+            return None
+        nbytes[f] = [v.nbytes]
+        dtypes[f] = name
+        shapes.append((f, dtype, shape[1:]))
+    if not nbytes:
+        return None
+    return nbytes, dtypes, tuple(shapes)
+
+
 def dtype_name(dtype: torch.dtype) -> str:
     """``str(dtype)``, e.g. ``"torch.int64"``."""
     name = _DTYPE_NAMES.get(dtype)

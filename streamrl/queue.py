@@ -19,8 +19,8 @@ from tensordict import TensorDictBase
 
 from ._aio import shielded
 from .batch import ColumnRemoteBatch, RemoteBatch, RowRemoteBatch
-from .columns import (_PLAIN_DTYPES, _STRIDED, Column, column_dtype, dtype_name, row_nbytes,
-                      tag_values, take_rows, to_columns)
+from .columns import (_PLAIN_DTYPES, _STRIDED, Column, column_dtype, dtype_name,
+                      one_row_dense, row_nbytes, tag_values, take_rows, to_columns)
 from .config import QueueConfig, check_timeout
 from .control import ControlPlane
 from .messages import Delivery, FilterSpec, Request
@@ -193,6 +193,9 @@ class StreamQueue:
         # the stage that combines one-row puts (the embedded transport): see combine.py
         control = transport.control
         self._stage = control if isinstance(control, CombiningService) else None
+        # a small put of new rows is one call to a unit, which has the controller admit
+        # it (Ray; see DataPlane.put_rows)
+        self._unit_puts = data.caps.unit_admitted_puts
         self._periodic = None
         self._new_rows = _NewRows(self)
         self._session: Session = Session(self, transport)
@@ -349,10 +352,17 @@ class StreamQueue:
         never races the undo. A write with ``overwrite=True`` is the exception: it is
         idempotent, and a cancelled one leaves each row with its old or its new value.
         """
-        if rows is None and self._stage is not None and type(data) is dict:
-            staged = self._put_staged(data, partition, version, overwrite, timeout)
-            if staged is not None:
-                return staged
+        if rows is None and type(data) is dict:
+            if self._stage is not None:
+                staged = self._put_staged(data, partition, version, overwrite, timeout)
+                if staged is not None:
+                    return staged
+            elif self._unit_puts and self._plain(partition, version, overwrite, timeout):
+                one = one_row_dense(data)
+                if one is not None:  # (what to_columns and the sizes would make of it)
+                    part = DEFAULT_PARTITION if partition is None else partition
+                    return await self._put_rows(part, dict(data), 1, one[0], {}, version,
+                                                one[1], timeout, False, one[2])
         return await _timed(self._put(data, partition, rows, version=version,
                                       overwrite=overwrite, timeout=timeout, nowait=False))
 
@@ -394,6 +404,17 @@ class StreamQueue:
             while len(self._tags_by_part) > 256:
                 self._tags_by_part.popitem(last=False)
 
+    def _plain(self, partition: Any, version: Any, overwrite: Any, timeout: Any) -> bool:
+        """Whether a put of new rows with these arguments may skip their checks (all
+        valid, of the usual types) and the bookkeeping around them: no tag fields known
+        anywhere, no ``timed`` block open (which counts the queue's calls)."""
+        return not (overwrite is not False or (version is not None and (
+            type(version) is not int)) or (partition is not None and (
+                type(partition) is not str or not partition)) or self._tags_any
+            or (timeout is not None and (type(timeout) not in (int, float)
+                                         or not 0 <= timeout < math.inf))
+            or _timing_now.get() is not None)
+
     def _put_staged(self, data: dict, partition: str | None, version: int | None,
                     overwrite: Any, timeout: float | None) -> RowRemoteBatch | None:
         """The one-row put of new rows, embedded, at its cheapest: ``data`` is a dict of
@@ -402,12 +423,7 @@ class StreamQueue:
         staged (anything else, or the stage cannot take it); :meth:`_put` then does it
         all, the checks and their errors included. Never awaits, raises nothing of its
         own. Not taken inside a ``timed`` block, which counts the queue's calls."""
-        if (overwrite is not False or (version is not None and (
-                type(version) is not int)) or (partition is not None and (
-                type(partition) is not str or not partition)) or self._tags_any
-                or (timeout is not None and (type(timeout) not in (int, float)
-                                             or not 0 <= timeout < math.inf))
-                or _timing_now.get() is not None):
+        if not self._plain(partition, version, overwrite, timeout):
             return None
         stage = self._stage
         part = DEFAULT_PARTITION if partition is None else partition
@@ -495,19 +511,8 @@ class StreamQueue:
         part: str | None
         if rows is None:
             part = DEFAULT_PARTITION if partition is None else partition
-            tags = self._tags(part, cols)
-            done = None
-            if self._data.caps.unit_admitted_puts:  # one call, no waiting (Ray)
-                # a put that waits for room as long as it takes may be put the usual way
-                # together with others (see NewRows)
-                usual = self._new_rows if timeout is None and not nowait else None
-                done = await self._data.put_rows(part, cols, n, nbytes, tags, version, dtypes,
-                                                 usual=usual)
-            if done is None:
-                done = await self._put_new(part, cols, n, nbytes, tags, version, dtypes,
-                                           timeout, nowait)
-            self._learn_tags(part, done[2].tag_fields)
-            return RowRemoteBatch._put(self, done[0], done[1], cols, part)
+            return await self._put_rows(part, cols, n, nbytes, self._tags(part, cols),
+                                        version, dtypes, timeout, nowait)
         if version is not None:
             raise InvalidArgument(
                 "version is stamped on new rows only (when they are put); writing fields "
@@ -537,6 +542,25 @@ class StreamQueue:
             target._learn(cols)
             return target
         return RowRemoteBatch._put(self, tok.rows, tok.shards, cols, part)
+
+    async def _put_rows(self, part: str, cols: Mapping[str, Column], n: int, nbytes: dict,
+                        tags: dict, version: int | None, dtypes: dict, timeout: float | None,
+                        nowait: bool, shapes: tuple | None = None) -> RowRemoteBatch:
+        """Put ``n`` new rows whose arguments were checked: in one call to a unit where
+        the data plane admits puts there (Ray), else (or when that does not apply now)
+        the usual way. ``shapes``: see :meth:`DataPlane.put_rows`."""
+        done = None
+        if self._unit_puts:  # one call, no waiting (Ray)
+            # a put that waits for room as long as it takes may be put the usual way
+            # together with others (see NewRows)
+            usual = self._new_rows if timeout is None and not nowait else None
+            done = await self._data.put_rows(part, cols, n, nbytes, tags, version, dtypes,
+                                             usual=usual, shapes=shapes)
+        if done is None:
+            done = await self._put_new(part, cols, n, nbytes, tags, version, dtypes,
+                                       timeout, nowait)
+        self._learn_tags(part, done[2].tag_fields)
+        return RowRemoteBatch._put(self, done[0], done[1], cols, part)
 
     async def _put_new(self, part: str, cols: Mapping[str, Column], n: int, nbytes: dict,
                        tags: dict, version: int | None, dtypes: dict, timeout: float | None,

@@ -141,6 +141,33 @@ async def test_puts_of_other_kinds_are_not_combined():
     assert len(u.sent) == 1 + len(variants) and all(s["n"] == 1 for s in u.sent)
 
 
+async def test_puts_that_bring_their_shapes_combine_with_those_that_do_not():
+    """A one-row put of dense tensors comes with its columns' shapes already read
+    (``one_row_dense``, the queue's quick path); it is of the same kind as a put of the
+    same columns without them, and of another kind when a row shape differs."""
+    from streamrl.columns import one_row_dense
+
+    u = FakeUnit()
+    c = PutCoalescer(u.send, u.retract, max_in_flight=1)
+    first = await _busy(u, c, 1)
+
+    def put(v: int, width: int = 2, hint: bool = True):
+        cols = {"x": torch.full((1, width), v), "r": torch.tensor([float(v)])}
+        nbytes, dtypes, shapes = one_row_dense(cols)
+        return asyncio.ensure_future(c.put("p", cols, 1, nbytes, {}, None, dtypes, None,
+                                           shapes if hint else None))
+
+    same = [put(0), put(1, hint=False), put(2), put(3, hint=False)]
+    wider = put(4, width=3)
+    await _settle()
+    u.hold = False
+    u.release(0)
+    await asyncio.gather(*first, *same, wider)
+    assert len(u.sent) == 3  # the first, the four alike as one call, the wider one
+    assert u.sent[1]["n"] == 4 and u.sent[1]["cols"]["x"][:, 0].tolist() == [0, 1, 2, 3]
+    assert u.sent[2]["n"] == 1 and u.sent[2]["cols"]["x"].shape == (1, 3)
+
+
 async def test_tags_of_combined_puts_are_joined():
     u = FakeUnit()
     c = PutCoalescer(u.send, u.retract, max_in_flight=1)

@@ -10,11 +10,12 @@ import sys
 import textwrap
 
 import anyio
+import numpy as np
 import pytest
 import torch
 
 import streamrl
-from streamrl.errors import InvalidArgument, RowsLost, TransportError
+from streamrl.errors import InvalidArgument, RowsLost, SchemaError, TransportError
 
 ray = pytest.importorskip("ray")
 # the shared make_queue fixture, on the Ray transport only
@@ -609,6 +610,46 @@ async def test_concurrent_small_puts_of_a_process_are_combined_into_fewer_calls(
     for r, x, c in zip(mb.rows, td["x"].tolist(), td["chat"]):
         assert x == want[r] and c == f"c{want[r]}"
     await mb.drop()
+    st = await q.stats()
+    assert st.put == 65 and st.rows == 1
+
+
+async def test_one_row_puts_of_dense_tensors_take_the_quick_path_and_combine(rq, monkeypatch):
+    """A one-row put of plain dense tensors skips the column checks (read once, see
+    ``columns.one_row_dense``) and still combines with puts of its kind that went the
+    usual way (numpy rows, made tensors by ``to_columns``); every row reads back with its
+    own values, and a one-row put that is not plain still raises its usual error."""
+    import streamrl.queue as queue_mod
+
+    q = rq(num_shards=2)
+    await q.put({"x": torch.zeros(1, 2), "r": torch.zeros(1)}, partition="warm")
+    usual = []
+    to_columns = queue_mod.to_columns
+
+    def counted(data):
+        usual.append(data)
+        return to_columns(data)
+
+    monkeypatch.setattr(queue_mod, "to_columns", counted)
+    calls = _count_calls(monkeypatch)
+
+    def row(i: int):
+        if i % 2:  # (numpy: the usual way)
+            return {"x": np.full((1, 2), i, dtype=np.float32), "r": np.array([i], np.float32)}
+        return {"x": torch.full((1, 2), float(i)), "r": torch.tensor([float(i)])}
+
+    puts = await asyncio.gather(*[q.put(row(i), partition="p") for i in range(64)])
+    monkeypatch.undo()
+    assert len(usual) == 32  # the numpy puts alone went through to_columns
+    assert 2 <= calls.count("put_rows") < 16 and "allocate" not in calls
+    want = {p.rows[0]: i for i, p in enumerate(puts)}
+    mb = await q.get("t", ["x", "r"], 64, partition="p", timeout=10)
+    td = await mb.materialize()
+    for r, x, v in zip(mb.rows, td["x"].tolist(), td["r"].tolist()):
+        assert x == [want[r]] * 2 and v == want[r]
+    await mb.drop()
+    with pytest.raises(SchemaError):  # (one row of x, two of r: the usual path's error)
+        await q.put({"x": torch.zeros(1, 2), "r": torch.zeros(2)}, partition="p")
     st = await q.stats()
     assert st.put == 65 and st.rows == 1
 

@@ -45,6 +45,21 @@ async def test_a_small_put_goes_to_a_unit_on_the_producers_node(monkeypatch):
     assert await dp._on_this_node([0, 1, 2, 3]) == []  # none here: put_rows takes any
 
 
+def test_the_units_a_small_put_may_go_to_follow_the_channels_and_the_unreachable():
+    """Worked out once and kept (every small put asks), but again as soon as the socket
+    channels change or a unit turns out unreachable; the node's pool with them."""
+    from streamrl.transport.ray import RayDataPlane
+
+    dp = RayDataPlane([None] * 3)
+    assert dp._live() == []  # no channel: small puts go the usual way
+    dp.rpcs = [object(), None, object()]  # type: ignore[list-item]
+    assert dp._live() == [0, 2]
+    dp._pool_units = [2]
+    assert dp._live() == [0, 2] and dp._pool_units == [2]  # (kept)
+    dp._unreachable.add(2)
+    assert dp._live() == [0] and dp._pool_units is None
+
+
 @pytest.mark.skipif(os.environ.get("STREAMRL_SIM_CLUSTER") != "1",
                     reason="starts a 4-node Ray cluster (over a minute on 2 cores): set "
                            "STREAMRL_SIM_CLUSTER=1")

@@ -101,13 +101,16 @@ class DataPlane(abc.ABC):
 
     async def put_rows(self, partition: str, cols: Mapping[str, Column], n: int,
                        nbytes: dict, tags: dict, version: int | None,
-                       dtypes: dict | None = None, *, usual: NewRows | None = None
+                       dtypes: dict | None = None, *, usual: NewRows | None = None,
+                       shapes: tuple | None = None
                        ) -> tuple[list[int], list[int], Any] | None:
         """A small put of ``n`` new rows admitted by one storage unit (only when
         ``caps.unit_admitted_puts``): ``(rows, shards, commit result)``, or ``None`` when
         it does not apply now (the caller puts the usual way). ``usual``: given when the
         put may wait for room as long as it takes; the data plane may then put these
-        rows that way itself, with others (see :class:`NewRows`)."""
+        rows that way itself, with others (see :class:`NewRows`). ``shapes``: each
+        column's ``(field, dtype, row shape)``, given when the caller read them already
+        (every column a dense tensor; see :func:`streamrl.columns.one_row_dense`)."""
         raise NotImplementedError(f"{type(self).__name__} does not admit puts in its units")
 
     @abc.abstractmethod

@@ -221,10 +221,17 @@ class PlaneAdmission:
         self._unit_nodes: dict[int, str] = {}  # unit -> its Ray node id (asked once)
         self._node: str | None = None  # this process's Ray node id
         self._coalescer: PutCoalescer | None = None  # (made in the event loop's thread)
+        # the units small puts may go to (_live) and those of them they go to (_pool),
+        # as of the channels ``_live_of`` with ``_live_gone`` units unreachable
+        self._live_of: object = None
+        self._live_gone = -1
+        self._live_units: list[int] = []
+        self._pool_units: list[int] | None = None
 
     async def put_rows(self, partition: str, cols: Mapping[str, Column], n: int,
                        nbytes: dict, tags: dict, version: int | None,
-                       dtypes: dict | None = None, *, usual: NewRows | None = None
+                       dtypes: dict | None = None, *, usual: NewRows | None = None,
+                       shapes: tuple | None = None
                        ) -> tuple[list[int], list[int], Any] | None:
         """A small put of ``n`` new rows, admitted and committed by one storage unit
         (see :meth:`UnitAdmission.put_rows`): one call instead of asking the
@@ -236,13 +243,16 @@ class PlaneAdmission:
         (big tensors, no socket channel, no room right now): the caller puts the usual
         way. Raises what the put would raise."""
         if (n < 1 or (usual is None or not self.coalesce_puts)
-                and time.monotonic() < self._busy_until
-                or not any(self.rpcs[s] is not None and s not in self._unreachable
-                           for s in range(self.num_shards))):
+                and time.monotonic() < self._busy_until or not self._live()):
             return None
-        sizes = [sum(v) for v in nbytes.values()]  # each field's bytes
-        if sum(sizes) > FAST_MAX or max(sizes, default=0) >= SHM_MIN:
-            return None  # big tensors go through the arena
+        total = 0
+        for v in nbytes.values():  # (each field's bytes)
+            b = sum(v)
+            if b >= SHM_MIN:
+                return None  # big tensors go through the arena
+            total += b
+        if total > FAST_MAX:
+            return None
         if not self.coalesce_puts:
             ans = await self._put_rows_call(partition, cols, n, nbytes, tags, version,
                                             dtypes, request_id(), True)
@@ -255,7 +265,7 @@ class PlaneAdmission:
                                            max_bytes=FAST_MAX,
                                            send_waiting=self._put_rows_waiting)
         return await self._coalescer.put(partition, cols, n, nbytes, tags, version, dtypes,
-                                         usual)
+                                         usual, shapes)
 
     async def _retract_rows(self, shard: int, rid: str, rows: list[int]) -> None:
         """Drop ``rows`` of the answered put ``rid`` to unit ``shard`` (``"cancelled"``)."""
@@ -281,12 +291,15 @@ class PlaneAdmission:
         the units are taken to be full for a while more if it waited)."""
         if not wait and time.monotonic() < self._busy_until:
             return None
-        live = [s for s in range(self.num_shards)
-                if self.rpcs[s] is not None and s not in self._unreachable]
+        live = self._live()
         if not live:
             return None
         wire = self._wire(cols)
-        pool = await self._on_this_node(live) or live
+        pool = self._pool_units
+        if pool is None:
+            pool = await self._on_this_node(live) or live
+            if live is self._live_units and all(s in self._unit_nodes for s in live):
+                self._pool_units = pool  # (every unit's node is known: kept)
         self._next_unit = (self._next_unit + 1) % len(pool)
         shard = pool[self._next_unit]
         rpc = self.rpcs[shard]
@@ -325,6 +338,18 @@ class PlaneAdmission:
         rows, res = ans.rows, ans.result
         self.count_moved(bytes_by_path(wire))
         return rows, [shard] * n, res
+
+    def _live(self) -> list[int]:
+        """The units a small put may go to: those with a socket channel that could be
+        reached (worked out again when the channels change or a unit turns out
+        unreachable)."""
+        if self._live_of is not self.rpcs or self._live_gone != len(self._unreachable):
+            self._live_units = [s for s in range(self.num_shards)
+                                if self.rpcs[s] is not None and s not in self._unreachable]
+            self._live_of = self.rpcs
+            self._live_gone = len(self._unreachable)
+            self._pool_units = None
+        return self._live_units
 
     async def _on_this_node(self, shards: list[int]) -> list[int]:
         """The units of ``shards`` on this process's Ray node: a small put goes to one of

@@ -112,19 +112,23 @@ class _Group:
 
 def _kind(partition: str, cols: Mapping[str, Any], tags: Mapping[str, Any],
           version: int | None, dtypes: Mapping[str, str] | None,
-          usual: NewRows | None) -> Hashable | None:
-    """What puts must share to be sent as one (``None``: this one goes alone)."""
-    shape: list[tuple] = []
-    for f, c in cols.items():
-        if type(c) is torch.Tensor:
-            if c.layout is not _STRIDED or c.is_nested:
+          usual: NewRows | None, shapes: tuple | None = None) -> Hashable | None:
+    """What puts must share to be sent as one (``None``: this one goes alone).
+    ``shapes``: ``((field, dtype, row shape), ...)`` of ``cols`` when the caller has
+    them (every column a dense tensor, see :func:`streamrl.columns.one_row_dense`)."""
+    if shapes is None:
+        shape: list[tuple] = []
+        for f, c in cols.items():
+            if type(c) is torch.Tensor:
+                if c.layout is not _STRIDED or c.is_nested:
+                    return None
+                shape.append((f, c.dtype, tuple(c.shape[1:])))
+            elif type(c) is list:
+                shape.append((f, list))
+            else:
                 return None
-            shape.append((f, c.dtype, tuple(c.shape[1:])))
-        elif type(c) is list:
-            shape.append((f, list))
-        else:
-            return None
-    return (partition, version, tuple(shape), tuple(tags),
+        shapes = tuple(shape)
+    return (partition, version, shapes, tuple(tags),
             None if dtypes is None else tuple(dtypes.items()), usual)
 
 
@@ -195,16 +199,18 @@ class PutCoalescer:
 
     async def put(self, partition: str, cols: Mapping[str, Any], n: int, nbytes: dict,
                   tags: dict, version: int | None, dtypes: dict | None = None,
-                  usual: NewRows | None = None) -> Any:
+                  usual: NewRows | None = None, shapes: tuple | None = None) -> Any:
         """Put ``n`` new rows: at once when fewer than :attr:`max_in_flight` puts are in
         flight, else combined with the puts of its kind waiting behind them. Returns
         what ``send`` (or, with no room, ``usual``) returns for these rows alone, or
         ``None``: the caller puts them the usual way. ``usual``: given when this put
-        may wait for room as long as it takes (see the module docstring)."""
+        may wait for room as long as it takes (see the module docstring); ``shapes``:
+        each column's ``(field, dtype, row shape)`` when the caller has them (see
+        :func:`_kind`)."""
         kind = None
         now = self.in_flight < self.max_in_flight
         if not now or self._rooms:
-            kind = _kind(partition, cols, tags, version, dtypes, usual)
+            kind = _kind(partition, cols, tags, version, dtypes, usual, shapes)
             if kind is None:
                 now = True
             elif now and self._rooms.get(kind, 0) >= ROOMS:
@@ -220,7 +226,7 @@ class PutCoalescer:
                     # no room in the units: the usual way, with the puts of its kind
                     # made meanwhile waiting behind this one
                     if kind is None:
-                        kind = _kind(partition, cols, tags, version, dtypes, usual)
+                        kind = _kind(partition, cols, tags, version, dtypes, usual, shapes)
                     self._park(kind)
                     tok = None
                     try:

@@ -165,7 +165,7 @@ class RdtDataPlane(RayDataPlane):
             raise
 
     async def put_rows(self, partition, cols, n, nbytes, tags, version, dtypes=None, *,
-                       usual=None):
+                       usual=None, shapes=None):
         # (puts are not combined here: ``usual`` is not used, the caller puts the usual way)
         made: list[int] = []
         token = _made.set(made)
