@@ -352,12 +352,21 @@ class StreamQueue:
         never races the undo. A write with ``overwrite=True`` is the exception: it is
         idempotent, and a cancelled one leaves each row with its old or its new value.
         """
-        if rows is None and type(data) is dict:
+        if rows is None and type(data) is dict and (self._stage is not None or self._unit_puts) \
+                and not (overwrite is not False or (version is not None and (
+                    type(version) is not int)) or (partition is not None and (
+                        type(partition) is not str or not partition)) or self._tags_any
+                    or (timeout is not None and (type(timeout) not in (int, float)
+                                                 or not 0 <= timeout < math.inf))
+                    or _timing_now.get() is not None):
+            # new rows with plain arguments (all valid, of the usual types), no tag fields
+            # known anywhere, no ``timed`` block open (it counts the queue's calls): a
+            # one-row put may skip the checks and bookkeeping of the usual way
             if self._stage is not None:
-                staged = self._put_staged(data, partition, version, overwrite, timeout)
+                staged = self._put_staged(data, partition, version)
                 if staged is not None:
                     return staged
-            elif self._unit_puts and self._plain(partition, version, overwrite, timeout):
+            else:
                 one = one_row_dense(data)
                 if one is not None:  # (what to_columns and the sizes would make of it)
                     part = DEFAULT_PARTITION if partition is None else partition
@@ -404,27 +413,14 @@ class StreamQueue:
             while len(self._tags_by_part) > 256:
                 self._tags_by_part.popitem(last=False)
 
-    def _plain(self, partition: Any, version: Any, overwrite: Any, timeout: Any) -> bool:
-        """Whether a put of new rows with these arguments may skip their checks (all
-        valid, of the usual types) and the bookkeeping around them: no tag fields known
-        anywhere, no ``timed`` block open (which counts the queue's calls)."""
-        return not (overwrite is not False or (version is not None and (
-            type(version) is not int)) or (partition is not None and (
-                type(partition) is not str or not partition)) or self._tags_any
-            or (timeout is not None and (type(timeout) not in (int, float)
-                                         or not 0 <= timeout < math.inf))
-            or _timing_now.get() is not None)
-
-    def _put_staged(self, data: dict, partition: str | None, version: int | None,
-                    overwrite: Any, timeout: float | None) -> RowRemoteBatch | None:
+    def _put_staged(self, data: dict, partition: str | None, version: int | None
+                    ) -> RowRemoteBatch | None:
         """The one-row put of new rows, embedded, at its cheapest: ``data`` is a dict of
-        one-row dense tensors whose arguments are all valid, staged to be admitted with
-        the one-row puts that follow it (see :mod:`streamrl.combine`). ``None``: not
-        staged (anything else, or the stage cannot take it); :meth:`_put` then does it
-        all, the checks and their errors included. Never awaits, raises nothing of its
-        own. Not taken inside a ``timed`` block, which counts the queue's calls."""
-        if not self._plain(partition, version, overwrite, timeout):
-            return None
+        one-row dense tensors (with arguments :meth:`put` found plain), staged to be
+        admitted with the one-row puts that follow it (see :mod:`streamrl.combine`).
+        ``None``: not staged (anything else, or the stage cannot take it); :meth:`_put`
+        then does it all, the checks and their errors included. Never awaits, raises
+        nothing of its own."""
         stage = self._stage
         part = DEFAULT_PARTITION if partition is None else partition
         # a row like the stage's rows (same partition and version, fields of the same
