@@ -28,7 +28,6 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
-from tensordict import TensorDict, TensorDictBase
 
 from ._aio import shielded
 from .timing import counted as _timed
@@ -37,6 +36,7 @@ from .columns import Column, settle, take_rows, to_columns, to_tensordict
 from .errors import InvalidArgument, LeaseExpired, RowsDropped, SchemaError, UnknownField, rows_preview
 
 if TYPE_CHECKING:
+    from tensordict import TensorDict, TensorDictBase
     from typing_extensions import TypeIs  # (typing.TypeIs is Python >= 3.13)
 
     from .queue import StreamQueue
@@ -818,6 +818,8 @@ class BatchProxy:
     """
 
     def __init__(self, remote: RowRemoteBatch, local: TensorDictBase | Mapping[str, Any] | None = None):
+        from tensordict import TensorDict
+
         self.remote = remote
         self.local = TensorDict({}, batch_size=[len(remote)])
         self._dirty: set[str] = set()
@@ -867,6 +869,8 @@ class BatchProxy:
     async def materialize(self, fields: Sequence[str] | None = None) -> TensorDict:
         """Local and remote fields merged (local wins) as one TensorDict."""
         fields = self.keys() if fields is None else list(fields)
+        from tensordict import TensorDict
+
         remote = [f for f in fields if f not in self.local.keys()]
         out = TensorDict({}, batch_size=[len(self.remote)])
         if remote:

@@ -17,21 +17,44 @@ contiguous run of one put).
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Hashable, Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
-from tensordict import NonTensorData, NonTensorStack, TensorDict, TensorDictBase
-from tensordict.base import _is_leaf_nontensor
 
 from ._types import Column
 from .errors import InvalidArgument, SchemaError
 from .storage import approx_size
 
+if TYPE_CHECKING:
+    from tensordict import TensorDict, TensorDictBase
+
 
 __all__ = ["Column", "to_columns", "column_dtype", "row_nbytes", "tag_values", "assemble", "take_rows",
-           "settle", "to_tensordict", "approx_size"]
+           "settle", "to_tensordict", "approx_size", "is_tensordict"]
+
+
+# tensordict is imported where a TensorDict is made or read, not with this module: it
+# pulls in torch._dynamo and sympy (2-3 s and ~90 MB a process here), which a producer
+# that only puts plain tensors never needs. Nothing can be a TensorDict (or one of its
+# non-tensor wrappers) before tensordict is imported, so the checks below look it up in
+# sys.modules instead of importing it.
+
+def is_tensordict(x: Any) -> bool:
+    """Whether ``x`` is a TensorDict (any ``TensorDictBase``); never imports tensordict."""
+    td = sys.modules.get("tensordict")
+    base = getattr(td, "TensorDictBase", None)
+    return base is not None and isinstance(x, base)
+
+
+def _non_tensor(x: Any) -> bool:
+    """Whether ``x`` is tensordict's ``NonTensorStack`` or ``NonTensorData``."""
+    td = sys.modules.get("tensordict")
+    stack = getattr(td, "NonTensorStack", None)
+    data = getattr(td, "NonTensorData", None)
+    return stack is not None and data is not None and isinstance(x, (stack, data))
 
 
 def to_columns(data: Any) -> tuple[dict[str, Column], int]:
@@ -46,7 +69,7 @@ def to_columns(data: Any) -> tuple[dict[str, Column], int]:
     """
     if type(data) is dict:  # (the common case, before the slower ABC checks)
         items = list(data.items())
-    elif isinstance(data, TensorDictBase):
+    elif is_tensordict(data):
         if not data.batch_size:
             raise SchemaError(
                 "a TensorDict put needs a batch dimension (its first dim counts rows); got "
@@ -93,12 +116,14 @@ _STRIDED = torch.strided
 
 
 def _td_items(td: TensorDictBase) -> list[tuple[str, Any]]:
+    from tensordict.base import _is_leaf_nontensor
+
     out = []
     # non-tensor stacks are leaves too (tensordict would otherwise skip them)
     for key in td.keys(include_nested=True, leaves_only=True, is_leaf=_is_leaf_nontensor):
         name = key if isinstance(key, str) else ".".join(key)
         v = td.get(key)
-        if isinstance(v, (NonTensorStack, NonTensorData)):
+        if _non_tensor(v):
             v = v.tolist()
             if not isinstance(v, list):
                 v = [v] * td.batch_size[0]
@@ -155,7 +180,7 @@ def _column(name: str, v: Any) -> Column:
             raise SchemaError(
                 f"field {name!r}: a numpy array of dtype {v.dtype} has no torch dtype ({e}); "
                 "convert it (e.g. astype(np.float32)) or put a list of Python objects") from None
-    if isinstance(v, (NonTensorStack, NonTensorData)):
+    if _non_tensor(v):
         return list(v.tolist())
     if isinstance(v, (list, tuple)):
         return [_check_tensor(f"{name}[{i}]", x) if isinstance(x, torch.Tensor) else x
@@ -439,6 +464,8 @@ def to_tensordict(columns: Mapping[str, Column], n: int) -> TensorDict:
     """A TensorDict of batch size ``[n]``; list columns become non-tensor stacks (read
     back as lists with ``td[name]``), except lists of per-row tensors, which become a
     tensor or a jagged nested tensor (see :func:`settle`)."""
+    from tensordict import NonTensorData, NonTensorStack, TensorDict
+
     td = TensorDict({}, batch_size=[n])
     for name, col in columns.items():
         col = settle(col)

@@ -15,7 +15,6 @@ from typing import TYPE_CHECKING, Any
 import anyio
 import numpy as np
 import torch
-from tensordict import TensorDictBase
 
 from ._aio import shielded
 from .batch import ColumnRemoteBatch, RemoteBatch, RowRemoteBatch
@@ -36,6 +35,8 @@ from .errors import (EndOfStream, InvalidArgument, LeaseExpired, QueueClosed, Sc
 from .stats import Stats
 
 if TYPE_CHECKING:
+    from tensordict import TensorDictBase
+
     from .checkpoint.client import CheckpointInfo, Periodic
     from .metrics import MetricsServer
 

@@ -48,3 +48,56 @@ def test_one_row_dense_agrees_with_to_columns(data):
 ])
 def test_one_row_dense_refuses_anything_else(data):
     assert one_row_dense(data) is None
+
+
+# A producer that only puts plain tensors never needs tensordict, whose import pulls in
+# torch._dynamo and sympy (seconds and ~90 MB a process): it is imported where a
+# TensorDict is made or read.
+_PUT_ONLY = r"""
+import asyncio, sys
+import torch
+import streamrl, streamrl.sync
+try:
+    import streamrl.transport.ray  # (what a Ray producer's handle loads)
+except ImportError:
+    pass
+
+async def main():
+    async with streamrl.StreamQueue(capacity=64) as q:
+        await q.put({"x": torch.zeros(1, 4), "note": ["a"]}, partition="p")
+        await q.put({"x": torch.zeros(3, 4), "note": ["b", "c", "d"]}, partition="p")
+        mb = await q.get("t", ["x", "note"], 4, partition="p", timeout=5)
+        print("before materialize", "tensordict" in sys.modules)
+        td = await mb.materialize()
+        print("after materialize", "tensordict" in sys.modules, type(td).__name__,
+              list(td["note"]), td["x"].shape[0])
+
+asyncio.run(main())
+"""
+
+
+def test_putting_and_getting_does_not_import_tensordict_until_materialize():
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-c", _PUT_ONLY], capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.splitlines()
+    assert lines[0] == "before materialize False"
+    assert lines[1] == "after materialize True TensorDict ['a', 'b', 'c', 'd'] 4"
+
+
+def test_tensordict_inputs_are_still_recognised():
+    from tensordict import NonTensorData, NonTensorStack, TensorDict
+
+    td = TensorDict({"x": torch.arange(6).view(3, 2)}, batch_size=[3])
+    td.set("note", NonTensorStack(*[NonTensorData(s, batch_size=[]) for s in "abc"],
+                                  stack_dim=0))
+    cols, n = to_columns(td)
+    assert n == 3 and cols["note"] == ["a", "b", "c"] and cols["x"] is td["x"]
+    # a non-tensor stack given as a dict's value is its list of rows
+    cols, n = to_columns({"note": td.get("note")})
+    assert n == 3 and cols["note"] == ["a", "b", "c"]
+    with pytest.raises(Exception, match="batch dimension"):
+        to_columns(TensorDict({"x": torch.zeros(2)}, batch_size=[]))
