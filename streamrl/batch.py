@@ -506,6 +506,10 @@ class RowRemoteBatch(RemoteBatch):
         meaningless), whether read from the cache or fetched. Python-object fields give
         a non-tensor stack (``td[name]`` reads it as a list).
 
+        The first TensorDict a process makes imports ``tensordict`` (seconds, once;
+        ``import streamrl`` does not, so that processes that only put stay light):
+        import it up front where that must not land inside a timed loop.
+
         Raises:
             UnknownField: a field is not written for these rows.
             RowsDropped: a row was dropped.
