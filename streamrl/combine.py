@@ -268,7 +268,8 @@ class CombiningService(ControllerService):
         try:
             if ctl.admission(1, b, version) != "full":
                 return None
-        except StreamRLError:  # (closed, never fits: the usual way raises it)
+            ctl.check_open(partition)
+        except StreamRLError:  # (closed, sealed, never fits: the usual way raises it)
             return None
         deadline = None if timeout is None else ctl.clock() + timeout
         return await self._in_turn(1, b, deadline, timeout, lambda me: self.stage_put(

@@ -341,7 +341,9 @@ class StreamQueue:
 
         Waits while the queue is full (backpressure) or, with ``max_lead``, while
         ``version`` is too far ahead. Raises :class:`~streamrl.errors.QueueFull` at once for
-        a put that can never fit, :class:`~streamrl.errors.StreamTimeout` after
+        a put that can never fit, :class:`~streamrl.errors.InvalidArgument` at once for
+        new rows into a sealed partition (or queue), full or not,
+        :class:`~streamrl.errors.StreamTimeout` after
         ``timeout``, :class:`~streamrl.errors.QueueClosed` after close,
         :class:`~streamrl.errors.SchemaError` for mismatched lengths,
         :class:`~streamrl.errors.DuplicateField` and :class:`~streamrl.errors.RowsDropped`.

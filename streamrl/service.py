@@ -328,6 +328,7 @@ class ControllerService:
                 await self._admitted(tok)
             return tok
         ctl.check_dtypes(dtypes)  # a put that can never be admitted does not wait
+        ctl.check_open(partition)
         deadline = None if timeout is None else ctl.clock() + timeout
         if ctl.admission(n, nbytes, version) == "ahead":
             assert version is not None and ctl.max_lead is not None  # (what "ahead" means)
@@ -462,6 +463,7 @@ class ControllerService:
                                        dtypes, total, True)
                 return await self._land_rows(ids, got, nbytes, tags)
             ctl.check_dtypes(dtypes)  # (a put that can never be admitted does not wait)
+            ctl.check_open(partition)
             self._waiting_rows.update(ids)
             try:
                 if why == "ahead":

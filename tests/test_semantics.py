@@ -830,6 +830,26 @@ async def test_put_into_sealed_partition_raises(make_queue):
         await q.put(rows_of(2), partition="p")
 
 
+async def test_put_into_sealed_partition_raises_at_once_when_the_queue_is_full(make_queue):
+    """Such a put can never fit, so it does not wait for room (it waited up to its
+    timeout, for ever without one, when the queue was full)."""
+    q = make_queue(capacity=4)
+    await q.put(rows_of(4), partition="p")
+    await q.seal("p")
+    for n in (1, 2):  # (a one-row put goes a quick path of its own)
+        with pytest.raises(InvalidArgument, match="sealed"):
+            await asyncio.wait_for(q.put(rows_of(n), partition="p"), 30)
+        with pytest.raises(InvalidArgument, match="sealed"):
+            await q.put_nowait(rows_of(n), partition="p")
+    await q.seal()  # the whole queue sealed, full: the same
+    with pytest.raises(InvalidArgument, match="sealed"):
+        await asyncio.wait_for(q.put(rows_of(1), partition="other"), 30)
+    st = await q.stats()
+    assert st.rows == 4
+    mb = await q.get("t", ["idx"], 4, partition="p", timeout=30)
+    assert sorted((await mb.materialize())["idx"].tolist()) == [0, 1, 2, 3]
+
+
 async def test_remote_batch_pickles_small_without_cache(make_queue):
     q = make_queue()
     await q.put({"x": torch.zeros(256, 4096)}, partition="p")  # 4 MiB

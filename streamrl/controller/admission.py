@@ -38,6 +38,23 @@ class Admission(ControllerBase):
                 f"a single put of {nbytes} bytes can never fit a queue whose capacity_bytes "
                 f"is {self.capacity_bytes}; split the put or raise capacity_bytes")
 
+    def check_open(self, partition: str) -> None:
+        """Raise what a put of new rows into ``partition`` raises whatever the room:
+        :class:`QueueClosed` after close, :class:`InvalidArgument` when the queue or the
+        partition is sealed. Callers check it before they wait for room: such a put
+        never fits, however long it waits."""
+        if self.closed:
+            raise QueueClosed("the queue is closed; no rows can be put any more")
+        if self.sealed_all:
+            raise InvalidArgument(
+                "the queue is sealed (seal() without a partition): no new rows; new fields of "
+                "existing rows are still accepted")
+        p = self.parts.get(partition)
+        if partition in self.retired or (p is not None and p.sealed):
+            raise InvalidArgument(
+                f"partition {partition!r} is sealed; put new rows into another partition "
+                "(a sealed partition only takes new fields of its existing rows)")
+
     def admission(self, n: int, nbytes: int, version: int | None) -> str | None:
         """Why ``n`` new rows cannot be admitted now: ``"full"``, ``"ahead"`` (version
         pacing) or ``None`` when they can. Raises if they never could."""
@@ -187,6 +204,7 @@ class Admission(ControllerBase):
         units: ``(partition, version, ids, shards)``."""
         if not isinstance(n, int) or n <= 0:
             raise InvalidArgument(f"a put needs at least one row, got {n!r}")
+        self.check_open(partition)  # (before room: a sealed partition's put never fits)
         why = None if admitted else self.admission(n, nbytes, version)
         if why == "full":
             raise QueueFull(
@@ -198,15 +216,7 @@ class Admission(ControllerBase):
             raise QueueFull(
                 f"rows of version {version} are more than max_lead={self.max_lead} versions "
                 f"ahead of the trainer (version {self.version}); wait (use put) or set_version")
-        if self.sealed_all:
-            raise InvalidArgument(
-                "the queue is sealed (seal() without a partition): no new rows; new fields of "
-                "existing rows are still accepted")
-        p = None if partition in self.retired else self._part(partition)
-        if p is None or p.sealed:
-            raise InvalidArgument(
-                f"partition {partition!r} is sealed; put new rows into another partition "
-                "(a sealed partition only takes new fields of its existing rows)")
+        p = self._part(partition)  # (open: check_open above)
         if version is None:
             version = self.version
         elif not isinstance(version, int):
