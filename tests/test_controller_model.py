@@ -1,0 +1,338 @@
+"""The controller against a model of it that keeps one record per row.
+
+A hypothesis state machine drives :class:`streamrl.controller.Controller` and a plain
+per-row model side by side: new rows (committed at once or later, or aborted), writes
+of new fields to existing rows (committed, aborted or taken back), takes, acks,
+releases, drops, seals and clears over two partitions and two declared consumers.
+After every step the two must agree on which rows are held, which fields each has
+ready, the bytes held, the live leases and their rows, and the rows deleted from
+storage; every take must hand out only rows the model finds deliverable to that task,
+a full batch whenever the model has one, and the end of a sealed partition only once
+nothing of it is left for the task.
+
+This is the reference a change of the controller's internals (rows kept as runs, see
+docs/scaling.md) is checked against: the model is per row on purpose.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+
+from streamrl.controller import END, Controller, Delivery, Request
+from streamrl.errors import (DuplicateField, InvalidArgument, LeaseExpired, QueueFull,
+                             RowsDropped)
+
+CAPACITY = 16
+TASKS = ("a", "b")
+PARTS = ("p", "p", "q")  # (p more often: rows there meet their takes)
+#: bytes of each field in every row (rows of one shape, as most puts are)
+SIZES = {"x": 8, "y": 4, "z": 2}
+#: a rule that ends rows or leases acts in one draw of four, so that rows live long
+#: enough to be taken and acknowledged by both tasks
+RARELY = st.integers(0, 3).map(lambda i: i == 0)
+#: most writes commit at once; the others stay in flight until a later step
+MOSTLY = st.integers(0, 3).map(lambda i: i > 0)
+
+
+class _Row:
+    def __init__(self, part: str):
+        self.part = part
+        self.ready: dict[str, int] = {}  # field -> bytes, committed
+        self.writing: set[str] = set()  # fields with a write in flight
+        self.acked: set[str] = set()
+        self.leased: dict[str, int] = {}  # task -> lease id
+
+
+class ControllerModel(RuleBasedStateMachine):
+    @initialize()
+    def start(self):
+        self.c = Controller(CAPACITY, num_shards=2, consumers=list(TASKS))
+        self.rows: dict[int, _Row] = {}
+        self.sealed: set[str] = set()
+        self.retired: set[str] = set()  # sealed partitions whose last row left
+        self.leases: dict[int, tuple[str, list[int]]] = {}  # live: lid -> (task, rows)
+        self.outcome: dict[int, str] = {}  # ended leases: "acked" or "released"
+        self.pending: list = []  # (token, new rows?) admitted, not committed
+        self.committed: list = []  # (token, new rows?) committed writes, for retract
+        self.dropped: set[int] = set()  # rows the model dropped
+        self.deleted: set[int] = set()  # rows the controller asked storage to delete
+        # lease id -> the fields it asked for (a retract takes rows only from leases of them)
+        self._lease_fields: dict[int, tuple[str, ...]] = {}
+
+    # ------------------------------------------------------------------ model helpers
+
+    def _drop(self, rid: int) -> None:
+        row = self.rows.pop(rid)
+        self.dropped.add(rid)
+        for lid in row.leased.values():
+            task, rows = self.leases[lid]
+            rows.remove(rid)
+            if not rows:  # (an emptied lease counts as acked)
+                del self.leases[lid]
+                self.outcome[lid] = "acked"
+        self._retire(row.part)
+
+    def _retire(self, part: str) -> None:
+        if part in self.sealed and not any(r.part == part for r in self.rows.values()):
+            self.retired.add(part)
+
+    def _deliverable(self, task: str, fields: tuple[str, ...], part: str) -> list[int]:
+        return [rid for rid, r in self.rows.items()
+                if r.part == part and task not in r.acked and task not in r.leased
+                and all(f in r.ready for f in fields)]
+
+    def _settle(self) -> None:
+        deletes, *_ = self.c.drain()
+        for rows in deletes.values():
+            self.deleted.update(rows)
+
+    # ------------------------------------------------------------------ new rows
+
+    @rule(part=st.sampled_from(PARTS), n=st.integers(1, 4),
+          fields=st.sets(st.sampled_from(("x", "y")), min_size=1), now=MOSTLY)
+    def put(self, part, n, fields, now):
+        fields = tuple(sorted(fields))
+        nbytes = n * sum(SIZES[f] for f in fields)
+        if part in self.sealed:
+            with pytest.raises(InvalidArgument):
+                self.c.allocate(part, n, fields, nbytes=nbytes)
+            return
+        if len(self.rows) + n > CAPACITY:
+            with pytest.raises(QueueFull):
+                self.c.allocate(part, n, fields, nbytes=nbytes)
+            return
+        tok = self.c.allocate(part, n, fields, nbytes=nbytes)
+        assert len(tok.rows) == n and not set(tok.rows) & (set(self.rows) | self.dropped)
+        for rid in tok.rows:
+            row = self.rows[rid] = _Row(part)
+            row.writing = set(fields)
+        if now:
+            self._commit(tok, True)
+        else:
+            self.pending.append((tok, True))
+        self._settle()
+
+    def _commit(self, tok, new: bool) -> None:
+        res = self.c.commit(tok, {f: [SIZES[f]] * len(tok.rows) for f in tok.fields})
+        dead = sorted(r for rows in res.dead.values() for r in rows)
+        assert dead == sorted(r for r in tok.rows if r not in self.rows)
+        for rid in tok.rows:
+            row = self.rows.get(rid)
+            if row is not None:
+                for f in tok.fields:
+                    row.writing.discard(f)
+                    row.ready[f] = SIZES[f]
+        self.committed.append((tok, new))
+
+    @precondition(lambda self: self.pending)
+    @rule(i=st.integers(0, 1000), commit=st.booleans())
+    def finish_write(self, i, commit):
+        tok, new = self.pending.pop(i % len(self.pending))
+        if commit:
+            self._commit(tok, new)
+        else:
+            undo = self.c.abort(tok)
+            assert (undo is None) == new
+            for rid in tok.rows:
+                row = self.rows.get(rid)
+                if row is None:
+                    continue
+                if new:
+                    self._drop(rid)
+                else:
+                    row.writing.difference_update(tok.fields)
+        self._settle()
+
+    # ------------------------------------------------------------------ writes to rows
+
+    @precondition(lambda self: self.rows or self.dropped)
+    @rule(data=st.data(), field=st.sampled_from(("y", "z")), now=MOSTLY)
+    def write(self, data, field, now):
+        pool = sorted(set(self.rows) | self.dropped)
+        rows = data.draw(st.lists(st.sampled_from(pool), min_size=1, max_size=4, unique=True))
+        if any(r not in self.rows for r in rows):
+            with pytest.raises(RowsDropped):
+                self.c.begin_write(rows, [field])
+            return
+        if any(field in self.rows[r].ready or field in self.rows[r].writing for r in rows):
+            with pytest.raises(DuplicateField):
+                self.c.begin_write(rows, [field])
+            return
+        tok = self.c.begin_write(rows, [field])
+        for rid in rows:
+            self.rows[rid].writing.add(field)
+        if now:
+            self._commit(tok, False)
+        else:
+            self.pending.append((tok, False))
+        self._settle()
+
+    @precondition(lambda self: self.committed)
+    @rule(i=st.integers(0, 1000), go=RARELY)
+    def retract(self, i, go):
+        """A committed write whose writer was cancelled is taken back (once)."""
+        if not go:
+            return
+        tok, new = self.committed.pop(i % len(self.committed))
+        self.c.retract(tok)
+        for rid in tok.rows:
+            row = self.rows.get(rid)
+            if row is None:
+                continue
+            if new:
+                self._drop(rid)
+                continue
+            for f in tok.fields:
+                row.ready.pop(f, None)
+            # leases of the rows for a field taken back lose them (the ack says so)
+            for task, lid in list(row.leased.items()):
+                ltask, lrows = self.leases[lid]
+                if set(tok.fields) & set(self._lease_fields[lid]):
+                    del row.leased[task]
+                    lrows.remove(rid)
+                    if not lrows:
+                        del self.leases[lid]
+                        self.outcome[lid] = "withdrawn"
+        self._settle()
+
+    # ------------------------------------------------------------------ consumers
+
+    @rule(task=st.sampled_from(TASKS), part=st.sampled_from(PARTS),
+          fields=st.sampled_from([("x",), ("x",), ("y",), ("x", "y"), ("z",), ("x", "z")]),
+          batch=st.integers(1, 3))
+    def take(self, task, part, fields, batch):
+        self._take(task, part, fields, batch)
+        self._settle()
+
+    @rule(task=st.sampled_from(TASKS), part=st.sampled_from(PARTS), batch=st.integers(1, 3))
+    def consume(self, task, part, batch):
+        """A consumer's step: take a batch of ``x`` and acknowledge it."""
+        lid = self._take(task, part, ("x",), batch)
+        if lid is not None:
+            self._ack(lid)
+        self._settle()
+
+    def _take(self, task: str, part: str, fields: tuple[str, ...], batch: int) -> int | None:
+        can = self._deliverable(task, fields, part)
+        d = self.c.take(Request(task, fields, batch, partition=part))
+        left = [r for r in self.rows.values() if r.part == part and task not in r.acked]
+        if d is END:
+            assert part in self.sealed and not left, (part, len(left))
+            return None
+        if d is None:
+            assert len(can) < batch, (can, batch)
+            if part in self.sealed and can and all(
+                    task not in r.leased and all(f in r.ready for f in fields)
+                    for r in left):
+                raise AssertionError(f"a sealed partition's tail {can} was held back")
+            return None
+        assert isinstance(d, Delivery)
+        got = list(d.rows)
+        assert len(set(got)) == len(got) and set(got) <= set(can), (got, can)
+        if len(can) >= batch:
+            assert len(got) == batch, (got, batch)
+        else:
+            assert part in self.sealed and got, (got, can, batch)
+        for rid in got:
+            self.rows[rid].leased[task] = d.lease
+        self.leases[d.lease] = (task, got)
+        self._lease_fields[d.lease] = fields
+        return d.lease
+
+    @precondition(lambda self: self.leases or self.outcome)
+    @rule(data=st.data())
+    def ack(self, data):
+        lid = data.draw(st.sampled_from(sorted(set(self.leases) | set(self.outcome))))
+        self._ack(lid)
+        self._settle()
+
+    def _ack(self, lid: int) -> None:
+        if lid in self.leases:
+            self.c.ack([lid])
+            task, rows = self.leases.pop(lid)
+            self.outcome[lid] = "acked"
+            for rid in rows:
+                row = self.rows[rid]
+                del row.leased[task]
+                row.acked.add(task)
+                if row.acked == set(TASKS) and not row.leased:
+                    self._drop(rid)
+        elif self.outcome[lid] in ("released", "withdrawn"):
+            with pytest.raises(LeaseExpired):
+                self.c.ack([lid])
+        else:
+            self.c.ack([lid])  # (idempotent)
+
+    @precondition(lambda self: self.leases)
+    @rule(data=st.data(), go=RARELY)
+    def release(self, data, go):
+        if not go:
+            return
+        lid = data.draw(st.sampled_from(sorted(self.leases)))
+        self.c.release([lid])
+        task, rows = self.leases.pop(lid)
+        self.outcome[lid] = "released"
+        for rid in rows:
+            del self.rows[rid].leased[task]
+        self._settle()
+
+    # ------------------------------------------------------------------ lifecycle
+
+    @precondition(lambda self: self.rows)
+    @rule(data=st.data(), go=RARELY)
+    def drop(self, data, go):
+        if not go:
+            return
+        rows = data.draw(st.lists(st.sampled_from(sorted(self.rows)), min_size=1, max_size=4,
+                                  unique=True))
+        assert self.c.drop(rows) == len(rows)
+        for rid in rows:
+            self._drop(rid)
+        self._settle()
+
+    @rule(part=st.sampled_from(PARTS), go=RARELY)
+    def seal(self, part, go):
+        if not go:
+            return
+        self.c.seal(part)
+        self.sealed.add(part)
+        self._retire(part)
+        self._settle()
+
+    @rule(part=st.sampled_from(PARTS), go=RARELY)
+    def clear(self, part, go):
+        if not go:
+            return
+        rows = [rid for rid, r in self.rows.items() if r.part == part]
+        assert self.c.clear(part) == len(rows)
+        for rid in rows:
+            self._drop(rid)
+        self._settle()
+
+    # ------------------------------------------------------------------ agreement
+
+    @invariant()
+    def agree(self):
+        c = self.c
+        assert set(c.rows) == set(self.rows)
+        for rid, row in self.rows.items():
+            assert set(c.rows[rid].fields) == set(row.ready), (rid, c.rows[rid].fields)
+            assert c.rows[rid].part.name == row.part
+        assert c.bytes_held == sum(sum(r.ready.values()) for r in self.rows.values())
+        assert {lid: sorted(rows) for lid, (_, rows) in self.leases.items()} == \
+            {lid: sorted(lease.rows) for lid, lease in c.leases.items()}
+        assert len(c.rows) <= CAPACITY
+        # every row dropped was deleted from storage, and no row held was
+        assert self.deleted == self.dropped
+
+
+ControllerModel.TestCase.settings = settings(
+    max_examples=int(os.environ.get("STREAMRL_MODEL_EXAMPLES", "150")),
+    stateful_step_count=40, deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
+TestControllerModel = ControllerModel.TestCase
