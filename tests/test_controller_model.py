@@ -3,7 +3,8 @@
 A hypothesis state machine drives :class:`streamrl.controller.Controller` and a plain
 per-row model side by side: new rows (committed at once or later, or aborted), writes
 of new fields to existing rows (committed, aborted or taken back), takes, acks,
-releases, drops, seals and clears over two partitions and two declared consumers.
+releases, drops, seals and clears over two partitions and two declared consumers, a
+bound in rows and one in bytes, and a clock that expires leases and writes.
 After every step the two must agree on which rows are held, which fields each has
 ready, the bytes held, the live leases and their rows, and the rows deleted from
 storage; every take must hand out only rows the model finds deliverable to that task,
@@ -25,9 +26,13 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 
 from streamrl.controller import END, Controller, Delivery, Request
 from streamrl.errors import (DuplicateField, InvalidArgument, LeaseExpired, QueueFull,
-                             RowsDropped)
+                             RowsDropped, StreamTimeout)
 
 CAPACITY = 16
+#: a byte bound that binds before the row bound (16 rows of x and y are 192 bytes)
+CAPACITY_BYTES = 120
+#: seconds a lease (or an admitted write) lives without an ack (a commit)
+LEASE_TIMEOUT = 10.0
 TASKS = ("a", "b")
 PARTS = ("p", "p", "q")  # (p more often: rows there meet their takes)
 #: bytes of each field in every row (rows of one shape, as most puts are)
@@ -51,13 +56,19 @@ class _Row:
 class ControllerModel(RuleBasedStateMachine):
     @initialize()
     def start(self):
-        self.c = Controller(CAPACITY, num_shards=2, consumers=list(TASKS))
+        self.now = 0.0  # the controller's clock, moved by ``advance``
+        self.c = Controller(CAPACITY, capacity_bytes=CAPACITY_BYTES, num_shards=2,
+                            consumers=list(TASKS), lease_timeout=LEASE_TIMEOUT,
+                            clock=lambda: self.now)
+        # ("l", lease id) or ("w", write token id) -> its deadline
+        self.deadline: dict[tuple[str, int], float] = {}
+        self.expired_tokens: list = []  # writes aborted by expiry (their commit raises)
         self.rows: dict[int, _Row] = {}
         self.sealed: set[str] = set()
         self.retired: set[str] = set()  # sealed partitions whose last row left
         self.leases: dict[int, tuple[str, list[int]]] = {}  # live: lid -> (task, rows)
         self.outcome: dict[int, str] = {}  # ended leases: "acked" or "released"
-        self.pending: list = []  # (token, new rows?) admitted, not committed
+        self.pending: list = []  # (token, new rows?, bytes reserved) admitted, not committed
         self.committed: list = []  # (token, new rows?) committed writes, for retract
         self.dropped: set[int] = set()  # rows the model dropped
         self.deleted: set[int] = set()  # rows the controller asked storage to delete
@@ -102,11 +113,15 @@ class ControllerModel(RuleBasedStateMachine):
             with pytest.raises(InvalidArgument):
                 self.c.allocate(part, n, fields, nbytes=nbytes)
             return
-        if len(self.rows) + n > CAPACITY:
+        held = sum(sum(r.ready.values()) for r in self.rows.values())
+        reserved = sum(b for _, new, b in self.pending if new)
+        if len(self.rows) + n > CAPACITY or (
+                self.rows and held + reserved + nbytes > CAPACITY_BYTES):
             with pytest.raises(QueueFull):
                 self.c.allocate(part, n, fields, nbytes=nbytes)
             return
         tok = self.c.allocate(part, n, fields, nbytes=nbytes)
+        self.deadline[("w", tok.id)] = self.now + LEASE_TIMEOUT
         assert len(tok.rows) == n and not set(tok.rows) & (set(self.rows) | self.dropped)
         for rid in tok.rows:
             row = self.rows[rid] = _Row(part)
@@ -114,7 +129,7 @@ class ControllerModel(RuleBasedStateMachine):
         if now:
             self._commit(tok, True)
         else:
-            self.pending.append((tok, True))
+            self.pending.append((tok, True, nbytes))
         self._settle()
 
     def _commit(self, tok, new: bool) -> None:
@@ -132,7 +147,7 @@ class ControllerModel(RuleBasedStateMachine):
     @precondition(lambda self: self.pending)
     @rule(i=st.integers(0, 1000), commit=st.booleans())
     def finish_write(self, i, commit):
-        tok, new = self.pending.pop(i % len(self.pending))
+        tok, new, _ = self.pending.pop(i % len(self.pending))
         if commit:
             self._commit(tok, new)
         else:
@@ -164,12 +179,13 @@ class ControllerModel(RuleBasedStateMachine):
                 self.c.begin_write(rows, [field])
             return
         tok = self.c.begin_write(rows, [field])
+        self.deadline[("w", tok.id)] = self.now + LEASE_TIMEOUT
         for rid in rows:
             self.rows[rid].writing.add(field)
         if now:
             self._commit(tok, False)
         else:
-            self.pending.append((tok, False))
+            self.pending.append((tok, False, 0))
         self._settle()
 
     @precondition(lambda self: self.committed)
@@ -241,6 +257,7 @@ class ControllerModel(RuleBasedStateMachine):
         for rid in got:
             self.rows[rid].leased[task] = d.lease
         self.leases[d.lease] = (task, got)
+        self.deadline[("l", d.lease)] = self.now + LEASE_TIMEOUT
         self._lease_fields[d.lease] = fields
         return d.lease
 
@@ -280,6 +297,43 @@ class ControllerModel(RuleBasedStateMachine):
         for rid in rows:
             del self.rows[rid].leased[task]
         self._settle()
+
+    # ------------------------------------------------------------------ the clock
+
+    @rule(dt=st.sampled_from([0.5, 3.0, 6.0, 11.0]))
+    def advance(self, dt):
+        """Time passes: leases past their deadline are released (their rows delivered
+        again; a late ack raises), writes admitted longer than the lease timeout ago and
+        not committed are aborted (their new rows dropped)."""
+        self.now += dt
+        self.c.expire()
+        for tok, new, b in list(self.pending):
+            if self.deadline[("w", tok.id)] <= self.now:
+                self.pending.remove((tok, new, b))
+                self.expired_tokens.append(tok)
+                for rid in tok.rows:
+                    row = self.rows.get(rid)
+                    if row is None:
+                        continue
+                    if new:
+                        self._drop(rid)
+                    else:
+                        row.writing.difference_update(tok.fields)
+        for lid in list(self.leases):
+            if self.deadline[("l", lid)] <= self.now:
+                task, rows = self.leases.pop(lid)
+                self.outcome[lid] = "released"
+                for rid in rows:
+                    del self.rows[rid].leased[task]
+        self._settle()
+
+    @precondition(lambda self: self.expired_tokens)
+    @rule()
+    def commit_expired(self):
+        """The writer of an expired write comes back: its commit raises, nothing changes."""
+        tok = self.expired_tokens[0]
+        with pytest.raises(StreamTimeout):
+            self.c.commit(tok, {f: [SIZES[f]] * len(tok.rows) for f in tok.fields})
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -324,6 +378,7 @@ class ControllerModel(RuleBasedStateMachine):
             assert set(c.rows[rid].fields) == set(row.ready), (rid, c.rows[rid].fields)
             assert c.rows[rid].part.name == row.part
         assert c.bytes_held == sum(sum(r.ready.values()) for r in self.rows.values())
+        assert c.reserved_bytes == sum(b for _, new, b in self.pending if new)
         assert {lid: sorted(rows) for lid, (_, rows) in self.leases.items()} == \
             {lid: sorted(lease.rows) for lid, lease in c.leases.items()}
         assert len(c.rows) <= CAPACITY
