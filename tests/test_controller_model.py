@@ -4,7 +4,8 @@ A hypothesis state machine drives :class:`streamrl.controller.Controller` and a 
 per-row model side by side: new rows (committed at once or later, or aborted), writes
 of new fields to existing rows (committed, aborted or taken back), takes, acks,
 releases, drops, seals and clears over two partitions and two declared consumers, a
-bound in rows and one in bytes, and a clock that expires leases and writes.
+bound in rows and one in bytes, a clock that expires leases and writes, and groups (a
+third task takes whole groups of rows sharing a key, put at once or in pieces).
 After every step the two must agree on which rows are held, which fields each has
 ready, the bytes held, the live leases and their rows, and the rows deleted from
 storage; every take must hand out only rows the model finds deliverable to that task,
@@ -36,7 +37,12 @@ LEASE_TIMEOUT = 10.0
 TASKS = ("a", "b")
 PARTS = ("p", "p", "q")  # (p more often: rows there meet their takes)
 #: bytes of each field in every row (rows of one shape, as most puts are)
-SIZES = {"x": 8, "y": 4, "z": 2}
+SIZES = {"x": 8, "y": 4, "z": 2, "uid": 8}
+#: rows per group of the grouped task, which is not a declared consumer: its acks drop
+#: nothing, and it never takes ungrouped batches (a group it took row by row would be
+#: neither whole nor split)
+GROUP = 2
+GROUPED = "g"
 #: a rule that ends rows or leases acts in one draw of four, so that rows live long
 #: enough to be taken and acknowledged by both tasks
 RARELY = st.integers(0, 3).map(lambda i: i == 0)
@@ -47,6 +53,7 @@ MOSTLY = st.integers(0, 3).map(lambda i: i > 0)
 class _Row:
     def __init__(self, part: str):
         self.part = part
+        self.key: int | None = None  # its group key (``uid``), once committed
         self.ready: dict[str, int] = {}  # field -> bytes, committed
         self.writing: set[str] = set()  # fields with a write in flight
         self.acked: set[str] = set()
@@ -62,6 +69,10 @@ class ControllerModel(RuleBasedStateMachine):
                             clock=lambda: self.now)
         # ("l", lease id) or ("w", write token id) -> its deadline
         self.deadline: dict[tuple[str, int], float] = {}
+        self.c.register_tag("uid")
+        self.keys = 0  # group keys given out
+        self.token_key: dict[int, int] = {}  # write token -> the group key it writes
+        self.open_groups: list[tuple[str, int]] = []  # (partition, key) of half-put groups
         self.expired_tokens: list = []  # writes aborted by expiry (their commit raises)
         self.rows: dict[int, _Row] = {}
         self.sealed: set[str] = set()
@@ -107,21 +118,47 @@ class ControllerModel(RuleBasedStateMachine):
     @rule(part=st.sampled_from(PARTS), n=st.integers(1, 4),
           fields=st.sets(st.sampled_from(("x", "y")), min_size=1), now=MOSTLY)
     def put(self, part, n, fields, now):
-        fields = tuple(sorted(fields))
+        self._put(part, n, tuple(sorted(fields)), now, None)
+
+    @rule(part=st.sampled_from(PARTS), half=RARELY, now=MOSTLY)
+    def put_group(self, part, half, now):
+        self._put_group(part, half, now)
+
+    @rule(part=st.sampled_from(PARTS), half=RARELY, now=MOSTLY)
+    def put_another_group(self, part, half, now):  # (groups need a few puts)
+        self._put_group(part, half, now)
+
+    def _put_group(self, part: str, half: bool, now: bool) -> None:
+        """A group of ``GROUP`` rows sharing a key, put at once or one row now and the
+        others later (``finish_group``), as a GRPO group's samples arrive."""
+        self.keys += 1
+        if self._put(part, 1 if half else GROUP, ("uid", "x"), now, self.keys) and half:
+            self.open_groups.append((part, self.keys))
+
+    @precondition(lambda self: self.open_groups)
+    @rule(i=st.integers(0, 1000), now=MOSTLY)
+    def finish_group(self, i, now):
+        part, key = self.open_groups.pop(i % len(self.open_groups))
+        self._put(part, GROUP - 1, ("uid", "x"), now, key)
+
+    def _put(self, part: str, n: int, fields: tuple[str, ...], now: bool,
+             key: int | None) -> bool:
         nbytes = n * sum(SIZES[f] for f in fields)
         if part in self.sealed:
             with pytest.raises(InvalidArgument):
                 self.c.allocate(part, n, fields, nbytes=nbytes)
-            return
+            return False
         held = sum(sum(r.ready.values()) for r in self.rows.values())
         reserved = sum(b for _, new, b in self.pending if new)
         if len(self.rows) + n > CAPACITY or (
                 self.rows and held + reserved + nbytes > CAPACITY_BYTES):
             with pytest.raises(QueueFull):
                 self.c.allocate(part, n, fields, nbytes=nbytes)
-            return
+            return False
         tok = self.c.allocate(part, n, fields, nbytes=nbytes)
         self.deadline[("w", tok.id)] = self.now + LEASE_TIMEOUT
+        if key is not None:
+            self.token_key[tok.id] = key
         assert len(tok.rows) == n and not set(tok.rows) & (set(self.rows) | self.dropped)
         for rid in tok.rows:
             row = self.rows[rid] = _Row(part)
@@ -131,9 +168,12 @@ class ControllerModel(RuleBasedStateMachine):
         else:
             self.pending.append((tok, True, nbytes))
         self._settle()
+        return True
 
     def _commit(self, tok, new: bool) -> None:
-        res = self.c.commit(tok, {f: [SIZES[f]] * len(tok.rows) for f in tok.fields})
+        key = self.token_key.get(tok.id)
+        res = self.c.commit(tok, {f: [SIZES[f]] * len(tok.rows) for f in tok.fields},
+                            None if key is None else {"uid": [key] * len(tok.rows)})
         dead = sorted(r for rows in res.dead.values() for r in rows)
         assert dead == sorted(r for r in tok.rows if r not in self.rows)
         for rid in tok.rows:
@@ -142,6 +182,8 @@ class ControllerModel(RuleBasedStateMachine):
                 for f in tok.fields:
                     row.writing.discard(f)
                     row.ready[f] = SIZES[f]
+                if key is not None:
+                    row.key = key
         self.committed.append((tok, new))
 
     @precondition(lambda self: self.pending)
@@ -277,7 +319,7 @@ class ControllerModel(RuleBasedStateMachine):
                 row = self.rows[rid]
                 del row.leased[task]
                 row.acked.add(task)
-                if row.acked == set(TASKS) and not row.leased:
+                if set(TASKS) <= row.acked and not row.leased:
                     self._drop(rid)
         elif self.outcome[lid] in ("released", "withdrawn"):
             with pytest.raises(LeaseExpired):
@@ -296,6 +338,61 @@ class ControllerModel(RuleBasedStateMachine):
         self.outcome[lid] = "released"
         for rid in rows:
             del self.rows[rid].leased[task]
+        self._settle()
+
+    @rule(part=st.sampled_from(PARTS), groups=st.sampled_from([1, 1, 2]))
+    def take_groups(self, part, groups):
+        self._take_groups(part, groups)
+
+    @rule(part=st.sampled_from(PARTS), groups=st.sampled_from([1, 1, 2]))
+    def take_more_groups(self, part, groups):  # (as often as groups are put)
+        self._take_groups(part, groups)
+
+    def _take_groups(self, part: str, groups: int) -> None:
+        """The grouped task takes whole groups (and acknowledges them): a group goes
+        when ``GROUP`` of its rows are ready, or, in a sealed partition, a short one
+        once all its rows are; never split, never mixed with rows of no group."""
+        task, fields, batch = GROUPED, ("uid", "x"), GROUP * groups
+        can = self._deliverable(task, fields, part)
+        by_key: dict[int, list[int]] = {}
+        for rid in can:
+            by_key.setdefault(self.rows[rid].key, []).append(rid)  # type: ignore[arg-type]
+        full = [k for k, rows in by_key.items() if len(rows) == GROUP]
+        # a short group goes once its partition is sealed and all its rows are ready
+        members: dict[int, int] = {}
+        for r in self.rows.values():
+            if r.part == part and r.key is not None and task not in r.acked:
+                members[r.key] = members.get(r.key, 0) + 1
+        short = [k for k, rows in by_key.items()
+                 if part in self.sealed and len(rows) < GROUP and members[k] == len(rows)]
+        d = self.c.take(Request(task, fields, batch, partition=part, group_by="uid",
+                                group_size=GROUP))
+        left = [r for r in self.rows.values() if r.part == part and task not in r.acked]
+        if d is END:
+            assert part in self.sealed and not left, (part, len(left))
+        elif d is None:
+            assert len(full) < groups, (full, groups)
+            # a sealed partition's short batch goes once nothing can join it any more:
+            # no write in flight there, and every row the task has not acked is ready
+            # (a row without a key may still get one)
+            final = not any(r.writing for r in self.rows.values() if r.part == part) and all(
+                all(f in r.ready for f in fields) for r in left)
+            assert part not in self.sealed or not final or not (full or short), (full, short)
+        else:
+            got = list(d.rows)
+            assert len(set(got)) == len(got) and set(got) <= set(can), (got, can)
+            assert len(got) <= batch
+            keys = {self.rows[r].key for r in got}
+            for k in keys:  # whole: every deliverable row of each key it has
+                assert sorted(by_key[k]) == sorted(r for r in got if self.rows[r].key == k)
+                assert len(by_key[k]) == GROUP or part in self.sealed, (k, by_key[k])
+            if len(full) >= groups and part not in self.sealed:
+                # (sealed, a short group ahead may leave a batch short: groups are whole)
+                assert len(got) == batch, (got, full, groups)
+            self.c.ack([d.lease])
+            self.outcome[d.lease] = "acked"
+            for rid in got:
+                self.rows[rid].acked.add(task)
         self._settle()
 
     # ------------------------------------------------------------------ the clock
