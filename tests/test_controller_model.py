@@ -195,15 +195,20 @@ class ControllerModel(RuleBasedStateMachine):
         else:
             undo = self.c.abort(tok)
             assert (undo is None) == new
-            for rid in tok.rows:
-                row = self.rows.get(rid)
-                if row is None:
-                    continue
-                if new:
-                    self._drop(rid)
-                else:
-                    row.writing.difference_update(tok.fields)
+            self._aborted(tok, new)
         self._settle()
+
+    def _aborted(self, tok, new: bool) -> None:
+        """A write ended without a commit: its new rows are dropped, or the fields it
+        was writing to existing rows stay unwritten."""
+        for rid in tok.rows:
+            row = self.rows.get(rid)
+            if row is None:
+                continue
+            if new:
+                self._drop(rid)
+            else:
+                row.writing.difference_update(tok.fields)
 
     # ------------------------------------------------------------------ writes to rows
 
@@ -334,11 +339,16 @@ class ControllerModel(RuleBasedStateMachine):
             return
         lid = data.draw(st.sampled_from(sorted(self.leases)))
         self.c.release([lid])
+        self._released(lid)
+        self._settle()
+
+    def _released(self, lid: int) -> None:
+        """A lease was given back (or expired): its rows go to the task again; a late
+        ack of it raises."""
         task, rows = self.leases.pop(lid)
         self.outcome[lid] = "released"
         for rid in rows:
             del self.rows[rid].leased[task]
-        self._settle()
 
     @rule(part=st.sampled_from(PARTS), groups=st.sampled_from([1, 1, 2]))
     def take_groups(self, part, groups):
@@ -408,20 +418,10 @@ class ControllerModel(RuleBasedStateMachine):
             if self.deadline[("w", tok.id)] <= self.now:
                 self.pending.remove((tok, new, b))
                 self.expired_tokens.append(tok)
-                for rid in tok.rows:
-                    row = self.rows.get(rid)
-                    if row is None:
-                        continue
-                    if new:
-                        self._drop(rid)
-                    else:
-                        row.writing.difference_update(tok.fields)
+                self._aborted(tok, new)
         for lid in list(self.leases):
             if self.deadline[("l", lid)] <= self.now:
-                task, rows = self.leases.pop(lid)
-                self.outcome[lid] = "released"
-                for rid in rows:
-                    del self.rows[rid].leased[task]
+                self._released(lid)
         self._settle()
 
     @precondition(lambda self: self.expired_tokens)
