@@ -506,9 +506,10 @@ class RowRemoteBatch(RemoteBatch):
         meaningless), whether read from the cache or fetched. Python-object fields give
         a non-tensor stack (``td[name]`` reads it as a list).
 
-        The first TensorDict a process makes imports ``tensordict`` (seconds, once;
-        ``import streamrl`` does not, so that processes that only put stay light):
-        import it up front where that must not land inside a timed loop.
+        ``import streamrl`` does not import ``tensordict`` (seconds, once a process), so
+        that processes that only put stay light; a consumer's ``get`` or ``stream``
+        imports it before its first lease. A batch materialized in a process that never
+        asked for one (it was sent there) imports it here, once.
 
         Raises:
             UnknownField: a field is not written for these rows.

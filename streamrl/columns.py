@@ -33,7 +33,7 @@ if TYPE_CHECKING:
 
 
 __all__ = ["Column", "to_columns", "column_dtype", "row_nbytes", "tag_values", "assemble", "take_rows",
-           "settle", "to_tensordict", "approx_size", "is_tensordict"]
+           "settle", "to_tensordict", "approx_size", "is_tensordict", "load_tensordict"]
 
 
 # tensordict is imported where a TensorDict is made or read, not with this module: it
@@ -47,6 +47,15 @@ def is_tensordict(x: Any) -> bool:
     td = sys.modules.get("tensordict")
     base = getattr(td, "TensorDictBase", None)
     return base is not None and isinstance(x, base)
+
+
+def load_tensordict() -> None:
+    """Import tensordict now, once a process. A consumer calls this before its first
+    batch is leased (``get``, ``stream``), so that the import (seconds, the first time)
+    runs before a lease starts rather than inside its first ``materialize``, where a
+    short ``lease_timeout`` could expire meanwhile."""
+    if "tensordict" not in sys.modules:
+        import tensordict  # noqa: F401
 
 
 def _non_tensor(x: Any) -> bool:

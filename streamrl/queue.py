@@ -19,7 +19,7 @@ import torch
 from ._aio import shielded
 from .batch import ColumnRemoteBatch, RemoteBatch, RowRemoteBatch
 from .columns import (_PLAIN_DTYPES, _STRIDED, Column, column_dtype, dtype_name,
-                      one_row_dense, row_nbytes, tag_values, take_rows, to_columns)
+                      one_row_dense, row_nbytes, tag_values, take_rows, to_columns, load_tensordict)
 from .config import QueueConfig, check_timeout
 from .control import ControlPlane
 from .messages import Delivery, FilterSpec, Request
@@ -639,6 +639,7 @@ class StreamQueue:
         """
         req = self._request(locals())
         timeout = check_timeout("timeout", timeout)
+        load_tensordict()  # (a consumer: before its first lease, not inside it)
         d = await _timed(self._control.take(req, timeout))
         if d is None:
             where = f"partition {partition!r} is sealed and" if partition else "the queue is closed and"
@@ -720,6 +721,7 @@ class StreamQueue:
         """
         req = self._request(locals())
         timeout = check_timeout("timeout", timeout)
+        load_tensordict()  # (a consumer: before its first lease, not inside it)
         return Stream(self, req, timeout)
 
     def _delivered(self, d: Delivery) -> RowRemoteBatch:

@@ -52,7 +52,7 @@ def test_one_row_dense_refuses_anything_else(data):
 
 # A producer that only puts plain tensors never needs tensordict, whose import pulls in
 # torch._dynamo and sympy (seconds and ~90 MB a process): it is imported where a
-# TensorDict is made or read.
+# TensorDict is made or read, and by a consumer's get/stream before its first lease.
 _PUT_ONLY = r"""
 import asyncio, sys
 import torch
@@ -66,17 +66,17 @@ async def main():
     async with streamrl.StreamQueue(capacity=64) as q:
         await q.put({"x": torch.zeros(1, 4), "note": ["a"]}, partition="p")
         await q.put({"x": torch.zeros(3, 4), "note": ["b", "c", "d"]}, partition="p")
+        print("after puts", "tensordict" in sys.modules)
         mb = await q.get("t", ["x", "note"], 4, partition="p", timeout=5)
-        print("before materialize", "tensordict" in sys.modules)
+        print("after get", "tensordict" in sys.modules)
         td = await mb.materialize()
-        print("after materialize", "tensordict" in sys.modules, type(td).__name__,
-              list(td["note"]), td["x"].shape[0])
+        print("materialized", type(td).__name__, list(td["note"]), td["x"].shape[0])
 
 asyncio.run(main())
 """
 
 
-def test_putting_and_getting_does_not_import_tensordict_until_materialize():
+def test_a_producer_never_imports_tensordict_and_a_consumer_before_its_first_lease():
     import subprocess
     import sys
 
@@ -84,8 +84,11 @@ def test_putting_and_getting_does_not_import_tensordict_until_materialize():
                          timeout=300)
     assert out.returncode == 0, out.stderr
     lines = out.stdout.splitlines()
-    assert lines[0] == "before materialize False"
-    assert lines[1] == "after materialize True TensorDict ['a', 'b', 'c', 'd'] 4"
+    assert lines[0] == "after puts False"
+    # a consumer imports it before it holds a lease (the import takes seconds, which a
+    # short lease_timeout would not survive inside the first materialize)
+    assert lines[1] == "after get True"
+    assert lines[2] == "materialized TensorDict ['a', 'b', 'c', 'd'] 4"
 
 
 def test_tensordict_inputs_are_still_recognised():
