@@ -197,12 +197,8 @@ class CombiningService(ControllerService):
         ctl = self.ctl
         q = self._space_q
         if (b > self.max_row_bytes or (q and next(iter(q)) is not head)
-                or self._pace_waiters or ctl.filters
-                or ctl.closed or ctl.sealed_all or partition in ctl.retired
-                or self._hold is not None):
-            return False
-        p = ctl.parts.get(partition)
-        if p is not None and p.sealed:
+                or self._pace_waiters or ctl.filters or self._hold is not None
+                or not ctl.open_for_rows(partition)):
             return False
         have = ctl.dtypes
         for f, d in dtypes.items():
@@ -259,8 +255,9 @@ class CombiningService(ControllerService):
         consumer reads back as views. ``None``: refused for another reason, before or
         after the wait (nothing staged); the caller puts it the usual way.
 
-        Raises :class:`~streamrl.errors.StreamTimeout` after ``timeout``; cancelled
-        while waiting, nothing is staged."""
+        Raises :class:`~streamrl.errors.StreamTimeout` after ``timeout``, and what
+        :meth:`Controller.check_open` raises when the partition or the queue is sealed
+        or closed while it waits; cancelled while waiting, nothing is staged."""
         ctl = self.ctl
         b = 0
         for v in sizes.values():
@@ -272,7 +269,7 @@ class CombiningService(ControllerService):
         except StreamRLError:  # (closed, sealed, never fits: the usual way raises it)
             return None
         deadline = None if timeout is None else ctl.clock() + timeout
-        return await self._in_turn(1, b, deadline, timeout, lambda me: self.stage_put(
+        return await self._in_turn(partition, 1, b, deadline, timeout, lambda me: self.stage_put(
             partition, cols, sizes, dtypes, version, head=me))
 
     def _on_tick(self) -> None:

@@ -750,7 +750,9 @@ class StreamQueue:
     async def seal(self, partition: str | None = None) -> None:
         """Declare that no new rows will be added to ``partition``: streams over it end
         once every row is delivered to their task (or dropped), and a short last batch may
-        go out. New fields of its existing rows are still accepted.
+        go out. New fields of its existing rows are still accepted. A put of new rows
+        into it raises :class:`~streamrl.errors.InvalidArgument`, at once, also one that
+        was already waiting for room when the seal came (it could never fit).
 
         Without a partition, seal the whole queue: no new rows anywhere, and streams over
         all partitions (``partition=None``) end once drained, while later pipeline stages

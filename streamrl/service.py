@@ -65,6 +65,8 @@ class ControllerService:
         self._sub_waiters: dict[tuple, dict[anyio.Event, int]] = {}
         self._part_waiters: dict[str | None, set[anyio.Event]] = {}
         self._space_q: OrderedDict[object, anyio.Event] = OrderedDict()
+        # a put waiting for room -> the partition its new rows go to (a seal ends its wait)
+        self._space_part: dict[object, str] = {}
         # rows storage units hold for puts waiting for room (put_rows_wait): not strays
         self._waiting_rows: set[int] = set()
         self._pace_waiters: set[anyio.Event] = set()
@@ -259,6 +261,11 @@ class ControllerService:
             log.exception("streamrl: deleting rows from storage failed")
 
     def _wake(self, woken: Iterable[tuple], changed: Collection[Any], freed: bool) -> None:
+        if changed and self._space_part:
+            # a put waiting for room in a partition sealed now never fits: it raises
+            for me, part in self._space_part.items():
+                if not self.ctl.open_for_rows(part):
+                    self._space_q[me].set()
         for key in woken:
             for ev in self._sub_waiters.get(key, ()):
                 ev.set()
@@ -338,24 +345,28 @@ class ControllerService:
                 f"put waited {timeout}s for the trainer to reach version "
                 f"{version - ctl.max_lead}; call set_version as training advances, or raise "
                 "max_lead")
-        got = await self._in_turn(n, nbytes, deadline, timeout, lambda me: ctl.allocate(
-            partition, n, fields, nbytes=nbytes, version=version, dtypes=dtypes))
+        got = await self._in_turn(partition, n, nbytes, deadline, timeout, lambda me: (
+            ctl.allocate(partition, n, fields, nbytes=nbytes, version=version, dtypes=dtypes)))
         return await self._admitted(got)
 
-    async def _in_turn(self, n: int, nbytes: int, deadline: float | None,
+    async def _in_turn(self, partition: str, n: int, nbytes: int, deadline: float | None,
                        timeout: float | None, admit: Callable[[object], T]) -> T:
-        """Wait for room for ``n`` rows of ``nbytes``, first come, first served with
-        every producer waiting (up to ``deadline``), then return ``admit(me)``, called at
-        once while this caller is first in line (``me``: its place there). Raises
-        :class:`~streamrl.errors.StreamTimeout`; timed out, cancelled or failed before
+        """Wait for room for ``n`` new rows of ``nbytes`` in ``partition``, first come,
+        first served with every producer waiting (up to ``deadline``), then return
+        ``admit(me)``, called at once while this caller is first in line (``me``: its
+        place there). Raises :class:`~streamrl.errors.StreamTimeout`, and what
+        :meth:`Controller.check_open` raises once the partition (or the queue) is sealed
+        or closed meanwhile: such a put would never fit. Timed out, cancelled or failed before
         ``admit`` ran, the outboxes are drained, and the next in line is woken either
         way."""
         ctl = self.ctl
         me = object()
         self._space_q[me] = anyio.Event()
+        self._space_part[me] = partition
         done = False
         try:
             while True:
+                ctl.check_open(partition)
                 if next(iter(self._space_q)) is me and ctl.admission(n, nbytes, None) is None:
                     out = admit(me)
                     done = True
@@ -369,6 +380,7 @@ class ControllerService:
                         "timeout")
         finally:
             self._space_q.pop(me, None)
+            self._space_part.pop(me, None)
             if self._space_q:
                 next(iter(self._space_q.values())).set()
             if not done:
@@ -471,9 +483,9 @@ class ControllerService:
                     await self._until_version(
                         version - ctl.max_lead, None,
                         f"waited for the trainer to reach version {version - ctl.max_lead}")
-                got = await self._in_turn(n, total, None, None, lambda me: self._admit_rows(
-                    partition, fields, ids, shard, nbytes, tags, version, dtypes, total,
-                    False))
+                got = await self._in_turn(partition, n, total, None, None, lambda me: (
+                    self._admit_rows(partition, fields, ids, shard, nbytes, tags, version,
+                                     dtypes, total, False)))
             finally:
                 self._waiting_rows.difference_update(ids)
         except StreamRLError as e:

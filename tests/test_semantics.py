@@ -850,6 +850,64 @@ async def test_put_into_sealed_partition_raises_at_once_when_the_queue_is_full(m
     assert sorted((await mb.materialize())["idx"].tolist()) == [0, 1, 2, 3]
 
 
+async def test_seal_refuses_puts_already_waiting_for_room_in_that_partition(make_queue):
+    """A put waiting for room in a partition that gets sealed meanwhile can never fit:
+    the seal ends its wait with the error (it waited until room freed, for ever without
+    a timeout and without consumers). Puts waiting for other partitions wait on."""
+    q = make_queue(capacity=4)
+    await q.put(rows_of(4), partition="p")
+    outcomes: dict[str, object] = {}
+
+    async def put(tag, n, part, timeout):
+        try:
+            outcomes[tag] = len(await q.put(rows_of(n), partition=part, timeout=timeout))
+        except InvalidArgument as e:
+            outcomes[tag] = e
+
+    async def waiting(n):
+        with anyio.fail_after(30):
+            while (await q.stats()).waiting_puts != n:
+                await anyio.sleep(0.01)
+
+    async def settled(*tags):
+        with anyio.fail_after(10):
+            while not all(t in outcomes for t in tags):
+                await anyio.sleep(0.01)
+
+    async with anyio.create_task_group() as tg:
+        # (with a timeout each put waits at the controller as a request of its own)
+        tg.start_soon(put, "one", 1, "p", 60)
+        await waiting(1)
+        tg.start_soon(put, "two", 2, "p", 60)
+        await waiting(2)
+        tg.start_soon(put, "other", 1, "o", 60)
+        await waiting(3)
+        await q.seal("p")
+        await settled("one", "two")
+        for tag in ("one", "two"):
+            assert isinstance(outcomes[tag], InvalidArgument), outcomes[tag]
+            assert "sealed" in str(outcomes[tag])
+        assert "other" not in outcomes  # still waiting for room, in a partition still open
+        await waiting(1)
+        mb = await q.get("t", ["idx"], 1, partition="p")
+        await mb.drop()
+        await settled("other")
+    assert outcomes["other"] == 1
+    # puts with no timeout, waiting when the whole queue is sealed (on Ray, such puts of
+    # one process wait at the controller one at a time: the second waits behind the first)
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(put, "forever", 1, "o2", None)
+        await waiting(1)
+        tg.start_soon(put, "forever2", 2, "o3", None)
+        await anyio.sleep(0.2)
+        await q.seal()
+        await settled("forever", "forever2")
+    for tag in ("forever", "forever2"):
+        assert isinstance(outcomes[tag], InvalidArgument), outcomes[tag]
+    st = await q.stats()
+    assert st.rows == 4 and st.waiting_puts == 0
+
+
 async def test_remote_batch_pickles_small_without_cache(make_queue):
     q = make_queue()
     await q.put({"x": torch.zeros(256, 4096)}, partition="p")  # 4 MiB

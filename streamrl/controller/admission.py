@@ -55,6 +55,13 @@ class Admission(ControllerBase):
                 f"partition {partition!r} is sealed; put new rows into another partition "
                 "(a sealed partition only takes new fields of its existing rows)")
 
+    def open_for_rows(self, partition: str) -> bool:
+        """Whether new rows may still be put into ``partition`` (see :meth:`check_open`)."""
+        if self.closed or self.sealed_all or partition in self.retired:
+            return False
+        p = self.parts.get(partition)
+        return p is None or not p.sealed
+
     def admission(self, n: int, nbytes: int, version: int | None) -> str | None:
         """Why ``n`` new rows cannot be admitted now: ``"full"``, ``"ahead"`` (version
         pacing) or ``None`` when they can. Raises if they never could."""
