@@ -69,7 +69,9 @@ class ControllerService:
         self._space_part: dict[object, str] = {}
         # rows storage units hold for puts waiting for room (put_rows_wait): not strays
         self._waiting_rows: set[int] = set()
-        self._pace_waiters: set[anyio.Event] = set()
+        # puts waiting for version pacing -> the partition of their new rows (None:
+        # wait_version), whose seal ends the wait
+        self._pace_waiters: dict[anyio.Event, str | None] = {}
         self._filters: dict[str, Callable] = {}
         self._filter_failures: deque[str] = deque(maxlen=16)
         self._waits: deque[float] = deque(maxlen=10000)
@@ -261,11 +263,14 @@ class ControllerService:
             log.exception("streamrl: deleting rows from storage failed")
 
     def _wake(self, woken: Iterable[tuple], changed: Collection[Any], freed: bool) -> None:
-        if changed and self._space_part:
-            # a put waiting for room in a partition sealed now never fits: it raises
+        if changed and (self._space_part or self._pace_waiters):
+            # a put waiting in a partition sealed now never fits: it raises
             for me, part in self._space_part.items():
                 if not self.ctl.open_for_rows(part):
                     self._space_q[me].set()
+            for ev, paced in self._pace_waiters.items():
+                if paced is not None and not self.ctl.open_for_rows(paced):
+                    ev.set()
         for key in woken:
             for ev in self._sub_waiters.get(key, ()):
                 ev.set()
@@ -341,7 +346,7 @@ class ControllerService:
             assert version is not None and ctl.max_lead is not None  # (what "ahead" means)
             # version pacing: wait until this producer is no longer too far ahead
             await self._until_version(
-                version - ctl.max_lead, deadline,
+                version - ctl.max_lead, deadline, partition,
                 f"put waited {timeout}s for the trainer to reach version "
                 f"{version - ctl.max_lead}; call set_version as training advances, or raise "
                 "max_lead")
@@ -402,24 +407,29 @@ class ControllerService:
     async def wait_version(self, version: int, timeout: float | None = None) -> int:
         """Wait until the current policy version is at least ``version``; returns it."""
         deadline = None if timeout is None else self.ctl.clock() + timeout
-        await self._until_version(version, deadline,
+        await self._until_version(version, deadline, None,
                                   f"waited {timeout}s for policy version {version}; the trainer "
                                   "calls set_version as it advances")
         return self.ctl.version
 
-    async def _until_version(self, version: int, deadline: float | None, timeout_msg: str) -> None:
-        """Wait (woken by set_version and close) until the version reaches ``version``."""
+    async def _until_version(self, version: int, deadline: float | None,
+                             partition: str | None, timeout_msg: str) -> None:
+        """Wait (woken by set_version and close) until the version reaches ``version``;
+        a put's wait (its new rows go to ``partition``) also ends, raising what
+        :meth:`Controller.check_open` raises, once that partition or the queue is sealed."""
         ctl = self.ctl
         while ctl.version < version:
             if ctl.closed:
                 raise QueueClosed(f"the queue closed while waiting for version {version}")
+            if partition is not None:
+                ctl.check_open(partition)
             ev = anyio.Event()
-            self._pace_waiters.add(ev)
+            self._pace_waiters[ev] = partition
             try:
                 if not await self._wait(ev, deadline) and _past(ctl, deadline):
                     raise StreamTimeout(f"{timeout_msg} (version now {ctl.version})")
             finally:
-                self._pace_waiters.discard(ev)
+                self._pace_waiters.pop(ev, None)
 
     async def put_rows(self, partition: str, fields: Sequence[str], ids: Sequence[int],
                        shard: int, nbytes: Mapping[str, Sequence[int]],
@@ -481,7 +491,7 @@ class ControllerService:
                 if why == "ahead":
                     assert version is not None and ctl.max_lead is not None  # ("ahead")
                     await self._until_version(
-                        version - ctl.max_lead, None,
+                        version - ctl.max_lead, None, partition,
                         f"waited for the trainer to reach version {version - ctl.max_lead}")
                 got = await self._in_turn(partition, n, total, None, None, lambda me: (
                     self._admit_rows(partition, fields, ids, shard, nbytes, tags, version,

@@ -182,6 +182,43 @@ async def test_admission_pacer_holds_producers_until_trainer_catches_up(make_que
             await done.wait()
 
 
+async def test_a_seal_ends_the_wait_of_puts_held_by_the_pacer(make_queue):
+    """A put held back by ``max_lead`` into a partition sealed meanwhile can never be
+    admitted: the seal ends its wait with the error, rather than the next set_version
+    (which a trainer that has sealed everything may never call)."""
+    q = make_queue(max_lead=1)
+    outcomes: dict[str, object] = {}
+
+    async def producer(tag, part, n):
+        try:
+            outcomes[tag] = len(await q.put(
+                {"x": torch.ones(n)}, partition=part, version=3, timeout=60))
+        except InvalidArgument as e:
+            outcomes[tag] = e
+
+    async def settled(*tags):
+        with anyio.fail_after(10):
+            while not all(t in outcomes for t in tags):
+                await anyio.sleep(0.01)
+
+    async with anyio.create_task_group() as tg:
+        for tag, part, n in (("one", "p", 1), ("two", "p", 2), ("other", "o", 1)):
+            tg.start_soon(producer, tag, part, n)
+        with anyio.fail_after(30):
+            while (await q.stats()).waiting_puts != 3:
+                await anyio.sleep(0.01)
+        await q.seal("p")
+        await settled("one", "two")
+        assert "other" not in outcomes  # its partition is open: it waits for the trainer
+        await q.set_version(2)
+        await settled("other")
+    for tag in ("one", "two"):
+        assert isinstance(outcomes[tag], InvalidArgument) and "sealed" in str(outcomes[tag])
+    assert outcomes["other"] == 1
+    st = await q.stats()
+    assert st.rows == 1 and st.waiting_puts == 0
+
+
 async def test_consumer_set_cleanup_frees_rows_when_last_task_acks(make_queue):
     q = make_queue()
     await q.declare("p", ["ref", "train"])
