@@ -873,9 +873,9 @@ class BatchProxy:
 
     async def materialize(self, fields: Sequence[str] | None = None) -> TensorDict:
         """Local and remote fields merged (local wins) as one TensorDict."""
-        fields = self.keys() if fields is None else list(fields)
         from tensordict import TensorDict
 
+        fields = self.keys() if fields is None else list(fields)
         remote = [f for f in fields if f not in self.local.keys()]
         out = TensorDict({}, batch_size=[len(self.remote)])
         if remote:

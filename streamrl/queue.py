@@ -19,7 +19,8 @@ import torch
 from ._aio import shielded
 from .batch import ColumnRemoteBatch, RemoteBatch, RowRemoteBatch
 from .columns import (_PLAIN_DTYPES, _STRIDED, Column, column_dtype, dtype_name,
-                      one_row_dense, row_nbytes, tag_values, take_rows, to_columns, load_tensordict)
+                      load_tensordict, one_row_dense, row_nbytes, tag_values, take_rows,
+                      to_columns)
 from .config import QueueConfig, check_timeout
 from .control import ControlPlane
 from .messages import Delivery, FilterSpec, Request
