@@ -284,6 +284,33 @@ async def test_dp_remainder_policies(make_queue):
     assert len(a) == len(b) == 2 and len(set(a.rows) | set(b.rows)) == 3
 
 
+async def test_a_dp_share_that_lost_rows_before_its_rank_asked(make_queue):
+    """Rows of a share reserved for a rank can leave before that rank asks (stale on a
+    version bump, dropped, cleared): the rank gets what is left of its share, or a
+    clear DispatchError when nothing is (both gave a bare KeyError). The ranks stay in
+    step: the next batch of each comes from the next dispatch."""
+    q = make_queue(max_staleness=0)
+    old = await q.put({"x": torch.arange(4)}, partition="p", version=0)
+    a = await q.get("t", ["x"], 2, partition="p", dp_rank=0, dp_size=2)
+    assert len(a) == 2 and set(a.rows) < set(old.rows)  # rank 1's two are reserved
+    await q.set_version(1)  # every row of dispatch 0 goes stale before rank 1 asks
+    with pytest.raises(DispatchError, match="dropped"):
+        await q.get("t", ["x"], 2, partition="p", dp_rank=1, dp_size=2, timeout=30)
+    await a.ack()
+    new = await q.put({"x": torch.arange(4, 8)}, partition="p", version=1)
+    a = await q.get("t", ["x"], 2, partition="p", dp_rank=0, dp_size=2, timeout=30)
+    theirs = sorted(set(new.rows) - set(a.rows))  # rank 1's share of dispatch 1
+    assert len(theirs) == 2
+    await q.drop(theirs[:1])
+    b = await q.get("t", ["x"], 2, partition="p", dp_rank=1, dp_size=2, timeout=30)
+    assert list(b.rows) == theirs[1:]
+    assert (await b.materialize())["x"].tolist() == [4 + new.rows.index(theirs[1])]
+    await a.ack()
+    await b.ack()
+    st = await q.stats()
+    assert st.rows == 3 and st.stale == 4
+
+
 async def test_stats_account_for_every_row(make_queue):
     q = make_queue(consumers=["t"])
     await q.add_filter(lambda td: td["r"] > 0, fields=["r"], name="pos")

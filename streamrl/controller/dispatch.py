@@ -195,7 +195,9 @@ class Dispatch(ControllerBase):
         """Rank ``r`` takes share ``r`` of dispatch ``k`` (its k-th batch). The first rank
         to ask for dispatch ``k`` makes it: ``dp_size * batch_size`` rows (whole groups)
         split into equal-count, weight-balanced shares; the other shares are reserved
-        (leased, unclaimed) until their rank asks."""
+        (leased, unclaimed) until their rank asks. Rows of a reserved share dropped
+        before its rank asks are left out of it (:class:`DispatchError` when none is
+        left, as when the share expired)."""
         R, rank = req.dp_size, req.dp_rank
         disp = self._dispatchers.setdefault(sub.key + (R,), _Dispatcher(R))
         k = disp.next[rank]
@@ -211,6 +213,16 @@ class Dispatch(ControllerBase):
                 return made
         lid, rids, pads = disp.shares.pop((k, rank))
         disp.next[rank] = k + 1
+        held = self.rows
+        if lid and lid not in self.leases:  # (a lease ends when its last row is dropped)
+            raise DispatchError(
+                f"every row of the share of dp_rank={rank} in dispatch {k} of task "
+                f"{req.task!r} was dropped (drop, clear or staleness) before this rank asked "
+                "for it; ask again: the next batch comes from the next dispatch")
+        if any(r not in held for r in rids) or any(r not in held for r in pads):
+            # rows of the share dropped meanwhile: the rank gets what is left of it
+            rids = [r for r in rids if r in held]
+            pads = [r for r in pads if r in held]
         if lid:
             lease = self.leases[lid]
             lease.deadline = self.clock() + lease.timeout
