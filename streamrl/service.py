@@ -648,13 +648,18 @@ class ControllerService:
         from .columns import assemble, tag_values
         req = [(s, rows, [field]) for s, rows in parts.items()]
         try:
-            got = await self.data.get(req)
-        except RowsDropped as e:  # rows left meanwhile: retry with the rest
-            gone = set(e.rows)
-            parts = {s: [r for r in rows if r not in gone] for s, rows in parts.items()}
-            return await self._backfill_tags(field, {s: r for s, r in parts.items() if r})
-        for (s, rows, _), cols in zip(req, got):
-            self.ctl.set_tags(field, rows, tag_values(field, assemble(cols[field])))
+            try:
+                got = await self.data.get(req)
+            except RowsDropped as e:  # rows left meanwhile: retry with the rest
+                gone = set(e.rows)
+                parts = {s: [r for r in rows if r not in gone] for s, rows in parts.items()}
+                return await self._backfill_tags(field, {s: r for s, r in parts.items() if r})
+            for (s, rows, _), cols in zip(req, got):
+                self.ctl.set_tags(field, rows, tag_values(field, assemble(cols[field])))
+        except BaseException:  # (cancelled, a unit died, a value that is no scalar)
+            # their groups are not held back for values that will not come
+            self.ctl.tags_unread(field, [r for rows in parts.values() for r in rows])
+            raise
 
     def tags_pending(self, fields: Sequence[str | None], partition: str | None = None
                      ) -> list[str]:

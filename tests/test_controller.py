@@ -573,3 +573,92 @@ def test_admit_stored_refuses_what_allocate_refuses():
     with pytest.raises(InvalidArgument, match="sealed"):
         c.admit_stored("p", [start + 2], 1, {"x": [8]})
     assert c.c_put == 2 and len(c.rows) == 2
+
+
+@pytest.mark.parametrize("group_size", [None, 2])
+@pytest.mark.parametrize("end", ["commit", "abort", "expire", "drop"])
+def test_a_sealed_short_group_waits_for_a_member_whose_put_is_in_flight(group_size, end):
+    """A row admitted before its partition was sealed may still bring a member of a
+    group when its put commits: a grouped filter judges no short group of that
+    partition, and a grouped stream sends none, until that put has committed (its row
+    joins its group), aborted or lost its row. A rejection then drops the whole group."""
+    clock = Clock()
+    c = Controller(16, num_shards=1, lease_timeout=10.0, clock=clock)
+    c.register_tag("uid")
+    c.add_filter(FilterSpec("fg", frozenset({"uid"}), group_by="uid", group_size=group_size))
+    (r0,), _ = put(c, 1, ("uid",), tags={"uid": [1]})
+    late = c.allocate("p", 1, ("uid",), nbytes=8)
+    c.seal("p")
+    assert not c.drain()[1]  # the late put may join group 1
+    r = req(fields=("uid",), bs=4, partition="p", group_by="uid", group_size=group_size)
+    if end == "commit":
+        c.commit(late, {"uid": [8]}, {"uid": [1]})
+        (job,) = c.drain()[1]
+        assert sorted(job.rows) == [r0, late.rows[0]]  # judged whole
+        c.filter_done(job.id, [False, False])
+        assert not c.rows and c.c_filtered_by == {"fg": 2}
+        assert c.take(r) is END
+        return
+    if end == "abort":
+        c.abort(late)
+    elif end == "expire":
+        clock.t = 11.0
+        c.expire()
+    else:  # its row is dropped while its put is in flight: no member to wait for
+        c.drop(late.rows)
+    (job,) = c.drain()[1]  # the group is whole now: judged
+    assert job.rows == [r0]
+    c.filter_done(job.id, [True])
+    assert c.take(r).rows == [r0]
+
+
+@pytest.mark.parametrize("group_size", [None, 2])
+def test_a_grouped_stream_sends_no_short_group_while_a_member_may_come(group_size):
+    """As for filters: a sealed partition's short group goes to a grouped stream only
+    once no put admitted before the seal can still add a member to it."""
+    c = Controller(16, num_shards=1)
+    c.register_tag("uid")
+    (r0, r1), _ = put(c, 2, ("uid",), tags={"uid": [1, 2]})
+    late = c.allocate("p", 1, ("uid",), nbytes=8)
+    c.seal("p")
+    r = req(fields=("uid",), bs=2, partition="p", group_by="uid", group_size=group_size)
+    assert c.take(r) is None  # not [r0, r1]: group 1 may still grow
+    c.commit(late, {"uid": [8]}, {"uid": [1]})
+    assert r.sub_key() in c.woken  # its waiters are woken
+    for want in ([r0, late.rows[0]], [r1]):
+        d = c.take(r)
+        assert sorted(d.rows) == want
+        c.ack([d.lease])
+    assert c.take(r) is END
+
+
+def test_a_sealed_short_group_waits_for_tags_being_read():
+    """A row whose group key was committed without its value (the writer did not know
+    the field is a tag: the service reads it from storage) counts as a possible member
+    until the value is set; a seal in between does not judge its group in two parts."""
+    c = Controller(16, num_shards=1)
+    c.register_tag("uid")
+    c.add_filter(FilterSpec("fg", frozenset({"uid"}), group_by="uid", group_size=2))
+    (r0,), _ = put(c, 1, ("uid",), tags={"uid": [1]})
+    (r1,), res = put(c, 1, ("uid",))  # no tags given
+    assert res.missing_tags == {"uid": [r1]}
+    c.seal("p")
+    assert not c.drain()[1]
+    c.set_tags("uid", [r1], [1])
+    (job,) = c.drain()[1]
+    assert sorted(job.rows) == [r0, r1]
+
+
+def test_a_sealed_short_group_stops_waiting_for_tags_that_cannot_be_read():
+    """Tag values that could not be read (:meth:`Controller.tags_unread`) are not waited
+    for: the other groups of the sealed partition are judged."""
+    c = Controller(16, num_shards=1)
+    c.register_tag("uid")
+    c.add_filter(FilterSpec("fg", frozenset({"uid"}), group_by="uid", group_size=2))
+    (r0,), _ = put(c, 1, ("uid",), tags={"uid": [1]})
+    (r1,), _ = put(c, 1, ("uid",))
+    c.seal("p")
+    assert not c.drain()[1]
+    c.tags_unread("uid", [r1])
+    (job,) = c.drain()[1]
+    assert job.rows == [r0]

@@ -188,7 +188,8 @@ class ControllerModel(RuleBasedStateMachine):
     def _queued(self, job) -> None:
         """A filter job the controller queued: rows that have the filter's fields, that
         it has not judged and that no other job of it holds; for a grouped filter, every
-        such row of one group, ``GROUP`` of them unless the partition is sealed."""
+        such row of one group, ``GROUP`` of them unless the partition is sealed and no
+        write in flight may add a member."""
         if job.id in self.jobs:  # queued again (filter_retry)
             assert self.jobs[job.id] == (job.filter, list(job.rows)), job
             assert job.id not in self.withdrawn, job
@@ -206,7 +207,10 @@ class ControllerModel(RuleBasedStateMachine):
             keys = {self.rows[r].key for r in live}
             assert len(keys) == 1 and None not in keys, (job, keys)
             key = keys.pop()
-            assert len(job.rows) == GROUP or self.rows[live[0]].part in self.sealed, job
+            # short: sealed, and no put admitted before the seal can add a member
+            part = self.rows[live[0]].part
+            assert len(job.rows) == GROUP or (
+                part in self.sealed and not self._key_may_come(part)), job
             rest = [rid for rid, r in self.rows.items() if r.key == key
                     and job.filter not in r.judged and job.filter not in r.judging]
             assert set(rest) <= set(job.rows), (job, rest)
@@ -496,6 +500,11 @@ class ControllerModel(RuleBasedStateMachine):
         for rid in rows:
             del self.rows[rid].leased[task]
 
+    def _key_may_come(self, part: str) -> bool:
+        """Whether a write of a group key to a row of ``part`` is in flight (it may add
+        a member to any group of the partition)."""
+        return any(r.part == part and "uid" in r.writing for r in self.rows.values())
+
     @rule(part=st.sampled_from(PARTS), groups=st.sampled_from([1, 1, 2]))
     def take_groups(self, part, groups):
         self._take_groups(part, groups)
@@ -541,7 +550,9 @@ class ControllerModel(RuleBasedStateMachine):
             keys = {self.rows[r].key for r in got}
             for k in keys:  # whole: every deliverable row of each key it has
                 assert sorted(by_key[k]) == sorted(r for r in got if self.rows[r].key == k)
-                assert len(by_key[k]) == GROUP or part in self.sealed, (k, by_key[k])
+                # short: sealed, and no put admitted before the seal can add a member
+                assert len(by_key[k]) == GROUP or (
+                    part in self.sealed and not self._key_may_come(part)), (k, by_key[k])
             if len(full) >= groups and part not in self.sealed:
                 # (sealed, a short group ahead may leave a batch short: groups are whole)
                 assert len(got) == batch, (got, full, groups)
@@ -752,7 +763,9 @@ class ControllerModel(RuleBasedStateMachine):
             for rid, r in self.rows.items():
                 if name in r.judged or name in r.judging or not spec.fields <= r.ready.keys():
                     continue
-                assert spec.group_by and r.part not in self.sealed, (name, rid)
+                # (sealed: only while a put admitted before the seal may add a member)
+                assert spec.group_by and (r.part not in self.sealed
+                                          or self._key_may_come(r.part)), (name, rid)
                 waiting[r.key] = waiting.get(r.key, 0) + 1
             assert all(n < GROUP for n in waiting.values()), (name, waiting)
 

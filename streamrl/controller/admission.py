@@ -377,6 +377,8 @@ class Admission(ControllerBase):
         wmask = self._wmask(tok.fields)
         for r in live:
             r.writing &= ~wmask
+        if self._short_held:  # a short group may be whole now
+            self._recheck_short()
         if tok.new_rows:  # never put: neither counted as put nor as dropped
             self._drop_rows(live, None)
             self.c_put -= len(live)  # (rows that left meanwhile were counted as dropped)
@@ -532,6 +534,7 @@ class Admission(ControllerBase):
                 rows_ = [r.id for r in touched if self._tagged(f, r.part.name)]
                 if rows_:
                     missing[f] = rows_
+                    self._reading_tags(f, rows_)
         if not touched:
             scope = frozenset(self.tag_fields)
         else:
@@ -547,6 +550,8 @@ class Admission(ControllerBase):
                 self._reindex(touched)
                 if self.filters:
                     self._filter_check(touched)
+        if self._short_held:  # a short group may be whole now
+            self._recheck_short()
         return CommitResult(dead, scope, missing)
 
 

@@ -50,6 +50,17 @@ class ControllerBase(State):
     _token_heap: list[tuple[float, int]]  # (deadline, token id)
     _dispatchers: dict[tuple, _Dispatcher]  # DP dispatch progress (see .dispatch)
     _wmasks: dict[tuple[str, ...], int]  # fields -> their bits in Row.writing (a cache)
+    # tag field -> rows that hold it committed and whose value is being read (see
+    # Groups._key_unsettled)
+    _tag_reads: dict[str, set[int]]
+    # sealed (or closed-queue) partitions with a short group held back while a member
+    # may still come, looked at again when a write or a tag read ends
+    _short_held: set[str]
+    # (partition, tag field) -> whether a member may still come (see _key_unsettled),
+    # valid while _unsettled_stamp is the controller's current one
+    _unsettled: dict[tuple[str, str], bool]
+    _unsettled_stamp: tuple[int, int, int]
+    _tag_epoch: int  # counts changes of _tag_reads
 
     if TYPE_CHECKING:
         # .admission
@@ -94,6 +105,8 @@ class ControllerBase(State):
         def _candidates(self, name: str) -> list[_Sub]: ...
         @abstractmethod
         def _wake_part(self, name: str) -> None: ...
+        @abstractmethod
+        def _check_complete(self, sub: _Sub, gk: tuple) -> None: ...
 
         # .leases
         @abstractmethod
@@ -119,6 +132,12 @@ class ControllerBase(State):
                               key: tuple | None = None) -> None: ...
         @abstractmethod
         def _unjudge(self, rids: set[int], fmask: int) -> None: ...
+        @abstractmethod
+        def _key_unsettled(self, p: Partition, f: str) -> bool: ...
+        @abstractmethod
+        def _recheck_short(self) -> None: ...
+        @abstractmethod
+        def _reading_tags(self, f: str, rows: Iterable[int]) -> None: ...
 
         # .dispatch
         @abstractmethod

@@ -40,6 +40,8 @@ class Groups(ControllerBase):
         for r in rows:
             if field in r.fields and field not in r.tags:
                 out.setdefault(r.shard, []).append(r.id)
+        for rids in out.values():
+            self._reading_tags(field, rids)
         return out
 
     def set_tags(self, field: str, rows: Sequence[int], values: Sequence[Hashable]) -> None:
@@ -50,9 +52,15 @@ class Groups(ControllerBase):
             if row is not None:
                 self._set_tag(row, field, v)
                 touched.append(row)
+        reads = self._tag_reads.get(field)
+        if reads:
+            reads.difference_update(rows)
+            self._tag_epoch += 1
         if touched:
             self._reindex(touched)
             self._filter_check(touched)
+        if self._short_held:
+            self._recheck_short()
 
     def _set_tag(self, row: Row, f: str, v: Hashable) -> None:
         old = row.tags.get(f, _MISSING)
@@ -133,20 +141,115 @@ class Groups(ControllerBase):
                 self._emit_job(spec, take)
             if not b:
                 del self._filter_ready[spec.name][key]
-            elif p.sealed:
-                members = p.groups.get(spec.group_by, {}).get(gkey, {})
-                waiting = [r for r in members if self.rows[r].pending & fbit]
-                if len(b) >= len(waiting):
-                    self._emit_job(spec, list(b))
-                    del self._filter_ready[spec.name][key]
-        else:
-            if not p.sealed:
-                return
-            members = p.groups.get(spec.group_by, {}).get(gkey, {})
-            waiting = [r for r in members if self.rows[r].pending & fbit]
-            if len(b) >= len(waiting):
+            elif p.sealed and self._whole(spec, p, gkey, b):
                 self._emit_job(spec, list(b))
                 del self._filter_ready[spec.name][key]
+        elif p.sealed and self._whole(spec, p, gkey, b):
+            self._emit_job(spec, list(b))
+            del self._filter_ready[spec.name][key]
+
+    def _whole(self, spec: FilterSpec, p: Partition, gkey: Hashable, b: dict[int, None]) -> bool:
+        """Whether the rows ``b`` of group ``gkey`` of sealed partition ``p`` that have a
+        grouped filter's fields are all of the group it will ever judge: every member
+        waiting for the filter is among them, and no write admitted before the seal may
+        still add a member."""
+        assert spec.group_by is not None
+        fbit = self._fbits[spec.name]
+        members = p.groups.get(spec.group_by, {}).get(gkey, {})
+        waiting = sum(1 for r in members if self.rows[r].pending & fbit)
+        if len(b) < waiting:
+            return False
+        if self._key_unsettled(p, spec.group_by):
+            self._short_held.add(p.name)
+            return False
+        return True
+
+    def _key_unsettled(self, p: Partition, f: str) -> bool:
+        """Whether a row of ``p`` may still get a value of tag ``f`` from a write that is
+        already admitted: a write of ``f`` to one of its rows is in flight (admitted, not
+        committed nor aborted), or one was committed without the value, which is being
+        read from storage (:meth:`commit`'s ``missing_tags``, :meth:`register_tag`).
+
+        Sealing a partition stops new rows, not writes admitted before it: a short group
+        of a sealed partition is whole (judged by a grouped filter, sent by a grouped
+        stream) only once this is false, so that a put that lands after the seal is not
+        judged or delivered apart from its group. Cached until a write is admitted or
+        ends or a tag read changes (none of that happens between the checks of one
+        call)."""
+        stamp = (self._next_token, len(self._tokens), self._tag_epoch)
+        if stamp != self._unsettled_stamp:
+            self._unsettled_stamp = stamp
+            self._unsettled.clear()
+        hit = self._unsettled.get((p.name, f))
+        if hit is not None:
+            return hit
+        rows = self.rows
+        out = False
+        for tok in self._tokens.values():
+            if f not in tok.fields:
+                continue
+            for rid in tok.rows:
+                r = rows.get(rid)
+                if r is not None:
+                    if r.part is p:
+                        out = True
+                        break
+                    if tok.new_rows:  # (new rows of one write share one partition)
+                        break
+            if out:
+                break
+        if not out:
+            reads = self._tag_reads.get(f)
+            if reads:
+                for rid in list(reads):
+                    r = rows.get(rid)
+                    if r is None or f in r.tags:
+                        reads.discard(rid)  # (gone, or its value came)
+                    elif r.part is p:
+                        out = True
+                        break
+        self._unsettled[(p.name, f)] = out
+        return out
+
+    def _reading_tags(self, f: str, rows: Iterable[int]) -> None:
+        """Rows whose value of tag ``f`` the service is about to read (and set)."""
+        self._tag_reads.setdefault(f, set()).update(rows)
+        self._tag_epoch += 1
+
+    def tags_unread(self, field: str, rows: Sequence[int]) -> None:
+        """The values of tag ``field`` of ``rows`` could not be read (:meth:`set_tags`
+        will not come for them): stop holding back short groups of their partitions
+        for them."""
+        reads = self._tag_reads.get(field)
+        if reads:
+            reads.difference_update(rows)
+            self._tag_epoch += 1
+            if self._short_held:
+                self._recheck_short()
+
+    def _recheck_short(self) -> None:
+        """Look again at the short groups of sealed partitions held back while a member
+        could still come (a write or a tag read ended): grouped subscriptions whose
+        group is whole now wake, grouped filters queue their jobs."""
+        names = list(self._short_held)
+        self._short_held.clear()
+        for name in names:
+            p = self.parts.get(name)
+            if p is None:
+                continue
+            for sub in self._candidates(name):
+                if sub.group_by is None:
+                    continue
+                for gk in [gk for gk in sub.buckets if gk[0] == name]:
+                    was = gk in sub.complete
+                    self._check_complete(sub, gk)
+                    if not was and gk in sub.complete:
+                        self.woken.add(sub.key)
+            for spec in self.filters.values():
+                if spec.group_by:
+                    for key in [k for k in self._filter_ready.get(spec.name, {})
+                                if k[0] == name]:
+                        self._maybe_filter_job(spec, p, key[1], key)
 
     def _emit_job(self, spec: FilterSpec, rids: list[int]) -> None:
         fbit = self._fbits[spec.name]

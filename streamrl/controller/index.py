@@ -59,6 +59,11 @@ class Index(ControllerBase):
         self._token_heap = []
         self._dispatchers = {}
         self._wmasks = {}
+        self._tag_reads = {}
+        self._short_held = set()
+        self._unsettled = {}
+        self._unsettled_stamp = (-1, -1, -1)
+        self._tag_epoch = 0
 
     def validate_request(self, req: Request) -> None:
         """Raise :class:`InvalidArgument` for a request that can never be served."""
@@ -183,7 +188,13 @@ class Index(ControllerBase):
         # sealed: complete when every live row of the key that the task still owes is here
         members = p.groups.get(sub.group_by, {}).get(gk[1], {})
         owed = sum(1 for r in members if not self.rows[r].acked & sub.tbit)
-        return len(bucket) >= owed
+        if len(bucket) < owed:
+            return False
+        # ... unless a write admitted before the seal may still add a member
+        if self._key_unsettled(p, sub.group_by):
+            self._short_held.add(p.name)
+            return False
+        return True
 
     def _reindex(self, rows: Iterable[Row], tasks: Iterable[str] | None = None) -> None:
         """Re-evaluate ``rows`` against subscriptions (of ``tasks`` only, if given)."""

@@ -215,6 +215,10 @@ class Lifecycle(ControllerBase):
             key = tags.get(spec.group_by, _MISSING) if spec.group_by else _MISSING
             if key is not _MISSING and self.parts.get(p.name) is p:
                 self._maybe_filter_job(spec, p, key)
+        # a row gone is no member to wait for any more (see Groups._key_unsettled)
+        self._tag_epoch += 1
+        if self._short_held:
+            self._recheck_short()
         for p in parts:
             self.changed.add(p.name)
             if p.sealed or self.closed:  # end and group-completeness conditions moved
