@@ -662,3 +662,23 @@ def test_a_sealed_short_group_stops_waiting_for_tags_that_cannot_be_read():
     c.tags_unread("uid", [r1])
     (job,) = c.drain()[1]
     assert job.rows == [r0]
+
+
+def test_a_share_of_padding_only_whose_rows_were_dropped_raises_dispatch_error():
+    """With dp_remainder="pad" a rank can get a share of repeats only (fewer rows than
+    ranks in the last dispatch). Its rows belong to another rank's share; dropped before
+    the padded rank asks, that rank gets DispatchError (it got an empty batch), then the
+    end of the partition."""
+    c = Controller(16, num_shards=1, consumers=["d", "e"])
+    (r0, r1, r2), _ = put(c, 3)
+    c.seal("p")
+    r = [req("d", bs=1, partition="p", dp_rank=i, dp_size=2, dp_remainder="pad")
+         for i in range(2)]
+    for i, want in ((0, [r0]), (1, [r1]), (0, [r2])):  # dispatch 1: rank 1 pads with r2
+        d = c.take(r[i])
+        assert d.rows == want
+        c.ack([d.lease])
+    c.drop([r2])
+    with pytest.raises(DispatchError, match="every row of the share"):
+        c.take(r[1])
+    assert c.take(r[1]) is END and sorted(c.rows) == [r0, r1]  # (kept for task "e")

@@ -214,15 +214,17 @@ class Dispatch(ControllerBase):
         lid, rids, pads = disp.shares.pop((k, rank))
         disp.next[rank] = k + 1
         held = self.rows
-        if lid and lid not in self.leases:  # (a lease ends when its last row is dropped)
-            raise DispatchError(
-                f"every row of the share of dp_rank={rank} in dispatch {k} of task "
-                f"{req.task!r} was dropped (drop, clear or staleness) before this rank asked "
-                "for it; ask again: the next batch comes from the next dispatch")
         if any(r not in held for r in rids) or any(r not in held for r in pads):
             # rows of the share dropped meanwhile: the rank gets what is left of it
             rids = [r for r in rids if r in held]
             pads = [r for r in pads if r in held]
+        # (a lease ends when its last row is dropped; a share of padding only has none)
+        if (lid and lid not in self.leases) or not (rids or pads):
+            raise DispatchError(
+                f"every row of the share of dp_rank={rank} in dispatch {k} of task "
+                f"{req.task!r} was dropped (drop, clear or staleness; a padding row also once "
+                "the rank whose share holds it acked it and no task needs it) before this "
+                "rank asked for it; ask again: the next batch comes from the next dispatch")
         if lid:
             lease = self.leases[lid]
             lease.deadline = self.clock() + lease.timeout
