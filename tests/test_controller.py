@@ -668,7 +668,7 @@ def test_a_share_of_padding_only_whose_rows_were_dropped_raises_dispatch_error()
     """With dp_remainder="pad" a rank can get a share of repeats only (fewer rows than
     ranks in the last dispatch). Its rows belong to another rank's share; dropped before
     the padded rank asks, that rank gets DispatchError (it got an empty batch), then the
-    end of the partition."""
+    end of the partition, and the share's lease is given back."""
     c = Controller(16, num_shards=1, consumers=["d", "e"])
     (r0, r1, r2), _ = put(c, 3)
     c.seal("p")
@@ -682,3 +682,39 @@ def test_a_share_of_padding_only_whose_rows_were_dropped_raises_dispatch_error()
     with pytest.raises(DispatchError, match="every row of the share"):
         c.take(r[1])
     assert c.take(r[1]) is END and sorted(c.rows) == [r0, r1]  # (kept for task "e")
+    assert not c.leases and not c._pins
+
+
+@pytest.mark.parametrize("rows", [1, 3])
+@pytest.mark.parametrize("end", ["ack", "release", "expire"])
+def test_a_padding_row_stays_readable_until_the_padded_share_ends(rows, end):
+    """A padding row belongs to another rank's share. Once that rank acks it, it is
+    consumed, but it is not dropped while a share that repeats it is live (reserved or
+    handed out): the padded rank gets a full batch and can read it. It is dropped as
+    consumed when that share ends (ack, release or expiry)."""
+    clock = Clock()
+    c = Controller(16, num_shards=1, consumers=["d"], lease_timeout=10.0, clock=clock)
+    ids, _ = put(c, rows)
+    c.seal("p")
+    r = [req("d", bs=(rows + 1) // 2, partition="p", dp_rank=i, dp_size=2,
+             dp_remainder="pad") for i in range(2)]
+    d0 = c.take(r[0])
+    c.ack([d0.lease])  # rank 0 done with its rows before rank 1 asks
+    kept = set(d0.rows) & set(c.rows)  # rank 1's share repeats one of them
+    assert len(kept) == 1
+    d1 = c.take(r[1])
+    assert len(d1.rows) == len(d0.rows) and set(d1.rows) | set(d0.rows) == set(ids)
+    assert kept <= set(d1.rows) <= set(c.rows)  # a full batch it can read
+    if end == "ack":
+        c.ack([d1.lease])
+    elif end == "release":
+        c.release([d1.lease])
+    else:
+        clock.t = 11.0
+        c.expire()
+    if end == "ack":
+        assert not c.rows and c.c_dropped == {"consumed": rows}
+        assert c.take(r[0]) is END
+    else:  # rank 1's own rows come again; the padding row went
+        own = [x for x in d1.rows if x not in d0.rows]
+        assert sorted(c.rows) == own and not c._pins

@@ -311,6 +311,28 @@ async def test_a_dp_share_that_lost_rows_before_its_rank_asked(make_queue):
     assert st.rows == 3 and st.stale == 4
 
 
+@pytest.mark.parametrize("n", [1, 3])
+async def test_a_padded_rank_reads_its_padding_after_the_other_rank_acked_it(make_queue, n):
+    """dp_remainder="pad": the padding row of rank 1's batch is a row of rank 0's share.
+    Rank 0 acks it (the last task to need it) before rank 1 asks: rank 1 still gets a
+    full batch and reads it; the row is dropped once rank 1 acks, and nothing leaks."""
+    q = make_queue(consumers=["t"])
+    await q.put({"x": torch.arange(10, 10 + n)}, partition="p")
+    await q.seal("p")
+    kw = dict(partition="p", dp_size=2, dp_remainder="pad", timeout=30)
+    a = await q.get("t", ["x"], (n + 1) // 2, dp_rank=0, **kw)
+    mine = (await a.materialize())["x"].tolist()
+    await a.ack()
+    b = await q.get("t", ["x"], (n + 1) // 2, dp_rank=1, **kw)
+    assert len(b) == len(a)
+    theirs = (await b.materialize())["x"].tolist()  # (read after rank 0's ack)
+    assert sorted(set(mine) | set(theirs)) == list(range(10, 10 + n))
+    assert set(mine) & set(theirs)  # the padding: a value of rank 0's batch
+    await b.ack()
+    st = await q.stats()
+    assert st.rows == 0 and st.bytes == 0 and st.consumed == n
+
+
 async def test_stats_account_for_every_row(make_queue):
     q = make_queue(consumers=["t"])
     await q.add_filter(lambda td: td["r"] > 0, fields=["r"], name="pos")

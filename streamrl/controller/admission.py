@@ -428,6 +428,7 @@ class Admission(ControllerBase):
                 fmask |= self._fbits[spec.name]
         self._unjudge({r.id for r in live}, fmask)
         freed = 0
+        ended = []  # leases that ended here and repeat rows as padding
         for row in live:
             # batches leased for these fields lose these rows (as if dropped); the rows
             # come again once the fields are written again
@@ -440,6 +441,8 @@ class Admission(ControllerBase):
                     if not lease.rows:
                         del self.leases[lid]
                         self._remember(lid, ["withdrawn", lease.withdrawn])
+                        if lease.pads:
+                            ended.append(lease)
             for f in token.fields:
                 b = row.fields.pop(f, None)
                 if b is None:
@@ -456,6 +459,8 @@ class Admission(ControllerBase):
         self._reindex(live)
         for p in {r.part for r in live}:
             self._wake_part(p.name)
+        for lease in ended:  # (after the loop: this may drop rows)
+            self._unpin(lease)
         return Undo(token.id, frozenset(token.shards),
                     [(tuple(token.fields), _by_shard_of(live))])
 

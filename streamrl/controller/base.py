@@ -61,6 +61,9 @@ class ControllerBase(State):
     _unsettled: dict[tuple[str, str], bool]
     _unsettled_stamp: tuple[int, int, int]
     _tag_epoch: int  # counts changes of _tag_reads
+    # row -> leases (DP shares) that repeat it as padding; such a row is not dropped as
+    # consumed until they end (see Leases._pin)
+    _pins: dict[int, int]
 
     if TYPE_CHECKING:
         # .admission
@@ -118,6 +121,10 @@ class ControllerBase(State):
         def release(self, lease_ids: Iterable[int], *, expired: bool = False) -> None: ...
         @abstractmethod
         def expire(self, now: float | None = None) -> int: ...
+        @abstractmethod
+        def _pin(self, lease: _Lease, pads: list[int]) -> None: ...
+        @abstractmethod
+        def _unpin(self, lease: _Lease) -> None: ...
 
         # .groups
         @abstractmethod

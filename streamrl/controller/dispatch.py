@@ -218,13 +218,14 @@ class Dispatch(ControllerBase):
             # rows of the share dropped meanwhile: the rank gets what is left of it
             rids = [r for r in rids if r in held]
             pads = [r for r in pads if r in held]
-        # (a lease ends when its last row is dropped; a share of padding only has none)
+        # (a lease ends when its last row is dropped; one of padding only when given back)
         if (lid and lid not in self.leases) or not (rids or pads):
+            if lid in self.leases:
+                self.release([lid])  # (padding only: nothing of it is left to read)
             raise DispatchError(
                 f"every row of the share of dp_rank={rank} in dispatch {k} of task "
-                f"{req.task!r} was dropped (drop, clear or staleness; a padding row also once "
-                "the rank whose share holds it acked it and no task needs it) before this "
-                "rank asked for it; ask again: the next batch comes from the next dispatch")
+                f"{req.task!r} was dropped (drop, clear or staleness) before this rank asked "
+                "for it; ask again: the next batch comes from the next dispatch")
         if lid:
             lease = self.leases[lid]
             lease.deadline = self.clock() + lease.timeout
@@ -266,10 +267,14 @@ class Dispatch(ControllerBase):
                 f"sampler {sampler!r} split a dispatch into shares that are not {R} parts "
                 "of its rows; split() must put every unit in exactly one share")
         for r in range(R):
+            # (a share of padding only gets a lease too: it keeps its rows readable)
             lid = self._lease(sub, req, shares[r], claimed=False, rank=r, dispatch=k).lease \
-                if shares[r] else 0
+                if shares[r] or pads[r] else 0
             if lid:
-                self.leases[lid].dispatch = (sub.key + (R,), k)
+                lease = self.leases[lid]
+                lease.dispatch = (sub.key + (R,), k)
+                if pads[r]:
+                    self._pin(lease, pads[r])
             disp.shares[(k, r)] = (lid, shares[r], pads[r])
         disp.made = k + 1
         return True

@@ -64,6 +64,7 @@ class Index(ControllerBase):
         self._unsettled = {}
         self._unsettled_stamp = (-1, -1, -1)
         self._tag_epoch = 0
+        self._pins = {}
 
     def validate_request(self, req: Request) -> None:
         """Raise :class:`InvalidArgument` for a request that can never be served."""

@@ -20,7 +20,7 @@ if TYPE_CHECKING:
 
 class _Lease:
     __slots__ = ("id", "task", "rows", "deadline", "timeout", "claimed", "dispatch", "rank",
-                 "fields", "withdrawn")
+                 "fields", "withdrawn", "pads")
 
     def __init__(self, lid: int, task: str, rows: list[int], deadline: float, timeout: float,
                  fields: frozenset[str] = frozenset()):
@@ -34,6 +34,9 @@ class _Lease:
         self.claimed = True
         self.dispatch: tuple | None = None
         self.rank = 0
+        # rows of other leases this DP share repeats as padding: kept from being dropped
+        # as consumed until this lease ends (see Leases._unpin)
+        self.pads: list[int] = []
 
 
 class Leases(ControllerBase):
@@ -164,6 +167,7 @@ class Leases(ControllerBase):
             # the run of rows of one partition: rows and bytes acked in it
             last = None
             k = kb = cmask = 0
+            pins = self._pins
             for rid in lease.rows:
                 row = rows.get(rid)
                 if row is None or row.leased.get(task) != lid:
@@ -183,7 +187,8 @@ class Leases(ControllerBase):
                     cmask = p.cmask
                 k += 1
                 kb += b
-                if cmask and row.acked & cmask == cmask and not row.leased:
+                if cmask and row.acked & cmask == cmask and not row.leased and (
+                        not pins or rid not in pins):
                     done.append(row)
             if last is not None:
                 _count_acks(last, task, k, kb)
@@ -191,6 +196,8 @@ class Leases(ControllerBase):
             self.c_acked[task] = self.c_acked.get(task, 0) + len(lease.rows)
             self.c_bytes_acked[task] = self.c_bytes_acked.get(task, 0) + nbytes
             self._drop_rows(done, DropReason.CONSUMED)
+            if lease.pads:
+                self._unpin(lease)
             self._lease_changed(lease)
         if expired:
             raise LeaseExpired(
@@ -221,7 +228,37 @@ class Leases(ControllerBase):
             if expired:
                 self.c_expired[task] = self.c_expired.get(task, 0) + len(back)
             self._reindex(back, (task,))
+            if lease.pads:
+                self._unpin(lease)
             self._lease_changed(lease)
+
+    def _pin(self, lease: _Lease, pads: list[int]) -> None:
+        """``lease`` (a DP share) repeats ``pads``, rows of other shares, as padding: they
+        are not dropped as consumed before it ends, so that its rank can still read them
+        after the rank whose share holds them acked them."""
+        lease.pads = list(pads)
+        pins = self._pins
+        for rid in pads:
+            pins[rid] = pins.get(rid, 0) + 1
+
+    def _unpin(self, lease: _Lease) -> None:
+        """``lease`` ended: the rows it repeated as padding may be dropped as consumed
+        now, and those every consumer of their partition has acked are."""
+        pins, rows = self._pins, self.rows
+        done = []
+        for rid in lease.pads:
+            n = pins.get(rid, 0) - 1
+            if n > 0:
+                pins[rid] = n
+                continue
+            pins.pop(rid, None)
+            row = rows.get(rid)
+            if row is not None:
+                cmask = row.part.cmask
+                if cmask and row.acked & cmask == cmask and not row.leased:
+                    done.append(row)
+        lease.pads = []
+        self._drop_rows(done, DropReason.CONSUMED)
 
     def _lease_changed(self, lease: _Lease) -> None:
         for p in {self.rows[r].part for r in lease.rows if r in self.rows}:

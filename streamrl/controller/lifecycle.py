@@ -13,6 +13,7 @@ from .state import _MISSING, Partition, Row, _consumers
 
 if TYPE_CHECKING:
     from .index import _Sub
+    from .leases import _Lease
 
 
 class Lifecycle(ControllerBase):
@@ -26,7 +27,8 @@ class Lifecycle(ControllerBase):
         p.consumers = _consumers(consumers)
         p.cmask = self._mask(p.consumers)
         if p.cmask:
-            done = [r for r in p.rows.values() if r.acked & p.cmask == p.cmask and not r.leased]
+            done = [r for r in p.rows.values() if r.acked & p.cmask == p.cmask and not r.leased
+                    and r.id not in self._pins]
             self._drop_rows(done, DropReason.CONSUMED)
 
     def seal_all(self) -> None:
@@ -132,6 +134,7 @@ class Lifecycle(ControllerBase):
         parts: set[Partition] = set()
         # grouped filters to look at again: (filter, partition, the row's tags)
         regroup: list[tuple[str, Partition, dict[str, Hashable]]] = []
+        ended: list[_Lease] = []  # leases that ended here and repeat rows as padding
         last = None
         deletes = self.deletes
         names: dict[int, list[str]] = {}  # acked mask -> its tasks
@@ -184,6 +187,8 @@ class Lifecycle(ControllerBase):
                         if not lease.rows:
                             del self.leases[lid]
                             self._remember(lid, "acked")
+                            if lease.pads:
+                                ended.append(lease)
             if row.pending or row.judging:
                 for name in self._names(self._fbits, row.pending | row.judging):
                     buckets = self._filter_ready.get(name)
@@ -215,6 +220,8 @@ class Lifecycle(ControllerBase):
             key = tags.get(spec.group_by, _MISSING) if spec.group_by else _MISSING
             if key is not _MISSING and self.parts.get(p.name) is p:
                 self._maybe_filter_job(spec, p, key)
+        for lease in ended:  # (after the loop: this may drop rows)
+            self._unpin(lease)
         # a row gone is no member to wait for any more (see Groups._key_unsettled)
         self._tag_epoch += 1
         if self._short_held:
