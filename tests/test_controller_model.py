@@ -92,11 +92,14 @@ FILTERS = {
 JUDGE = st.sampled_from(["verdict"] * 6 + ["error", "retry"])
 #: data-parallel (DP) dispatch: ``RANKS`` ranks of a task of rows one by one (``DP``,
 #: fields ``x``) and of one of whole groups (``DPG``, fields ``uid`` and ``x``, balanced
-#: on the group key or on row counts); neither is a declared consumer, and each keeps to
-#: its own kind of request (as ``g``)
+#: on the group key or on row counts); each keeps to its own kind of request (as ``g``).
+#: ``d`` alone is the declared consumer of partition q (see CONSUMERS), so that rows a
+#: share repeats as padding are consumed while it is live
 RANKS = 2
 DP, DPG = "d", "dg"
 DP_FIELDS = {DP: ("x",), DPG: ("uid", "x")}
+#: the tasks that must ack a row of each partition before it is dropped as consumed
+CONSUMERS = {"p": set(TASKS), "q": {DP}}
 #: what a short last dispatch whose rows (groups) do not split evenly does
 REMAINDER = st.sampled_from(["error", "drop", "pad"])
 #: new bytes per row of a field written again with ``overwrite=True``
@@ -136,6 +139,9 @@ class ControllerModel(RuleBasedStateMachine):
         self.c = Controller(CAPACITY, capacity_bytes=CAPACITY_BYTES, num_shards=2,
                             consumers=list(TASKS), lease_timeout=LEASE_TIMEOUT,
                             max_staleness=max_staleness, clock=lambda: self.now)
+        # partition q's rows are consumed once the DP task of single rows acks them (so
+        # that its padding rows are consumed while other shares repeat them)
+        self.c.declare("q", [DP])
         assert self.c.set_version(VERSION) == 0
         # ("l", lease id) or ("w", write token id) -> its deadline
         self.deadline: dict[tuple[str, int], float] = {}
@@ -179,6 +185,10 @@ class ControllerModel(RuleBasedStateMachine):
         # lid -> (task, partition, dispatch, rank); no consumer has them to ack or release
         self.unclaimed: dict[int, tuple[str, str, int, int]] = {}
         self.dp_dropped = 0  # rows dropped as the remainder of a DP dispatch
+        # padding: lease of a DP share -> the rows of other shares it repeats; row -> how
+        # many live shares repeat it (such a row is not dropped as consumed meanwhile)
+        self.lease_pads: dict[int, list[int]] = {}
+        self.pins: dict[int, int] = {}
         self.token_sizes: dict[int, dict[str, list[int]]] = {}  # overwrite -> its bytes
 
     # ------------------------------------------------------------------ model helpers
@@ -195,7 +205,25 @@ class ControllerModel(RuleBasedStateMachine):
                 # (a reserved share that lost every row of its own: its rank is told
                 # so when it asks, see _claim_share)
                 self.unclaimed.pop(lid, None)
+                self._unpin(lid)
         self._retire(row.part)
+
+    def _consumed(self, rid: int) -> bool:
+        """Every declared consumer acked the row, no lease holds it, and no live DP share
+        repeats it as padding: it is dropped as consumed."""
+        row = self.rows[rid]
+        return CONSUMERS[row.part] <= row.acked and not row.leased and not self.pins.get(rid)
+
+    def _unpin(self, lid: int) -> None:
+        """A DP share that repeated rows as padding ended: those every consumer acked
+        (and no lease or other share holds) are dropped as consumed."""
+        for rid in self.lease_pads.pop(lid, []):
+            self.pins[rid] -= 1
+            if not self.pins[rid]:
+                del self.pins[rid]
+                if rid in self.rows and self._consumed(rid):
+                    event("dp: a padding row dropped as consumed once its share ended")
+                    self._drop(rid)
 
     def _retire(self, part: str) -> None:
         if part in self.sealed and not any(r.part == part for r in self.rows.values()):
@@ -465,6 +493,7 @@ class ControllerModel(RuleBasedStateMachine):
                             del self.rows[rid].judging[name]
             for rid in live:
                 self.rows[rid].judged -= again
+        ended: list[int] = []
         for rid in tok.rows:
             row = self.rows.get(rid)
             if row is None:
@@ -483,6 +512,9 @@ class ControllerModel(RuleBasedStateMachine):
                     if not lrows:
                         del self.leases[lid]
                         self.outcome[lid] = "withdrawn"
+                        ended.append(lid)
+        for lid in ended:  # (after the loop: this may drop rows)
+            self._unpin(lid)
         self._settle()
 
     # ------------------------------------------------------------------ consumers
@@ -554,8 +586,11 @@ class ControllerModel(RuleBasedStateMachine):
                 row = self.rows[rid]
                 del row.leased[task]
                 row.acked.add(task)
-                if set(TASKS) <= row.acked and not row.leased:
+                if self._consumed(rid):
                     self._drop(rid)
+                elif CONSUMERS[row.part] <= row.acked and not row.leased:
+                    event("dp: a consumed row kept as another share's padding")
+            self._unpin(lid)
         elif self.outcome[lid] in ("released", "withdrawn"):
             with pytest.raises(LeaseExpired):
                 self.c.ack([lid])
@@ -582,6 +617,7 @@ class ControllerModel(RuleBasedStateMachine):
         if lid in self.unclaimed:  # a reserved DP share expired: its rank is told so
             task, part, k, rank = self.unclaimed.pop(lid)
             self.disp[(task, part)].shares.pop((k, rank), None)
+        self._unpin(lid)
 
     def _key_may_come(self, part: str) -> bool:
         """Whether a write of a group key to a row of ``part`` is in flight (it may add
@@ -733,6 +769,8 @@ class ControllerModel(RuleBasedStateMachine):
             with pytest.raises(DispatchError):
                 self.c.take(req)
             event("dp: a reserved share lost every row")
+            if lid in self.leases:  # (padding only: given back)
+                self._released(lid)
             return None
         d = self.c.take(req)
         assert isinstance(d, Delivery), d
@@ -827,7 +865,8 @@ class ControllerModel(RuleBasedStateMachine):
         assert len(dealt) == len(set(dealt)), ("a row in two shares", shares)
         assert set(dealt) <= set(can) - set(rem), (shares, can, rem)
         assert all(set(p) <= set(dealt) for p in pads.values()), (pads, dealt)
-        assert all(lids[r] or not shares[r] for r in range(R)), (lids, shares)
+        assert all(bool(lids[r]) == bool(shares[r] or pads[r]) for r in range(R)), \
+            (lids, shares, pads)
         per = self._units(task, shares[rank] + pads[rank])
         assert per and all(self._units(task, shares[r] + pads[r]) == per for r in range(R)), \
             ("unequal shares", shares, pads)
@@ -863,6 +902,10 @@ class ControllerModel(RuleBasedStateMachine):
                 self.deadline[("l", lid)] = self.now + LEASE_TIMEOUT
                 for rid in shares[r]:
                     self.rows[rid].leased[task] = lid
+                if pads[r]:  # kept from being dropped as consumed while it is live
+                    self.lease_pads[lid] = list(pads[r])
+                    for rid in pads[r]:
+                        self.pins[rid] = self.pins.get(rid, 0) + 1
             if r != rank:
                 disp.shares[(k, r)] = (lid, pads[r], per, len(shares[r]))
                 if lid:
@@ -1103,12 +1146,15 @@ class ControllerModel(RuleBasedStateMachine):
     def dp_shares_reserved(self):
         """The shares the model holds for ranks that have not asked are reserved in the
         controller (leased to their task, unclaimed, for that rank); every other live
-        lease has been handed out."""
+        lease has been handed out; the rows live shares repeat as padding are pinned."""
         for lid, (task, _, _, r) in self.unclaimed.items():
             lease = self.c.leases[lid]
             assert lease.task == task and lease.rank == r and not lease.claimed, lid
         for lid in set(self.leases) - set(self.unclaimed):
             assert self.c.leases[lid].claimed, lid
+        # rows repeated as padding by live shares (kept from being dropped as consumed)
+        assert self.c._pins == self.pins, (self.c._pins, self.pins)
+        assert all(lid in self.leases for lid in self.lease_pads), self.lease_pads
 
     @invariant()
     def groups_leave_whole(self):
