@@ -157,9 +157,13 @@ class Groups(ControllerBase):
         fbit = self._fbits[spec.name]
         members = p.groups.get(spec.group_by, {}).get(gkey, {})
         waiting = sum(1 for r in members if self.rows[r].pending & fbit)
-        if len(b) < waiting:
-            return False
-        if self._key_unsettled(p, spec.group_by):
+        return len(b) >= waiting and self._none_coming(p, spec.group_by)
+
+    def _none_coming(self, p: Partition, f: str) -> bool:
+        """Whether no write admitted before ``p``'s seal can still add a member to a
+        group of tag ``f`` there (see :meth:`_key_unsettled`); if one can, ``p``'s short
+        groups are looked at again when it ends (:meth:`_recheck_short`)."""
+        if self._key_unsettled(p, f):
             self._short_held.add(p.name)
             return False
         return True

@@ -189,13 +189,8 @@ class Index(ControllerBase):
         # sealed: complete when every live row of the key that the task still owes is here
         members = p.groups.get(sub.group_by, {}).get(gk[1], {})
         owed = sum(1 for r in members if not self.rows[r].acked & sub.tbit)
-        if len(bucket) < owed:
-            return False
-        # ... unless a write admitted before the seal may still add a member
-        if self._key_unsettled(p, sub.group_by):
-            self._short_held.add(p.name)
-            return False
-        return True
+        # ... and no write admitted before the seal can add a member
+        return len(bucket) >= owed and self._none_coming(p, sub.group_by)
 
     def _reindex(self, rows: Iterable[Row], tasks: Iterable[str] | None = None) -> None:
         """Re-evaluate ``rows`` against subscriptions (of ``tasks`` only, if given)."""
