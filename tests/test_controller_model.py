@@ -189,6 +189,8 @@ class ControllerModel(RuleBasedStateMachine):
         # many live shares repeat it (such a row is not dropped as consumed meanwhile)
         self.lease_pads: dict[int, list[int]] = {}
         self.pins: dict[int, int] = {}
+        # live lease -> rows a retract took from it (its ack names them)
+        self.lease_withdrawn: dict[int, list[int]] = {}
         self.token_sizes: dict[int, dict[str, list[int]]] = {}  # overwrite -> its bytes
 
     # ------------------------------------------------------------------ model helpers
@@ -509,13 +511,47 @@ class ControllerModel(RuleBasedStateMachine):
                 if set(tok.fields) & set(self._lease_fields[lid]):
                     del row.leased[task]
                     lrows.remove(rid)
+                    self.lease_withdrawn.setdefault(lid, []).append(rid)
                     if not lrows:
                         del self.leases[lid]
                         self.outcome[lid] = "withdrawn"
+                        self.lease_withdrawn.pop(lid)
                         ended.append(lid)
         for lid in ended:  # (after the loop: this may drop rows)
             self._unpin(lid)
+        if not new:
+            self._withdraw_pads(live, set(tok.fields))
         self._settle()
+
+    def _withdraw_pads(self, live: set[int], fields: set[str]) -> None:
+        """DP shares that repeat a row whose field was taken back, and asked for it, lose
+        it as padding (a reserved share does not deliver it; the ack names it); a share
+        left with nothing ends, and the row, no longer pinned, is dropped if consumed."""
+        out_rows: set[int] = set()
+        for lid, pads in list(self.lease_pads.items()):
+            if lid not in self.leases or not fields & set(self._lease_fields[lid]):
+                continue
+            out = [r for r in pads if r in live]
+            if not out:
+                continue
+            event("dp: a retract took a padding row back from a share")
+            pads[:] = [r for r in pads if r not in live]
+            for rid in out:
+                self.pins[rid] -= 1
+                if not self.pins[rid]:
+                    del self.pins[rid]
+            out_rows.update(out)
+            w = self.lease_withdrawn.setdefault(lid, [])
+            w.extend(r for r in dict.fromkeys(out) if r not in w)
+            if not self.leases[lid][1] and not pads:
+                del self.leases[lid]
+                self.outcome[lid] = "withdrawn"
+                self.lease_withdrawn.pop(lid)
+                self.lease_pads.pop(lid)
+                self.unclaimed.pop(lid, None)  # (its rank is told so when it asks)
+        for rid in sorted(out_rows):
+            if rid in self.rows and not self.pins.get(rid) and self._consumed(rid):
+                self._drop(rid)
 
     # ------------------------------------------------------------------ consumers
 
@@ -579,7 +615,14 @@ class ControllerModel(RuleBasedStateMachine):
 
     def _ack(self, lid: int) -> None:
         if lid in self.leases:
-            self.c.ack([lid])
+            withdrawn = self.lease_withdrawn.pop(lid, None)
+            if withdrawn:  # the rest is acknowledged; the ack names what was taken back
+                with pytest.raises(LeaseExpired) as e:
+                    self.c.ack([lid])
+                assert sorted(e.value.rows or ()) == sorted(withdrawn), (e.value.rows, withdrawn)
+                event("ack of a batch a retract took rows from")
+            else:
+                self.c.ack([lid])
             task, rows = self.leases.pop(lid)
             self.outcome[lid] = "acked"
             for rid in rows:
@@ -611,6 +654,7 @@ class ControllerModel(RuleBasedStateMachine):
         """A lease was given back (or expired): its rows go to the task again; a late
         ack of it raises."""
         task, rows = self.leases.pop(lid)
+        self.lease_withdrawn.pop(lid, None)
         self.outcome[lid] = "released"
         for rid in rows:
             del self.rows[rid].leased[task]
@@ -894,6 +938,7 @@ class ControllerModel(RuleBasedStateMachine):
             self._balanced(task, shares, req.balance_by)
         event(f"dp: {task} dispatch made" + (" (tail)" if tail else "")
               + (" (padded)" if any(pads.values()) else ""))
+        pads = {r: list(pads[r]) for r in range(R)}  # (a share's list, shared with its lease)
         for r in range(R):
             lid = lids[r]
             if lid:
@@ -903,7 +948,7 @@ class ControllerModel(RuleBasedStateMachine):
                 for rid in shares[r]:
                     self.rows[rid].leased[task] = lid
                 if pads[r]:  # kept from being dropped as consumed while it is live
-                    self.lease_pads[lid] = list(pads[r])
+                    self.lease_pads[lid] = pads[r]
                     for rid in pads[r]:
                         self.pins[rid] = self.pins.get(rid, 0) + 1
             if r != rank:

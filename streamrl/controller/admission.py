@@ -461,6 +461,8 @@ class Admission(ControllerBase):
             self._wake_part(p.name)
         for lease in ended:  # (after the loop: this may drop rows)
             self._unpin(lease)
+        if self._pins:  # DP shares that repeat these rows as padding lose them too
+            self._withdraw_pads([r.id for r in live], fields)
         return Undo(token.id, frozenset(token.shards),
                     [(tuple(token.fields), _by_shard_of(live))])
 

@@ -224,7 +224,8 @@ class Dispatch(ControllerBase):
                 self.release([lid])  # (padding only: nothing of it is left to read)
             raise DispatchError(
                 f"every row of the share of dp_rank={rank} in dispatch {k} of task "
-                f"{req.task!r} was dropped (drop, clear or staleness) before this rank asked "
+                f"{req.task!r} was dropped (drop, clear or staleness) or taken back (a write "
+                "it needed was undone) before this rank asked "
                 "for it; ask again: the next batch comes from the next dispatch")
         if lid:
             lease = self.leases[lid]
@@ -266,6 +267,7 @@ class Dispatch(ControllerBase):
             raise InvalidArgument(
                 f"sampler {sampler!r} split a dispatch into shares that are not {R} parts "
                 "of its rows; split() must put every unit in exactly one share")
+        pads = [list(p) for p in pads]  # (each share's own list: see Leases._pin)
         for r in range(R):
             # (a share of padding only gets a lease too: it keeps its rows readable)
             lid = self._lease(sub, req, shares[r], claimed=False, rank=r, dispatch=k).lease \

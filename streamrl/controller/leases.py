@@ -236,7 +236,7 @@ class Leases(ControllerBase):
         """``lease`` (a DP share) repeats ``pads``, rows of other shares, as padding: they
         are not dropped as consumed before it ends, so that its rank can still read them
         after the rank whose share holds them acked them."""
-        lease.pads = list(pads)
+        lease.pads = pads  # (the reserved share's list: what is withdrawn is not delivered)
         pins = self._pins
         for rid in pads:
             pins[rid] = pins.get(rid, 0) + 1
@@ -260,6 +260,40 @@ class Leases(ControllerBase):
         lease.pads = []
         self._drop_rows(done, DropReason.CONSUMED)
 
+    def _withdraw_pads(self, rids: Iterable[int], fields: set[str]) -> None:
+        """Writes of ``fields`` to rows ``rids`` were taken back (see ``retract``): a DP
+        share that repeats one of them as padding and asked for one of those fields loses
+        it, as a batch holding it as its own row does (its ack names the row; a reserved
+        share does not deliver it). The row is unpinned, and dropped if it is consumed."""
+        pins = self._pins
+        hit = [r for r in rids if r in pins]
+        if not hit:
+            return
+        gone = set(hit)
+        done = []
+        for lid, lease in list(self.leases.items()):
+            if not lease.pads or not lease.fields & fields or gone.isdisjoint(lease.pads):
+                continue
+            out = [r for r in lease.pads if r in gone]
+            lease.pads[:] = [r for r in lease.pads if r not in gone]  # (a reserved share's)
+            for rid in out:
+                n = pins[rid] - 1
+                if n:
+                    pins[rid] = n
+                else:
+                    del pins[rid]
+            lease.withdrawn.extend(dict.fromkeys(out))  # its ack says so
+            if not lease.rows and not lease.pads:
+                del self.leases[lid]
+                self._remember(lid, ["withdrawn", lease.withdrawn])
+        for rid in hit:
+            row = self.rows.get(rid)
+            if row is not None and rid not in pins:
+                cmask = row.part.cmask
+                if cmask and row.acked & cmask == cmask and not row.leased:
+                    done.append(row)
+        self._drop_rows(done, DropReason.CONSUMED)
+
     def _lease_changed(self, lease: _Lease) -> None:
         for p in {self.rows[r].part for r in lease.rows if r in self.rows}:
             if p.sealed or self.closed:  # remaining() moved: tails and ends may follow
@@ -271,9 +305,12 @@ class Leases(ControllerBase):
                 disp.shares.pop((lease.dispatch[1], lease.rank), None)
 
     def lease_rows(self, lease_id: int) -> list[int] | None:
-        """Rows still held under a lease, or ``None`` once it ended."""
+        """Rows still held under a lease (a DP share's padding rows included), or
+        ``None`` once it ended."""
         lease = self.leases.get(lease_id)
-        return None if lease is None else list(lease.rows)
+        if lease is None:
+            return None
+        return list(lease.rows) + [r for r in lease.pads if r in self.rows]
 
     # ------------------------------------------------------------------ deadlines
 
