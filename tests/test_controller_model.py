@@ -208,6 +208,17 @@ class ControllerModel(RuleBasedStateMachine):
                 # so when it asks, see _claim_share)
                 self.unclaimed.pop(lid, None)
                 self._unpin(lid)
+        if rid in self.pins:  # DP shares that repeat it as padding lose it too
+            del self.pins[rid]
+            for lid, pads in list(self.lease_pads.items()):
+                if rid in pads:
+                    pads[:] = [r for r in pads if r != rid]
+                    if lid in self.leases and not self.leases[lid][1] and not pads:
+                        event("dp: a share of padding only ended: its rows were dropped")
+                        del self.leases[lid]  # (as a lease whose last row is dropped)
+                        self.outcome[lid] = "acked"
+                        self.lease_pads.pop(lid)
+                        self.unclaimed.pop(lid, None)
         self._retire(row.part)
 
     def _consumed(self, rid: int) -> bool:

@@ -11,7 +11,7 @@ import torch
 
 from streamrl import filters
 from streamrl.controller import imbalance
-from streamrl.errors import DispatchError, FilterError, InvalidArgument, StreamTimeout
+from streamrl.errors import DispatchError, FilterError, InvalidArgument, RowsDropped, StreamTimeout
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -331,6 +331,25 @@ async def test_a_padded_rank_reads_its_padding_after_the_other_rank_acked_it(mak
     await b.ack()
     st = await q.stats()
     assert st.rows == 0 and st.bytes == 0 and st.consumed == n
+
+
+async def test_dropping_a_padded_batch_ends_its_lease(make_queue):
+    """A batch of padding only (one row, two DP ranks) repeats rank 0's row. Dropped
+    through it, the row leaves rank 0's batch too, and both leases end: none is left
+    open (it stayed until its lease timeout)."""
+    q = make_queue(consumers=["t"])
+    await q.put({"x": torch.arange(1)}, partition="p")
+    await q.seal("p")
+    kw = dict(partition="p", dp_size=2, dp_remainder="pad", timeout=30)
+    a = await q.get("t", ["x"], 1, dp_rank=0, **kw)
+    b = await q.get("t", ["x"], 1, dp_rank=1, **kw)
+    assert b.rows == a.rows and (await q.stats()).leases == 2
+    await b.drop()
+    st = await q.stats()
+    assert st.leases == 0 and st.rows == 0 and st.bytes == 0
+    await a.ack()  # (idempotent: its rows were dropped)
+    with pytest.raises(RowsDropped):
+        await a.materialize()
 
 
 async def test_stats_account_for_every_row(make_queue):

@@ -294,6 +294,23 @@ class Leases(ControllerBase):
                     done.append(row)
         self._drop_rows(done, DropReason.CONSUMED)
 
+    def _unpad(self, gone: list[int]) -> None:
+        """Rows ``gone`` were dropped: DP shares that repeat them as padding lose them
+        (a reserved share does not deliver them), and a share of padding only left with
+        nothing ends, as a lease whose last row is dropped does."""
+        if not gone:
+            return
+        out = set(gone)
+        pins = self._pins
+        for rid in out:
+            del pins[rid]
+        for lid, lease in list(self.leases.items()):
+            if lease.pads and not out.isdisjoint(lease.pads):
+                lease.pads[:] = [r for r in lease.pads if r not in out]
+                if not lease.rows and not lease.pads:
+                    del self.leases[lid]
+                    self._remember(lid, "acked")
+
     def _lease_changed(self, lease: _Lease) -> None:
         for p in {self.rows[r].part for r in lease.rows if r in self.rows}:
             if p.sealed or self.closed:  # remaining() moved: tails and ends may follow

@@ -222,6 +222,8 @@ class Lifecycle(ControllerBase):
                 self._maybe_filter_job(spec, p, key)
         for lease in ended:  # (after the loop: this may drop rows)
             self._unpin(lease)
+        if self._pins:  # rows DP shares repeat as padding leave those shares too
+            self._unpad([r.id for r in objs if r.id in self._pins])
         # a row gone is no member to wait for any more (see Groups._key_unsettled)
         self._tag_epoch += 1
         if self._short_held:
