@@ -642,20 +642,28 @@ class ControllerService:
     # ------------------------------------------------------------------ tags
 
     async def _backfill_tags(self, field: str, parts: dict[int, list[int]]) -> None:
-        """Read ``field`` of rows that were written before it became a tag."""
-        if not parts:
-            return
+        """Read ``field`` of rows that were written before it became a tag. Rows dropped
+        meanwhile are skipped (the rest is read again); on any failure, the rows still
+        to read are reported unread (see :meth:`Controller.tags_unread`)."""
         from .columns import assemble, tag_values
-        req = [(s, rows, [field]) for s, rows in parts.items()]
         try:
-            try:
-                got = await self.data.get(req)
-            except RowsDropped as e:  # rows left meanwhile: retry with the rest
-                gone = set(e.rows)
-                parts = {s: [r for r in rows if r not in gone] for s, rows in parts.items()}
-                return await self._backfill_tags(field, {s: r for s, r in parts.items() if r})
-            for (s, rows, _), cols in zip(req, got):
-                self.ctl.set_tags(field, rows, tag_values(field, assemble(cols[field])))
+            while parts:
+                req = [(s, rows, [field]) for s, rows in parts.items()]
+                try:
+                    got = await self.data.get(req)
+                except RowsDropped as e:  # rows left meanwhile: read the rest again
+                    gone = set(e.rows or ())
+                    left = {s: [r for r in rows if r not in gone] for s, rows in parts.items()}
+                    left = {s: rows for s, rows in left.items() if rows}
+                    if sum(map(len, left.values())) == sum(map(len, parts.values())):
+                        raise  # (no row named: reading again would fail again)
+                    self.ctl.tags_unread(field, [r for rows in parts.values() for r in rows
+                                                 if r in gone])  # (they left)
+                    parts = left
+                    continue
+                for (s, rows, _), cols in zip(req, got):
+                    self.ctl.set_tags(field, rows, tag_values(field, assemble(cols[field])))
+                return
         except BaseException:  # (cancelled, a unit died, a value that is no scalar)
             # their groups are not held back for values that will not come
             self.ctl.tags_unread(field, [r for rows in parts.values() for r in rows])

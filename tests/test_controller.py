@@ -776,3 +776,36 @@ def test_a_padding_row_stays_readable_until_the_padded_share_ends(rows, end):
     else:  # rank 1's own rows come again; the padding row went
         own = [x for x in d1.rows if x not in d0.rows]
         assert sorted(c.rows) == own and not c._pins
+
+
+async def test_reading_group_keys_skips_rows_dropped_meanwhile():
+    """A grouped stream opened after rows were put reads their group keys from storage.
+    A row dropped while that read is on its way fails the read (RowsDropped); the keys
+    of the other rows are read again and their groups go out whole."""
+    import torch
+
+    from streamrl import StreamQueue
+    from streamrl.errors import RowsDropped
+
+    async with StreamQueue(capacity=64, num_shards=1, consumers=["t"]) as q:
+        put = await q.put({"uid": torch.tensor([0, 0, 1, 1, 2]), "x": torch.arange(5)},
+                          partition="p")
+        svc = q._transport.control
+        real = svc.data.get
+        calls = []
+
+        async def get(req):
+            calls.append(req)
+            if len(calls) == 1:  # the first read: row 4 is dropped meanwhile
+                await q.drop(put.rows[4:])
+                raise RowsDropped("gone", [put.rows[4]])
+            return await real(req)
+
+        svc.data.get = get
+        await q.seal("p")
+        got = [sorted(mb.rows) async for mb in q.stream(
+            "t", ["x"], 2, partition="p", group_by="uid", group_size=2, timeout=10)]
+        svc.data.get = real
+        assert sorted(got) == [sorted(put.rows[:2]), sorted(put.rows[2:4])]
+        assert len(calls) == 2 and put.rows[4] not in calls[1][0][1]
+        assert not svc.ctl._tag_reads.get("uid")
