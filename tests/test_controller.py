@@ -809,3 +809,30 @@ async def test_reading_group_keys_skips_rows_dropped_meanwhile():
         assert sorted(got) == [sorted(put.rows[:2]), sorted(put.rows[2:4])]
         assert len(calls) == 2 and put.rows[4] not in calls[1][0][1]
         assert not svc.ctl._tag_reads.get("uid")
+
+
+@pytest.mark.parametrize("end", ["release", "expire", "withdrawn"])
+def test_a_consumed_row_goes_when_a_task_that_is_no_consumer_gives_it_back(end):
+    """Every declared consumer acked a row while another task (not a consumer) held it:
+    the lease keeps it readable. When that lease ends unacknowledged (released, expired,
+    or its rows taken back by a retract), nothing needs the row any more: it is dropped
+    as consumed (it stayed held, leaked, until some other ack happened to touch it)."""
+    clock = Clock()
+    c = Controller(16, num_shards=1, consumers=["a"], lease_timeout=10.0, clock=clock)
+    (r0, r1), _ = put(c, 2)
+    tok = c.begin_write([r0, r1], ("y",))
+    c.commit(tok, {"y": [4, 4]})
+    other = c.take(req("o", ("x", "y"), bs=2, partition="p"))  # "o" is no consumer
+    a = c.take(req("a", bs=2, partition="p"))
+    c.ack([a.lease])
+    assert sorted(c.rows) == [r0, r1]  # (held: "o" still reads them)
+    if end == "release":
+        c.release([other.lease])
+    elif end == "expire":
+        clock.t = 11.0
+        c.expire()
+    else:
+        c.retract(tok)
+    assert not c.rows and c.c_dropped == {"consumed": 2} and not c.leases
+    c.seal("p")
+    assert c.take(req("o", ("x", "y"), bs=2, partition="p")) is END

@@ -333,6 +333,23 @@ async def test_a_padded_rank_reads_its_padding_after_the_other_rank_acked_it(mak
     assert st.rows == 0 and st.bytes == 0 and st.consumed == n
 
 
+async def test_a_row_kept_by_a_task_that_is_no_consumer_goes_when_it_gives_it_back(make_queue):
+    """The declared consumer acks a row while another task holds it: the row stays for
+    that task's batch. Given back unacknowledged, nothing needs the row any more: it is
+    dropped as consumed, and nothing is left held (it leaked before)."""
+    q = make_queue(consumers=["a"])
+    await q.put({"x": torch.arange(2)}, partition="p")
+    await q.seal("p")
+    other = await q.get("o", ["x"], 2, partition="p", timeout=30)
+    mb = await q.get("a", ["x"], 2, partition="p", timeout=30)
+    await mb.ack()
+    assert (await q.stats()).rows == 2  # (kept for "o")
+    await other.release()
+    st = await q.stats()
+    assert st.rows == 0 and st.bytes == 0 and st.consumed == 2 and st.leases == 0
+    assert await q.leaked() == 0
+
+
 async def test_dropping_a_padded_batch_ends_its_lease(make_queue):
     """A batch of padding only (one row, two DP ranks) repeats rank 0's row. Dropped
     through it, the row leaves rank 0's batch too, and both leases end: none is left

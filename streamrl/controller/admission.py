@@ -457,6 +457,8 @@ class Admission(ControllerBase):
         self.c_bytes_freed += freed
         self.space_freed = True
         self._reindex(live)
+        # rows every consumer acked that only a lease they left kept are not needed
+        self._drop_rows([r for r in live if self._consumed(r)], DropReason.CONSUMED)
         for p in {r.part for r in live}:
             self._wake_part(p.name)
         for lease in ended:  # (after the loop: this may drop rows)

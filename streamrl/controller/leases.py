@@ -12,7 +12,7 @@ from ..config import Request
 from ..errors import LeaseExpired, rows_preview
 from ..messages import Delivery, DropReason
 from .base import ControllerBase
-from .state import LEASE_MEMORY, Partition
+from .state import LEASE_MEMORY, Partition, Row
 
 if TYPE_CHECKING:
     from .index import _Sub
@@ -219,18 +219,27 @@ class Leases(ControllerBase):
                 continue
             self._remember(lid, "expired" if expired else "released")
             task = lease.task
-            back = []
+            back: list[Row] = []
+            done: list[Row] = []  # rows every consumer acked that this lease alone kept
             for rid in lease.rows:
                 row = self.rows.get(rid)
                 if row is not None and row.leased.get(task) == lid:
                     del row.leased[task]
-                    back.append(row)
+                    (done if self._consumed(row) else back).append(row)
             if expired:
-                self.c_expired[task] = self.c_expired.get(task, 0) + len(back)
+                self.c_expired[task] = self.c_expired.get(task, 0) + len(back) + len(done)
             self._reindex(back, (task,))
+            self._drop_rows(done, DropReason.CONSUMED)
             if lease.pads:
                 self._unpin(lease)
             self._lease_changed(lease)
+
+    def _consumed(self, row: Row) -> bool:
+        """Every declared consumer of its partition acked ``row``, and no lease or DP
+        share holds it: nothing needs it any more (it is dropped as consumed)."""
+        cmask = row.part.cmask
+        return bool(cmask) and row.acked & cmask == cmask and not row.leased and (
+            row.id not in self._pins)
 
     def _pin(self, lease: _Lease, pads: list[int]) -> None:
         """``lease`` (a DP share) repeats ``pads``, rows of other shares, as padding: they
