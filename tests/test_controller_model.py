@@ -53,8 +53,10 @@ from streamrl.errors import (DispatchError, DuplicateField, InvalidArgument, Lea
                              QueueFull, RowsDropped, StreamTimeout)
 
 CAPACITY = 16
-#: a byte bound that binds before the row bound (16 rows of x and y are 192 bytes)
-CAPACITY_BYTES = 120
+#: the byte bound, drawn per run: one that binds before the row bound (16 rows of x and
+#: y are 192 bytes), and one loose enough for a grouped DP dispatch of four groups (with
+#: the tight one it holds at most two, one a rank, too few for a bad split to show)
+CAPACITY_BYTES = (120, 120, 400)
 #: seconds a lease (or an admitted write) lives without an ack (a commit)
 LEASE_TIMEOUT = 10.0
 TASKS = ("a", "b")
@@ -131,12 +133,14 @@ class _Row:
 
 class ControllerModel(RuleBasedStateMachine):
     @initialize(max_staleness=st.sampled_from(STALENESS),
-                filters=st.sets(st.sampled_from(sorted(FILTERS))))
-    def start(self, max_staleness, filters):
+                filters=st.sets(st.sampled_from(sorted(FILTERS))),
+                capacity_bytes=st.sampled_from(CAPACITY_BYTES))
+    def start(self, max_staleness, filters, capacity_bytes):
         self.now = 0.0  # the controller's clock, moved by ``advance``
+        self.capacity_bytes = capacity_bytes
         self.max_staleness = max_staleness
         self.version = VERSION
-        self.c = Controller(CAPACITY, capacity_bytes=CAPACITY_BYTES, num_shards=2,
+        self.c = Controller(CAPACITY, capacity_bytes=capacity_bytes, num_shards=2,
                             consumers=list(TASKS), lease_timeout=LEASE_TIMEOUT,
                             max_staleness=max_staleness, clock=lambda: self.now)
         # partition q's rows are consumed once the DP task of single rows acks them (so
@@ -332,6 +336,16 @@ class ControllerModel(RuleBasedStateMachine):
                      version) and half:
             self.open_groups.append((part, self.keys))
 
+    @precondition(lambda self: self.capacity_bytes > 200)
+    @rule(part=st.sampled_from(PARTS), first=st.integers(0, RANKS - 1))
+    def balanced_step(self, part, first):
+        """Four whole groups are put, and the ranks of the grouped DP task take two
+        groups each, balanced on the key: with two units a share, a split that a swap
+        would narrow shows (the byte bound of this run leaves room for it)."""
+        for _ in range(4):
+            self._put_group(part, False, True, None)
+        self.dp_step(True, part, first, 2, "error", "uid", True)
+
     @precondition(lambda self: self.open_groups)
     @rule(i=st.integers(0, 1000), now=MOSTLY)
     def finish_group(self, i, now):
@@ -350,7 +364,7 @@ class ControllerModel(RuleBasedStateMachine):
         held = sum(sum(r.ready.values()) for r in self.rows.values())
         reserved = sum(b for _, new, b in self.pending if new)
         if len(self.rows) + n > CAPACITY or (
-                self.rows and held + reserved + nbytes > CAPACITY_BYTES):
+                self.rows and held + reserved + nbytes > self.capacity_bytes):
             with pytest.raises(QueueFull):
                 self.c.allocate(part, n, fields, nbytes=nbytes, version=version)
             return False
@@ -531,6 +545,9 @@ class ControllerModel(RuleBasedStateMachine):
         for lid in ended:  # (after the loop: this may drop rows)
             self._unpin(lid)
         if not new:
+            for rid in sorted(live):  # (consumed rows a lease taken back alone kept)
+                if rid in self.rows and self._consumed(rid):
+                    self._drop(rid)
             self._withdraw_pads(live, set(tok.fields))
         self._settle()
 
@@ -669,6 +686,9 @@ class ControllerModel(RuleBasedStateMachine):
         self.outcome[lid] = "released"
         for rid in rows:
             del self.rows[rid].leased[task]
+            if self._consumed(rid):  # every consumer acked it; this lease alone kept it
+                event("a consumed row dropped when a lease that kept it ended unacked")
+                self._drop(rid)
         if lid in self.unclaimed:  # a reserved DP share expired: its rank is told so
             task, part, k, rank = self.unclaimed.pop(lid)
             self.disp[(task, part)].shares.pop((k, rank), None)
@@ -734,6 +754,8 @@ class ControllerModel(RuleBasedStateMachine):
             self.outcome[d.lease] = "acked"
             for rid in got:
                 self.rows[rid].acked.add(task)
+                if self._consumed(rid):  # (any ack drops a row nothing needs any more)
+                    self._drop(rid)
         self._settle()
 
     # ------------------------------------------------------------------ DP dispatch
@@ -983,6 +1005,8 @@ class ControllerModel(RuleBasedStateMachine):
             return [float(sum(self.rows[r].key for r in u)) if by else float(len(u))
                     for u in by_key.values()]
         w = [units(shares[0]), units(shares[1])]
+        if by and min(map(len, w)) >= 2:
+            event("dp: a balanced dispatch of two units or more a rank")
         heavy, light = (0, 1) if sum(w[0]) >= sum(w[1]) else (1, 0)
         gap = sum(w[heavy]) - sum(w[light])
         better = [(a, b) for a in w[heavy] for b in w[light] if 0 < a - b < gap]
