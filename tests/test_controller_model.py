@@ -26,8 +26,8 @@ row counts) take in dispatches over two ranks: ranks out of step, in step, and a
 of a step (its partition sealed, the last dispatches a tail that errors, drops or pads).
 Each dispatch must be ``ranks * batch_size`` deliverable rows (whole groups), split into
 disjoint shares of as many units each (every row in exactly one, padding only repeating
-rows of the dispatch), balanced (a weak check: under the byte bound a grouped
-dispatch holds at most two groups, one a rank), the shares of the other ranks reserved (leased,
+rows of the dispatch), balanced (with the loose byte bound of some runs, a rule makes
+grouped dispatches of two groups a rank, enough for a bad split to show), the shares of the other ranks reserved (leased,
 unclaimed) until their rank asks; a share that expired first raises ``DispatchError``
 for its rank and its rows come again, as do those of a share given back; a share whose
 rows were dropped before its rank asked gives what is left of it (``DispatchError`` if
