@@ -146,6 +146,8 @@ class ControllerModel(RuleBasedStateMachine):
         # partition q's rows are consumed once the DP task of single rows acks them (so
         # that its padding rows are consumed while other shares repeat them)
         self.c.declare("q", [DP])
+        # partition -> its declared consumers (None: no automatic cleanup); see ``declare``
+        self.consumers: dict[str, set[str] | None] = {k: set(v) for k, v in CONSUMERS.items()}
         assert self.c.set_version(VERSION) == 0
         # ("l", lease id) or ("w", write token id) -> its deadline
         self.deadline: dict[tuple[str, int], float] = {}
@@ -229,7 +231,8 @@ class ControllerModel(RuleBasedStateMachine):
         """Every declared consumer acked the row, no lease holds it, and no live DP share
         repeats it as padding: it is dropped as consumed."""
         row = self.rows[rid]
-        return CONSUMERS[row.part] <= row.acked and not row.leased and not self.pins.get(rid)
+        cons = self.consumers[row.part]
+        return bool(cons) and cons <= row.acked and not row.leased and not self.pins.get(rid)
 
     def _unpin(self, lid: int) -> None:
         """A DP share that repeated rows as padding ended: those every consumer acked
@@ -659,7 +662,8 @@ class ControllerModel(RuleBasedStateMachine):
                 row.acked.add(task)
                 if self._consumed(rid):
                     self._drop(rid)
-                elif CONSUMERS[row.part] <= row.acked and not row.leased:
+                elif self.consumers[row.part] and self.consumers[row.part] <= row.acked \
+                        and not row.leased:
                     event("dp: a consumed row kept as another share's padding")
             self._unpin(lid)
         elif self.outcome[lid] in ("released", "withdrawn"):
@@ -1178,6 +1182,24 @@ class ControllerModel(RuleBasedStateMachine):
         with a padded tail: a share's padding rows are rows of the other rank's share,
         which that rank acks (and so consumes) first."""
         self.finish_step("q", False, size, "pad", None, True)
+
+    @rule(part=st.sampled_from(["p", "q"]), who=st.sampled_from(["same", "one", "none"]),
+          go=RARELY)
+    def declare(self, part, who, go):
+        """A partition's consumer set changes mid-run: back to its first one, one task of
+        it, or none (no automatic cleanup). Rows every task of the new set acked, that no
+        lease or DP share holds, are dropped at once; with none, acks drop nothing."""
+        if not go or part in self.retired:
+            return
+        first = sorted(CONSUMERS[part])
+        tasks = {"same": first, "one": first[:1], "none": None}[who]
+        self.c.declare(part, tasks)
+        self.consumers[part] = None if tasks is None else set(tasks)
+        for rid in [r for r, row in self.rows.items() if row.part == part]:
+            if rid in self.rows and self._consumed(rid):
+                event("declare dropped rows consumed by the new set")
+                self._drop(rid)
+        self._settle()
 
     @rule(part=st.sampled_from(PARTS), go=RARELY)
     def clear(self, part, go):
