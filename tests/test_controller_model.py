@@ -184,6 +184,7 @@ class ControllerModel(RuleBasedStateMachine):
         self.committed: list = []  # (token, new rows?) committed writes, for retract
         self.dropped: set[int] = set()  # rows the model dropped
         self.deleted: set[int] = set()  # rows the controller asked storage to delete
+        self.lost: int | None = None  # the storage unit lost (see ``lose_unit``)
         # lease id -> the fields it asked for (a retract takes rows only from leases of them)
         self._lease_fields: dict[int, tuple[str, ...]] = {}
         self.disp: dict[tuple[str, str], _Disp] = {}  # (DP task, partition) -> dispatches
@@ -372,6 +373,7 @@ class ControllerModel(RuleBasedStateMachine):
                 self.c.allocate(part, n, fields, nbytes=nbytes, version=version)
             return False
         tok = self.c.allocate(part, n, fields, nbytes=nbytes, version=version)
+        assert self.lost is None or self.lost not in tok.shards, (self.lost, tok.shards)
         self.deadline[("w", tok.id)] = self.now + LEASE_TIMEOUT
         if key is not None:
             self.token_key[tok.id] = key
@@ -1199,6 +1201,27 @@ class ControllerModel(RuleBasedStateMachine):
             if rid in self.rows and self._consumed(rid):
                 event("declare dropped rows consumed by the new set")
                 self._drop(rid)
+        self._settle()
+
+    @precondition(lambda self: self.lost is None)
+    @rule(shard=st.integers(0, 1), go=RARELY)
+    def lose_unit(self, shard, go):
+        """A storage unit dies: its rows are dropped as lost (nothing is deleted from
+        it; writes in flight to them find them gone), wherever they are (leased, in a
+        group, in a filter job, repeated as padding), and new rows go to the other
+        unit."""
+        if not go:
+            return
+        self.lost = shard
+        gone = sorted(rid for rid in self.rows if self.c.rows[rid].shard == shard)
+        assert self.c.mark_lost(shard) == len(gone)
+        assert self.c.mark_lost(shard) == 0  # (idempotent)
+        if gone:
+            event("a storage unit with rows was lost")
+        for rid in gone:
+            if rid in self.rows:
+                self._drop(rid)
+                self.deleted.add(rid)  # (no delete is asked of a dead unit)
         self._settle()
 
     @rule(part=st.sampled_from(PARTS), go=RARELY)
