@@ -836,3 +836,25 @@ def test_a_consumed_row_goes_when_a_task_that_is_no_consumer_gives_it_back(end):
     assert not c.rows and c.c_dropped == {"consumed": 2} and not c.leases
     c.seal("p")
     assert c.take(req("o", ("x", "y"), bs=2, partition="p")) is END
+
+
+def test_a_restored_state_drops_padding_rows_consumed_while_a_share_kept_them():
+    """A padding row whose own rank acked it is kept while the padded share is live. A
+    checkpoint taken then comes back with the share released: nothing keeps the row, and
+    it is dropped as consumed (it must not stay held for ever)."""
+    c = Controller(16, num_shards=1, consumers=["d"])
+    ids, _ = put(c, 3)
+    c.seal("p")
+    r = [req("d", bs=2, partition="p", dp_rank=i, dp_size=2, dp_remainder="pad")
+         for i in range(2)]
+    d0 = c.take(r[0])
+    c.ack([d0.lease])
+    d1 = c.take(r[1])
+    (pad,) = c._pins
+    c2 = Controller(16, num_shards=1, consumers=["d"])
+    c2.load_state_dict(c.state_dict())
+    assert pad not in c2.rows  # consumed, and kept by nothing now
+    own = [x for x in d1.rows if x not in d0.rows]
+    assert sorted(c2.rows) == own and not c2._pins and not c2.leases
+    d = c2.take(req("d", bs=2, partition="p", dp_rank=0, dp_size=2, dp_remainder="pad"))
+    assert own[0] in d.rows

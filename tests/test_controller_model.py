@@ -41,6 +41,7 @@ docs/scaling.md) is checked against: the model is per row on purpose.
 
 from __future__ import annotations
 
+import json
 import os
 
 import pytest
@@ -1201,6 +1202,34 @@ class ControllerModel(RuleBasedStateMachine):
             if rid in self.rows and self._consumed(rid):
                 event("declare dropped rows consumed by the new set")
                 self._drop(rid)
+        self._settle()
+
+    @rule(json_round_trip=st.booleans(), go=RARELY)
+    def restart(self, json_round_trip, go):
+        """The controller's state is saved and loaded into a new controller (a
+        checkpoint restored), also through JSON. What was in flight is settled as if its
+        owner had gone: leases come back released (in id order), writes in flight are
+        aborted, filter jobs are queued again (same ids, same rows), and DP dispatch
+        starts over; everything else goes on as it was."""
+        if not go:
+            return
+        self._settle()
+        state = self.c.state_dict()
+        if json_round_trip:
+            state = json.loads(json.dumps(state))
+        c = Controller(CAPACITY, capacity_bytes=self.capacity_bytes, num_shards=2,
+                       consumers=list(TASKS), lease_timeout=LEASE_TIMEOUT,
+                       max_staleness=self.max_staleness, clock=lambda: self.now)
+        c.load_state_dict(state)
+        self.c = c
+        if self.leases or self.pending:
+            event("a restart with leases or writes in flight")
+        for lid in sorted(self.leases):
+            self._released(lid)
+        for tok, new, b in sorted(self.pending, key=lambda w: w[0].id):
+            self._aborted(tok, new)
+        self.pending = []
+        self.disp = {}
         self._settle()
 
     @precondition(lambda self: self.lost is None)

@@ -10,7 +10,7 @@ from collections.abc import Hashable, Iterator, Mapping
 from typing import Any
 
 from ..errors import CheckpointError
-from ..messages import FilterJob, FilterSpec, WriteToken
+from ..messages import DropReason, FilterJob, FilterSpec, WriteToken
 from .base import ControllerBase
 from .leases import _Lease
 from .state import Partition, Row, _consumers
@@ -148,7 +148,8 @@ class Snapshot(ControllerBase):
           :attr:`field_deletes`;
         * filter jobs are **judged again**: each is queued anew in :attr:`filter_jobs`
           (same id, same rows) and its rows wait for the new verdict;
-        * DP dispatch restarts: every rank's next dispatch is the first one.
+        * DP dispatch restarts: every rank's next dispatch is the first one; rows every
+          consumer acked that a share kept as padding are dropped as consumed.
 
         Row, lease, write and job ids continue after the saved counters, so none is
         reused. Subscriptions come back with their saved ready order; the outboxes hold
@@ -176,6 +177,10 @@ class Snapshot(ControllerBase):
             undo = self.abort(tid)
             if undo is not None:
                 self.field_deletes.append(undo)
+        # rows every consumer acked that a live DP share kept as padding (pins are not
+        # saved: the shares came back released): nothing keeps them now
+        self._drop_rows([r for r in self.rows.values() if self._consumed(r)],
+                        DropReason.CONSUMED)
         self.changed.add(None)
         self.woken.update(self.subs)
         self.space_freed = True
