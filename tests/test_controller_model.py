@@ -1156,6 +1156,20 @@ class ControllerModel(RuleBasedStateMachine):
         self._retire(part)
         self._settle()
 
+    @rule(go=st.integers(0, 15).map(lambda i: i == 0))
+    def seal_all(self, go):
+        """The whole queue is sealed (seldom: nothing can be put after it): every
+        partition, known to the controller or not, refuses new rows, and each ends once
+        drained."""
+        if not go:
+            return
+        self.c.seal_all()
+        self.c.seal_all()  # (idempotent)
+        for part in ("p", "q"):
+            self.sealed.add(part)
+            self._retire(part)
+        self._settle()
+
     @rule(part=st.sampled_from(PARTS), grouped=st.booleans(), size=st.sampled_from([1, 1, 2]),
           remainder=REMAINDER, balance=st.sampled_from([None, "uid"]), go=st.booleans())
     def finish_step(self, part, grouped, size, remainder, balance, go):
