@@ -262,10 +262,8 @@ class Leases(ControllerBase):
                 continue
             pins.pop(rid, None)
             row = rows.get(rid)
-            if row is not None:
-                cmask = row.part.cmask
-                if cmask and row.acked & cmask == cmask and not row.leased:
-                    done.append(row)
+            if row is not None and self._consumed(row):
+                done.append(row)
         lease.pads = []
         self._drop_rows(done, DropReason.CONSUMED)
 
@@ -297,10 +295,8 @@ class Leases(ControllerBase):
                 self._remember(lid, ["withdrawn", lease.withdrawn])
         for rid in hit:
             row = self.rows.get(rid)
-            if row is not None and rid not in pins:
-                cmask = row.part.cmask
-                if cmask and row.acked & cmask == cmask and not row.leased:
-                    done.append(row)
+            if row is not None and self._consumed(row):
+                done.append(row)
         self._drop_rows(done, DropReason.CONSUMED)
 
     def _unpad(self, gone: list[int]) -> None:

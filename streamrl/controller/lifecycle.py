@@ -27,9 +27,8 @@ class Lifecycle(ControllerBase):
         p.consumers = _consumers(consumers)
         p.cmask = self._mask(p.consumers)
         if p.cmask:
-            done = [r for r in p.rows.values() if r.acked & p.cmask == p.cmask and not r.leased
-                    and r.id not in self._pins]
-            self._drop_rows(done, DropReason.CONSUMED)
+            self._drop_rows([r for r in p.rows.values() if self._consumed(r)],
+                            DropReason.CONSUMED)
 
     def seal_all(self) -> None:
         """No new rows anywhere (new fields of existing rows are still accepted): every
