@@ -858,3 +858,34 @@ def test_a_restored_state_drops_padding_rows_consumed_while_a_share_kept_them():
     assert sorted(c2.rows) == own and not c2._pins and not c2.leases
     d = c2.take(req("d", bs=2, partition="p", dp_rank=0, dp_size=2, dp_remainder="pad"))
     assert own[0] in d.rows
+
+
+@pytest.mark.parametrize("dp", [False, True])
+def test_after_the_whole_queue_is_sealed_a_partition_without_rows_ends(dp):
+    """seal() of the whole queue: no new rows anywhere, so a take over a partition that
+    never had a row ends at once (it waited for rows that cannot come), as does one over
+    a partition the queue knew of only by a declaration."""
+    c = Controller(16, num_shards=1, consumers=["t"])
+    put(c, 1, part="p")
+    c.declare("q", ["t"])
+    c.seal_all()
+    kw = dict(dp_rank=0, dp_size=2) if dp else {}
+    for part in ("never", "q"):
+        assert c.take(req("t", bs=1, partition=part, **kw)) is END
+    with pytest.raises(InvalidArgument):
+        c.allocate("never", 1, ("x",), nbytes=8)
+
+
+@pytest.mark.parametrize("group_size", [None, 2])
+def test_closing_the_queue_lets_a_grouped_filter_judge_short_groups(group_size):
+    """close(): no row can join a group any more, as after a seal. A grouped filter
+    judges the short groups then (a grouped stream already sends them): their rows were
+    left unjudged, so never delivered while the consumers drained the closed queue."""
+    c = Controller(100)
+    c.add_filter(FilterSpec("g", frozenset({"r"}), "uid", group_size))
+    (a, b, d), _ = put(c, 3, ("r", "uid"), tags={"uid": [1, 2, 1]})
+    jobs = c.drain()[1]
+    assert [j.rows for j in jobs] == ([[a, d]] if group_size else [])
+    c.close()
+    jobs += c.drain()[1]
+    assert sorted(sorted(j.rows) for j in jobs) == [[a, d], [b]]

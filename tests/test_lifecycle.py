@@ -350,6 +350,36 @@ async def test_a_row_kept_by_a_task_that_is_no_consumer_goes_when_it_gives_it_ba
     assert await q.leaked() == 0
 
 
+async def test_closing_the_queue_lets_a_grouped_filter_judge_a_short_group(make_queue):
+    """A grouped filter judges a short last group once no row can join it: after a seal
+    of its partition, and after close() too. Its row was never judged, so never delivered
+    while the consumer drained the closed queue."""
+    q = make_queue(consumers=["t"])
+    await q.add_filter(lambda td: td["r"] >= 0, fields=["r"], group_by="uid", group_size=2,
+                       name="g")
+    await q.put({"r": torch.tensor([1.0, 2.0, 3.0]), "uid": torch.tensor([1, 2, 1])},
+                partition="p")
+    mb = await q.get("t", ["r"], 2, partition="p", timeout=30)  # group 1, judged
+    await mb.ack()
+    await q.close()
+    got = [mb.rows async for mb in q.stream("t", ["r"], 2, partition="p", timeout=30)]
+    assert len(got) == 1 and len(got[0]) == 1  # group 2's row, judged at close
+    st = await q.stats()
+    assert st.rows == 0 and st.consumed == 3
+
+
+async def test_after_seal_of_the_whole_queue_a_stream_over_an_empty_partition_ends(make_queue):
+    """seal() without a partition: no new rows anywhere, so a stream over a partition
+    that never got a row ends at once (it waited for its timeout), DP ranks included."""
+    q = make_queue()
+    await q.put({"x": torch.arange(2)}, partition="p")
+    await q.seal()
+    assert [mb async for mb in q.stream("t", ["x"], 1, partition="never", timeout=5)] == []
+    assert [mb async for mb in q.stream("t", ["x"], 1, partition="never", dp_rank=1,
+                                        dp_size=2, timeout=5)] == []
+    assert len([mb async for mb in q.stream("t", ["x"], 1, partition="p", timeout=5)]) == 2
+
+
 async def test_dropping_a_padded_batch_ends_its_lease(make_queue):
     """A batch of padding only (one row, two DP ranks) repeats rank 0's row. Dropped
     through it, the row leaves rank 0's batch too, and both leases end: none is left

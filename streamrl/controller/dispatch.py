@@ -69,7 +69,9 @@ class Dispatch(ControllerBase):
         if sub.partition in self.retired:
             return 0
         p = self.parts.get(sub.partition)
-        return p.remaining(sub.task) if p is not None and p.sealed else None
+        if p is None:  # (no row yet: none will come once the whole queue is sealed)
+            return 0 if self.sealed_all else None
+        return p.remaining(sub.task) if p.sealed else None
 
     def _tail(self, sub: _Sub) -> bool:
         """True when every row the task still owes is deliverable now (nothing to wait

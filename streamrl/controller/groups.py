@@ -141,10 +141,10 @@ class Groups(ControllerBase):
                 self._emit_job(spec, take)
             if not b:
                 del self._filter_ready[spec.name][key]
-            elif p.sealed and self._whole(spec, p, gkey, b):
+            elif (p.sealed or self.closed) and self._whole(spec, p, gkey, b):
                 self._emit_job(spec, list(b))
                 del self._filter_ready[spec.name][key]
-        elif p.sealed and self._whole(spec, p, gkey, b):
+        elif (p.sealed or self.closed) and self._whole(spec, p, gkey, b):
             self._emit_job(spec, list(b))
             del self._filter_ready[spec.name][key]
 

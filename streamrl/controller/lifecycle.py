@@ -50,14 +50,19 @@ class Lifecycle(ControllerBase):
             p.sealed = True
             self.changed.add(p.name)
             self._wake_part(p.name)
-            # no row can join a group any more: groups without a group_size, and short
-            # last groups of a group_size, are judged once every member is ready
-            for spec in self.filters.values():
-                if spec.group_by:
-                    for (pname, key) in list(self._filter_ready.get(spec.name, {})):
-                        if pname == p.name:
-                            self._maybe_filter_job(spec, p, key)
+            self._judge_short_groups(p.name)
             self._maybe_retire(p)
+
+    def _judge_short_groups(self, partition: str | None) -> None:
+        """No row can join a group of ``partition`` (``None``: of any) any more: grouped
+        filters judge groups without a group_size, and short last groups of one, once
+        every member is ready."""
+        for spec in self.filters.values():
+            if spec.group_by:
+                for (pname, key) in list(self._filter_ready.get(spec.name, {})):
+                    p = self.parts.get(pname)
+                    if p is not None and partition in (None, pname):
+                        self._maybe_filter_job(spec, p, key)
 
     def _maybe_retire(self, p: Partition) -> None:
         """Forget a sealed partition once its last row has left, so that a long run with
@@ -91,6 +96,7 @@ class Lifecycle(ControllerBase):
             self.space_freed = True
             for name in list(self.parts):  # short last groups are complete now
                 self._wake_part(name)
+            self._judge_short_groups(None)
 
     def mark_lost(self, shard: int) -> int:
         """Storage unit ``shard`` is gone: its rows are dropped as ``"lost"`` (nothing is

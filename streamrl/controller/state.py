@@ -210,6 +210,7 @@ class State:
                 raise InvalidArgument(f"partition must be a non-empty str, got {name!r}")
             p = self.parts[name] = Partition(name, self.default_consumers,
                                              self._mask(self.default_consumers))
+            p.sealed = self.sealed_all  # (the whole queue sealed: so is every partition)
         return p
 
     def _remaining_all(self, task: str) -> int:
