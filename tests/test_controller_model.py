@@ -3,7 +3,9 @@
 A hypothesis state machine drives :class:`streamrl.controller.Controller` and a plain
 per-row model side by side: new rows (committed at once or later, or aborted), writes
 of new fields to existing rows (committed, aborted or taken back), takes, acks,
-releases, drops, seals and clears over two partitions and two declared consumers, a
+releases, drops, seals and clears over two partitions and two declared consumers (a
+consumer set changed mid-run, the whole queue sealed, the queue closed, a storage unit
+lost, the state saved and loaded into a new controller), a
 bound in rows and one in bytes, a clock that expires leases and writes, groups (a
 third task takes whole groups of rows sharing a key, put at once or in pieces),
 staleness (puts stamped with a policy version, some already too old; the version moves
@@ -51,7 +53,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 
 from streamrl.controller import END, Controller, Delivery, FilterSpec, Request
 from streamrl.errors import (DispatchError, DuplicateField, InvalidArgument, LeaseExpired,
-                             QueueFull, RowsDropped, StreamTimeout)
+                             QueueClosed, QueueFull, RowsDropped, StreamTimeout)
 
 CAPACITY = 16
 #: the byte bound, drawn per run: one that binds before the row bound (16 rows of x and
@@ -178,6 +180,7 @@ class ControllerModel(RuleBasedStateMachine):
         self.expired_tokens: list = []  # writes aborted by expiry (their commit raises)
         self.rows: dict[int, _Row] = {}
         self.sealed: set[str] = set()
+        self.closed = False
         self.retired: set[str] = set()  # sealed partitions whose last row left
         self.leases: dict[int, tuple[str, list[int]]] = {}  # live: lid -> (task, rows)
         self.outcome: dict[int, str] = {}  # ended leases: "acked" or "released"
@@ -304,7 +307,7 @@ class ControllerModel(RuleBasedStateMachine):
             # short: sealed, and no put admitted before the seal can add a member
             part = self.rows[live[0]].part
             assert len(job.rows) == GROUP or (
-                part in self.sealed and not self._key_may_come(part)), job
+                (part in self.sealed or self.closed) and not self._key_may_come(part)), job
             rest = [rid for rid, r in self.rows.items() if r.key == key
                     and job.filter not in r.judged and job.filter not in r.judging]
             assert set(rest) <= set(job.rows), (job, rest)
@@ -341,6 +344,7 @@ class ControllerModel(RuleBasedStateMachine):
                      version) and half:
             self.open_groups.append((part, self.keys))
 
+    @precondition(lambda self: not self.closed)
     @precondition(lambda self: self.capacity_bytes > 200)
     @rule(part=st.sampled_from(PARTS), first=st.integers(0, RANKS - 1))
     def balanced_step(self, part, first):
@@ -362,6 +366,10 @@ class ControllerModel(RuleBasedStateMachine):
         """New rows of ``version`` (``None``: the current one); rows already older than
         ``version - max_staleness`` are admitted and dropped as stale at once."""
         nbytes = n * sum(SIZES[f] for f in fields)
+        if self.closed:
+            with pytest.raises(QueueClosed):
+                self.c.allocate(part, n, fields, nbytes=nbytes, version=version)
+            return False
         if part in self.sealed:
             with pytest.raises(InvalidArgument):
                 self.c.allocate(part, n, fields, nbytes=nbytes, version=version)
@@ -615,10 +623,14 @@ class ControllerModel(RuleBasedStateMachine):
         can = self._deliverable(task, fields, part)
         d = self.c.take(Request(task, fields, batch, partition=part, max_staleness=stale))
         left = [r for r in self.rows.values() if r.part == part and task not in r.acked]
+        if self.closed:
+            event("closed: take " + ("END" if d is END else "None" if d is None else "batch"))
         if d is END:
-            assert part in self.sealed and not left, (part, len(left))
+            assert (part in self.sealed and not left) or (self.closed and not can), \
+                (part, len(left), can)
             return None
         if d is None:
+            assert not self.closed, ("closed: a take must deliver or end", can)
             assert len(can) < batch, (can, batch)
             if part in self.sealed and can and all(
                     task not in r.leased and all(f in r.ready for f in fields)
@@ -631,7 +643,7 @@ class ControllerModel(RuleBasedStateMachine):
         if len(can) >= batch:
             assert len(got) == batch, (got, batch)
         else:
-            assert part in self.sealed and got, (got, can, batch)
+            assert (part in self.sealed or self.closed) and got, (got, can, batch)
         for rid in got:
             self.rows[rid].leased[task] = d.lease
         self.leases[d.lease] = (task, got)
@@ -730,14 +742,18 @@ class ControllerModel(RuleBasedStateMachine):
             if r.part == part and r.key is not None and task not in r.acked:
                 members[r.key] = members.get(r.key, 0) + 1
         short = [k for k, rows in by_key.items()
-                 if part in self.sealed and len(rows) < GROUP and members[k] == len(rows)]
+                 if (part in self.sealed or self.closed) and len(rows) < GROUP
+                 and members[k] == len(rows)]
         d = self.c.take(Request(task, fields, batch, partition=part, group_by="uid",
                                 group_size=GROUP))
         left = [r for r in self.rows.values() if r.part == part and task not in r.acked]
         if d is END:
-            assert part in self.sealed and not left, (part, len(left))
+            assert (part in self.sealed and not left) or (self.closed and not can), \
+                (part, len(left), can)
         elif d is None:
             assert len(full) < groups, (full, groups)
+            assert not self.closed or not can or self._key_may_come(part) or not (
+                full or short), ("closed: a whole group held back", can, full, short)
             # a sealed partition's short batch goes once nothing can join it any more:
             # no write in flight there, and every row the task has not acked is ready
             # (a row without a key may still get one)
@@ -752,9 +768,10 @@ class ControllerModel(RuleBasedStateMachine):
             for k in keys:  # whole: every deliverable row of each key it has
                 assert sorted(by_key[k]) == sorted(r for r in got if self.rows[r].key == k)
                 # short: sealed, and no put admitted before the seal can add a member
-                assert len(by_key[k]) == GROUP or (
-                    part in self.sealed and not self._key_may_come(part)), (k, by_key[k])
-            if len(full) >= groups and part not in self.sealed:
+                assert len(by_key[k]) == GROUP or ((part in self.sealed or self.closed)
+                                                   and not self._key_may_come(part)), \
+                    (k, by_key[k])
+            if len(full) >= groups and part not in self.sealed and not self.closed:
                 # (sealed, a short group ahead may leave a batch short: groups are whole)
                 assert len(got) == batch, (got, full, groups)
             self.c.ack([d.lease])
@@ -767,6 +784,7 @@ class ControllerModel(RuleBasedStateMachine):
 
     # ------------------------------------------------------------------ DP dispatch
 
+    @precondition(lambda self: not self.closed)
     @rule(part=st.sampled_from(PARTS), rank=st.integers(0, RANKS - 1),
           batch=st.sampled_from([1, 1, 2]), remainder=REMAINDER, ack=MOSTLY)
     def dp_take(self, part, rank, batch, remainder, ack):
@@ -776,6 +794,7 @@ class ControllerModel(RuleBasedStateMachine):
             self._ack(lid)
         self._settle()
 
+    @precondition(lambda self: not self.closed)
     @rule(part=st.sampled_from(PARTS), rank=st.integers(0, RANKS - 1),
           groups=st.sampled_from([1, 1, 2]), remainder=REMAINDER,
           balance=st.sampled_from([None, "uid"]), ack=MOSTLY)
@@ -787,6 +806,7 @@ class ControllerModel(RuleBasedStateMachine):
             self._ack(lid)
         self._settle()
 
+    @precondition(lambda self: not self.closed)
     @rule(grouped=st.booleans(), part=st.sampled_from(PARTS), first=st.integers(0, RANKS - 1),
           size=st.sampled_from([1, 1, 2]), remainder=REMAINDER,
           balance=st.sampled_from([None, "uid"]), ack=MOSTLY,
@@ -1156,6 +1176,20 @@ class ControllerModel(RuleBasedStateMachine):
         self._retire(part)
         self._settle()
 
+    @rule(go=st.integers(0, 7).map(lambda i: i == 0))
+    def close(self, go):
+        """The queue is closed (seldom): puts of new rows raise QueueClosed, writes to
+        existing rows go on; a take delivers what is deliverable now, short or not, and
+        ends once nothing is; a short group is whole as in a sealed partition (grouped
+        streams send it, grouped filters judge it) once no write may add a member. (DP
+        rules stop here: their tails after close are not modelled.)"""
+        if not go:
+            return
+        self.c.close()
+        self.c.close()
+        self.closed = True
+        self._settle()
+
     @rule(go=st.integers(0, 15).map(lambda i: i == 0))
     def seal_all(self, go):
         """The whole queue is sealed (seldom: nothing can be put after it): every
@@ -1170,6 +1204,7 @@ class ControllerModel(RuleBasedStateMachine):
             self._retire(part)
         self._settle()
 
+    @precondition(lambda self: not self.closed)
     @rule(part=st.sampled_from(PARTS), grouped=st.booleans(), size=st.sampled_from([1, 1, 2]),
           remainder=REMAINDER, balance=st.sampled_from([None, "uid"]), go=st.booleans())
     def finish_step(self, part, grouped, size, remainder, balance, go):
@@ -1193,6 +1228,7 @@ class ControllerModel(RuleBasedStateMachine):
         for _ in range(3):
             self.dp_step(grouped, part, 0, size, remainder, balance, True)
 
+    @precondition(lambda self: not self.closed)
     @rule(size=st.sampled_from([1, 2]))
     def finish_padded_step(self, size):
         """A step of partition q, whose rows the DP task of single rows consumes, ends
@@ -1347,7 +1383,7 @@ class ControllerModel(RuleBasedStateMachine):
                 if name in r.judged or name in r.judging or not spec.fields <= r.ready.keys():
                     continue
                 # (sealed: only while a put admitted before the seal may add a member)
-                assert spec.group_by and (r.part not in self.sealed
+                assert spec.group_by and ((r.part not in self.sealed and not self.closed)
                                           or self._key_may_come(r.part)), (name, rid)
                 waiting[r.key] = waiting.get(r.key, 0) + 1
             assert all(n < GROUP for n in waiting.values()), (name, waiting)
