@@ -325,12 +325,16 @@ def balanced_split(units: list[list[int]], R: int, weights: list[float]
         load[lo] += d
     shares = [[r for i in m for r in units[i]] for m in members]
     pads: list[list[int]] = [[] for _ in range(R)]
-    donors = deque(order)
+    donors = deque(order)  # (heaviest first, taken in turn by the short ranks)
     for r in range(R):
         need = per - len(members[r])
+        mine = set(members[r])
         while need > 0:
-            i = donors.popleft()
-            donors.append(i)
+            for _ in range(len(donors)):  # the next unit of another rank
+                i = donors.popleft()
+                donors.append(i)
+                if i not in mine:
+                    break
             pads[r].extend(units[i])
             need -= 1
     return shares, pads

@@ -284,6 +284,20 @@ def test_balanced_split_beats_round_robin():
     assert greedy < rr
 
 
+@pytest.mark.parametrize("weights", [[10, 12, 16], [16, 12, 10], [1, 1, 1], [5, 9, 7]])
+def test_balanced_split_pads_a_short_rank_with_units_of_other_ranks(weights):
+    """Three units over two ranks: the short rank is padded with a unit of the other
+    rank, never with a repeat of its own (it repeated its only unit when that unit was
+    the heaviest: the model's grouped DP tail found it)."""
+    units = [[0, 1], [2, 3], [4, 5]]
+    shares, pads = _balanced_split(units, 2, weights)
+    short = min(range(2), key=lambda r: len(shares[r]))
+    assert len(shares[short]) == 2 and len(pads[short]) == 2 and not pads[1 - short]
+    assert not set(pads[short]) & set(shares[short])
+    assert set(pads[short]) <= set(shares[1 - short])
+    assert sorted(r for s in shares for r in s) == list(range(6))
+
+
 def test_request_validation():
     bad = [dict(bs=0), dict(bs=-1), dict(fields=()), dict(bs=6, group_by="u", group_size=4),
            dict(group_size=2), dict(dp_size=2, dp_rank=2), dict(max_staleness=-1),
