@@ -344,7 +344,6 @@ class ControllerModel(RuleBasedStateMachine):
                      version) and half:
             self.open_groups.append((part, self.keys))
 
-    @precondition(lambda self: not self.closed)
     @precondition(lambda self: self.capacity_bytes > 200)
     @rule(part=st.sampled_from(PARTS), first=st.integers(0, RANKS - 1))
     def balanced_step(self, part, first):
@@ -784,7 +783,6 @@ class ControllerModel(RuleBasedStateMachine):
 
     # ------------------------------------------------------------------ DP dispatch
 
-    @precondition(lambda self: not self.closed)
     @rule(part=st.sampled_from(PARTS), rank=st.integers(0, RANKS - 1),
           batch=st.sampled_from([1, 1, 2]), remainder=REMAINDER, ack=MOSTLY)
     def dp_take(self, part, rank, batch, remainder, ack):
@@ -794,7 +792,6 @@ class ControllerModel(RuleBasedStateMachine):
             self._ack(lid)
         self._settle()
 
-    @precondition(lambda self: not self.closed)
     @rule(part=st.sampled_from(PARTS), rank=st.integers(0, RANKS - 1),
           groups=st.sampled_from([1, 1, 2]), remainder=REMAINDER,
           balance=st.sampled_from([None, "uid"]), ack=MOSTLY)
@@ -806,7 +803,6 @@ class ControllerModel(RuleBasedStateMachine):
             self._ack(lid)
         self._settle()
 
-    @precondition(lambda self: not self.closed)
     @rule(grouped=st.booleans(), part=st.sampled_from(PARTS), first=st.integers(0, RANKS - 1),
           size=st.sampled_from([1, 1, 2]), remainder=REMAINDER,
           balance=st.sampled_from([None, "uid"]), ack=MOSTLY,
@@ -906,10 +902,11 @@ class ControllerModel(RuleBasedStateMachine):
         assert part is not None
         grouped = task == DPG
         size = R * req.batch_size
-        sealed = part in self.sealed
+        sealed = part in self.sealed or self.closed
         can = self._deliverable(task, req.fields, part)
         left = [rid for rid, r in self.rows.items() if r.part == part and task not in r.acked]
-        tail = sealed and set(left) == set(can)
+        # (closed: whatever is deliverable now is the tail)
+        tail = (sealed and set(left) == set(can)) or self.closed
         final = tail and not any(r.writing for r in self.rows.values() if r.part == part)
         by_key: dict[int | None, list[int]] = {}
         for rid in can:
@@ -938,7 +935,7 @@ class ControllerModel(RuleBasedStateMachine):
         if rem:
             event(f"dp: {task} remainder dropped")
         if d is END:
-            assert sealed and not left, (part, left)
+            assert (part in self.sealed and not left) or (self.closed and not can), (part, left)
             return None
         if d is None:
             if not grouped:
@@ -1181,8 +1178,8 @@ class ControllerModel(RuleBasedStateMachine):
         """The queue is closed (seldom): puts of new rows raise QueueClosed, writes to
         existing rows go on; a take delivers what is deliverable now, short or not, and
         ends once nothing is; a short group is whole as in a sealed partition (grouped
-        streams send it, grouped filters judge it) once no write may add a member. (DP
-        rules stop here: their tails after close are not modelled.)"""
+        streams send it, grouped filters judge it) once no write may add a member; DP
+        ranks take what is deliverable as a tail (its remainder errs, drops or pads)."""
         if not go:
             return
         self.c.close()
@@ -1204,7 +1201,6 @@ class ControllerModel(RuleBasedStateMachine):
             self._retire(part)
         self._settle()
 
-    @precondition(lambda self: not self.closed)
     @rule(part=st.sampled_from(PARTS), grouped=st.booleans(), size=st.sampled_from([1, 1, 2]),
           remainder=REMAINDER, balance=st.sampled_from([None, "uid"]), go=st.booleans())
     def finish_step(self, part, grouped, size, remainder, balance, go):
@@ -1228,7 +1224,6 @@ class ControllerModel(RuleBasedStateMachine):
         for _ in range(3):
             self.dp_step(grouped, part, 0, size, remainder, balance, True)
 
-    @precondition(lambda self: not self.closed)
     @rule(size=st.sampled_from([1, 2]))
     def finish_padded_step(self, size):
         """A step of partition q, whose rows the DP task of single rows consumes, ends
