@@ -428,21 +428,24 @@ class StreamQueue:
         stage = self._stage
         part = DEFAULT_PARTITION if partition is None else partition
         # a row like the stage's rows (same partition and version, fields of the same
-        # dtypes and bytes: stage.like) is appended without sizing it again
+        # dtypes and shapes: stage.like) is appended without sizing it again
         like = stage.like_now(part, version)  # type: ignore[union-attr]
         same = len(data) == len(like)
         for f, v in data.items():
-            if (type(v) is not torch.Tensor or type(f) is not str or not f
-                    or v.layout is not _STRIDED or v.is_nested or v.is_meta
+            if (type(v) is not torch.Tensor or v.layout is not _STRIDED or v.is_meta
                     or v.requires_grad):
                 return None
-            shape = v.shape  # (cheaper than dim() and size(0))
-            if not shape or shape[0] != 1:
+            try:
+                shape = v.shape  # (cheaper than dim() and size(0))
+            except RuntimeError:  # (a nested tensor of strided layout has no shape)
                 return None
             if same:
-                was = like.get(f)
-                if was is None or v.dtype is not was[0] or v.nbytes != was[1]:
-                    same = False
+                was = like.get(f)  # (its key and dtype were checked when it opened the stage)
+                if was is not None and v.dtype is was[0] and shape == was[1]:
+                    continue
+                same = False
+            if type(f) is not str or not f or not shape or shape[0] != 1:
+                return None
         if not data:
             return None
         cols = dict(data)  # (the caller's dict may change once the put returned)
@@ -458,7 +461,7 @@ class StreamQueue:
                 sizes[f] = v.nbytes
                 dtypes[f] = name
             staged = stage.stage_put(part, cols, sizes, dtypes, version,  # type: ignore[union-attr]
-                                     like={f: (v.dtype, v.nbytes) for f, v in data.items()})
+                                     like={f: (v.dtype, v.shape) for f, v in data.items()})
             if staged is None:
                 return None
         return RowRemoteBatch._put(self, staged[0], staged[1], cols, part)

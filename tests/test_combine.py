@@ -396,6 +396,77 @@ async def test_a_put_into_a_file_backed_store_fails_at_the_put_not_later(tmp_pat
         assert (await mb.materialize())["idx"].tolist() == [0]
 
 
+def _unlike(case: str) -> dict:
+    """A one-row put like ``one(1)`` but for field ``x`` (see the test below)."""
+    x = {
+        "grad": lambda: torch.ones(1, 4, requires_grad=True),
+        "meta": lambda: torch.ones(1, 4, device="meta"),
+        "sparse": lambda: torch.ones(1, 4).to_sparse(),
+        "nested": lambda: torch.nested.nested_tensor([torch.ones(4)]),
+        "jagged": lambda: torch.nested.nested_tensor([torch.ones(4)], layout=torch.jagged),
+        "reshaped": lambda: torch.ones(1, 2, 2),  # the same bytes, another shape
+        "wider": lambda: torch.ones(1, 8),
+        "two rows": lambda: torch.ones(2, 4),
+        "no row dim": lambda: torch.tensor(1.0),
+        "float64": lambda: torch.ones(1, 4, dtype=torch.float64),
+        "uint16": lambda: torch.ones(1, 4, dtype=torch.uint16),
+        "list": lambda: [[1.0] * 4],
+    }[case]()
+    return {"idx": torch.tensor([1]), "x": x}
+
+
+async def _outcome(q, data: dict, usual: bool) -> tuple:
+    """Put ``one(0)`` then ``data`` (inside a ``timed`` block if ``usual``: the put
+    then takes the usual way, never the shortcut), and read everything back."""
+    await first_use(q)
+    await q.put(one(0), partition="p")
+    if combines(q):
+        assert staged(q) == 1  # (the row ``data`` is compared against is staged)
+    err = None
+    try:
+        if usual:
+            with q.timed("producer"):
+                await q.put(data, partition="p")
+        else:
+            await q.put(data, partition="p")
+    except Exception as e:  # noqa: BLE001 (the outcome compared)
+        err = (type(e).__name__, str(e))
+    await q.seal("p")
+    got = []
+    async for mb in q.stream("t", ["idx", "x"], 1, partition="p"):  # (rows of other
+        td = await mb.materialize()                                  # shapes read apart)
+        xs = td["x"].unbind(0) if isinstance(td["x"], torch.Tensor) else td["x"]
+        got += [(i, x.tolist() if isinstance(x, torch.Tensor) else x,
+                 isinstance(x, torch.Tensor) and x.requires_grad)
+                for i, x in zip(td["idx"].tolist(), xs)]
+    st = await q.stats()
+    return err, got, st.put, st.rows, st.bytes, await q.audit()
+
+
+@pytest.mark.parametrize("case", ["grad", "meta", "sparse", "nested", "jagged", "reshaped",
+                                  "wider", "two rows", "no row dim", "float64", "uint16",
+                                  "list"])
+async def test_a_one_row_put_unlike_the_staged_rows_fares_as_the_usual_way(make_queue, transport,
+                                                                          case):
+    """A one-row put whose field differs from the rows staged before it in one respect
+    (it needs grad, is meta, sparse or nested, another shape or dtype, not one row) is
+    stored or refused exactly as the usual way of a put stores or refuses it: the same
+    error, or the same rows read back (a grad tensor detached), the same counts. (The
+    shortcut that stages such puts is the embedded transport's; Ray's one-row check is
+    test_columns.py's.)"""
+    if transport != "embedded":
+        pytest.skip("one-row puts are staged on the embedded transport only")
+    if case == "uint16" and not hasattr(torch, "uint16"):
+        pytest.skip("no torch.uint16 here")
+    if case in ("nested", "jagged"):
+        import warnings
+        warnings.filterwarnings("ignore", "The PyTorch API of nested tensors")
+    fast = await _outcome(make_queue(capacity=16), _unlike(case), usual=False)
+    usual = await _outcome(make_queue(capacity=16), _unlike(case), usual=True)
+    assert fast == usual
+    assert fast[0] is not None or fast[1][-1][0] == 1  # (refused, or read back)
+
+
 async def test_one_row_put_arguments_are_checked_as_any_put_checks_them(make_queue):
     """A one-row put of new rows takes a shortcut on the embedded transport; each bad
     argument still raises what it raises for a put of two rows, nothing is staged for it,
