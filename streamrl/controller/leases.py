@@ -267,6 +267,26 @@ class Leases(ControllerBase):
         lease.pads = []
         self._drop_rows(done, DropReason.CONSUMED)
 
+    def _strip_pads(self, gone: set[int], fields: set[str] | None = None
+                    ) -> list[tuple[int, _Lease, list[int]]]:
+        """Take rows ``gone`` out of the padding of every live DP share (of those that
+        asked for one of ``fields``, if given), in place: a reserved share's list, so that
+        it does not deliver them. A share left with no rows and no padding ends (it leaves
+        ``leases``; the caller remembers its outcome). Returns ``(lease id, lease, the
+        rows it lost)`` for each share that lost some; pins are the caller's to count."""
+        hit = []
+        for lid, lease in list(self.leases.items()):
+            pads = lease.pads
+            if not pads or gone.isdisjoint(pads) or (
+                    fields is not None and not lease.fields & fields):
+                continue
+            out = [r for r in pads if r in gone]
+            pads[:] = [r for r in pads if r not in gone]
+            if not lease.rows and not pads:
+                del self.leases[lid]
+            hit.append((lid, lease, out))
+        return hit
+
     def _withdraw_pads(self, rids: Iterable[int], fields: set[str]) -> None:
         """Writes of ``fields`` to rows ``rids`` were taken back (see ``retract``): a DP
         share that repeats one of them as padding and asked for one of those fields loses
@@ -276,13 +296,7 @@ class Leases(ControllerBase):
         hit = [r for r in rids if r in pins]
         if not hit:
             return
-        gone = set(hit)
-        done = []
-        for lid, lease in list(self.leases.items()):
-            if not lease.pads or not lease.fields & fields or gone.isdisjoint(lease.pads):
-                continue
-            out = [r for r in lease.pads if r in gone]
-            lease.pads[:] = [r for r in lease.pads if r not in gone]  # (a reserved share's)
+        for lid, lease, out in self._strip_pads(set(hit), fields):
             for rid in out:
                 n = pins[rid] - 1
                 if n:
@@ -290,9 +304,9 @@ class Leases(ControllerBase):
                 else:
                     del pins[rid]
             lease.withdrawn.extend(dict.fromkeys(out))  # its ack says so
-            if not lease.rows and not lease.pads:
-                del self.leases[lid]
+            if lid not in self.leases:
                 self._remember(lid, ["withdrawn", lease.withdrawn])
+        done = []
         for rid in hit:
             row = self.rows.get(rid)
             if row is not None and self._consumed(row):
@@ -309,12 +323,9 @@ class Leases(ControllerBase):
         pins = self._pins
         for rid in out:
             del pins[rid]
-        for lid, lease in list(self.leases.items()):
-            if lease.pads and not out.isdisjoint(lease.pads):
-                lease.pads[:] = [r for r in lease.pads if r not in out]
-                if not lease.rows and not lease.pads:
-                    del self.leases[lid]
-                    self._remember(lid, "acked")
+        for lid, _, _ in self._strip_pads(out):
+            if lid not in self.leases:
+                self._remember(lid, "acked")
 
     def _lease_changed(self, lease: _Lease) -> None:
         for p in {self.rows[r].part for r in lease.rows if r in self.rows}:
