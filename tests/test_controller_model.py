@@ -98,6 +98,7 @@ JUDGE = st.sampled_from(["verdict"] * 6 + ["error", "retry"])
 #: data-parallel (DP) dispatch: ``RANKS`` ranks of a task of rows one by one (``DP``,
 #: fields ``x``) and of one of whole groups (``DPG``, fields ``uid`` and ``x``, balanced
 #: on the group key or on row counts); each keeps to its own kind of request (as ``g``).
+#: In some runs ``d`` asks for ``y`` too (``dp_fields``).
 #: ``d`` alone is the declared consumer of partition q (see CONSUMERS), so that rows a
 #: share repeats as padding are consumed while it is live
 RANKS = 2
@@ -137,9 +138,14 @@ class _Row:
 class ControllerModel(RuleBasedStateMachine):
     @initialize(max_staleness=st.sampled_from(STALENESS),
                 filters=st.sets(st.sampled_from(sorted(FILTERS))),
-                capacity_bytes=st.sampled_from(CAPACITY_BYTES))
-    def start(self, max_staleness, filters, capacity_bytes):
+                capacity_bytes=st.sampled_from(CAPACITY_BYTES),
+                dp_y=st.sampled_from([False, False, True]))
+    def start(self, max_staleness, filters, capacity_bytes, dp_y):
         self.now = 0.0  # the controller's clock, moved by ``advance``
+        # the fields each DP task asks for: in some runs the task of single rows asks for
+        # ``y`` too, a field a retract can take back from its shares (a reserved share
+        # that loses every row so ends; its rank is told so when it asks)
+        self.dp_fields = {**DP_FIELDS, DP: ("x", "y")} if dp_y else DP_FIELDS
         self.capacity_bytes = capacity_bytes
         self.max_staleness = max_staleness
         self.version = VERSION
@@ -554,6 +560,7 @@ class ControllerModel(RuleBasedStateMachine):
                         del self.leases[lid]
                         self.outcome[lid] = "withdrawn"
                         self.lease_withdrawn.pop(lid)
+                        self.unclaimed.pop(lid, None)  # (its rank is told so when it asks)
                         ended.append(lid)
         for lid in ended:  # (after the loop: this may drop rows)
             self._unpin(lid)
@@ -829,7 +836,7 @@ class ControllerModel(RuleBasedStateMachine):
         back); else it makes ``k`` itself (``_make_dispatch``). A finished partition
         ends every rank."""
         grouped = task == DPG
-        req = Request(task, DP_FIELDS[task], batch, partition=part, dp_rank=rank,
+        req = Request(task, self.dp_fields[task], batch, partition=part, dp_rank=rank,
                       dp_size=RANKS, dp_remainder=remainder, balance_by=balance,
                       group_by="uid" if grouped else None,
                       group_size=GROUP if grouped else None)
@@ -1203,18 +1210,19 @@ class ControllerModel(RuleBasedStateMachine):
 
     @rule(part=st.sampled_from(PARTS), grouped=st.booleans(), size=st.sampled_from([1, 1, 2]),
           remainder=REMAINDER, balance=st.sampled_from([None, "uid"]), go=st.booleans())
-    def finish_step(self, part, grouped, size, remainder, balance, go):
+    def finish_step(self, part, grouped, size, remainder, balance, go, ack=True):
         """A step ends: its partition is sealed and tidied for a DP task (its rows that
-        task can never take, those with no ``x`` and no write of it in flight, or for
-        the grouped task those of no group, are dropped), and the ranks take what is
-        left in step, so that the last dispatches are a tail."""
+        task can never take, those that lack a field it asks for with no write of it in
+        flight, or for the grouped task those of no group, are dropped), and the ranks
+        take what is left in step (acking it, or with ``ack`` false keeping it), so
+        that the last dispatches are a tail."""
         if not go:
             return
         self.c.seal(part)
         self.sealed.add(part)
         never = [rid for rid, r in self.rows.items() if r.part == part and (
             (r.key is None and "uid" not in r.writing) if grouped
-            else ("x" not in r.ready and "x" not in r.writing))]
+            else any(f not in r.ready and f not in r.writing for f in self.dp_fields[DP]))]
         if never:
             assert self.c.drop(never) == len(never)
         for rid in never:
@@ -1222,14 +1230,15 @@ class ControllerModel(RuleBasedStateMachine):
         self._retire(part)
         self._settle()
         for _ in range(3):
-            self.dp_step(grouped, part, 0, size, remainder, balance, True)
+            self.dp_step(grouped, part, 0, size, remainder, balance, ack)
 
-    @rule(size=st.sampled_from([1, 2]))
-    def finish_padded_step(self, size):
+    @rule(size=st.sampled_from([1, 2]), ack=st.sampled_from([True, True, False]))
+    def finish_padded_step(self, size, ack):
         """A step of partition q, whose rows the DP task of single rows consumes, ends
         with a padded tail: a share's padding rows are rows of the other rank's share,
-        which that rank acks (and so consumes) first."""
-        self.finish_step("q", False, size, "pad", None, True)
+        which that rank acks (and so consumes) first, or (``ack`` false) the shares are
+        kept, live, for later rules (acks, releases, expiry, drops)."""
+        self.finish_step("q", False, size, "pad", None, True, ack)
 
     @rule(part=st.sampled_from(["p", "q"]), who=st.sampled_from(["same", "one", "none"]),
           go=RARELY)
