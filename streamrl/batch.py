@@ -135,14 +135,17 @@ del _i
 class _BatchLease:
     """Acknowledgement state shared by the views of one delivered batch."""
 
-    __slots__ = ("ids", "open", "released", "dropped", "parts")
+    __slots__ = ("ids", "open", "released", "dropped", "parts", "pads")
 
-    def __init__(self, ids: tuple[int, ...], parts: Sequence["_BatchLease"] = ()):
+    def __init__(self, ids: tuple[int, ...], parts: Sequence["_BatchLease"] = (),
+                 pads: Iterable[int] = ()):
         self.ids = ids
         self.open = bool(ids)
         self.released = False  # given back unacknowledged: its rows go out again
         self.dropped: set[int] = set()
         self.parts = tuple(parts)  # the source leases of a concat (closed with it)
+        # rows the batch repeats as DP padding, none of its own: ``drop`` leaves them
+        self.pads: frozenset[int] = frozenset(pads).union(*(p.pads for p in self.parts))
 
     def close(self, released: bool = False) -> None:
         self.open = False
@@ -203,7 +206,7 @@ class RowRemoteBatch(RemoteBatch):
                  leases: tuple[int, ...] = (), task: str | None = None,
                  partition: str | None = None, cache: _Cache | None = None,
                  lease: _BatchLease | None = None, scalar: bool = False,
-                 known: Iterable[str] = ()):
+                 known: Iterable[str] = (), pads: Iterable[int] = ()):
         self._s: Session = queue.session
         self._rows = np.asarray(rows, dtype=np.int64)
         self._shards = np.asarray(shards, dtype=np.int32)
@@ -211,7 +214,8 @@ class RowRemoteBatch(RemoteBatch):
         self._fields = tuple(fields)
         self._known = frozenset(known) | frozenset(self._fields)
         self._cache = cache if cache is not None else _Cache(probe=_probe(self._rows, self._shards))
-        self._lease = lease if lease is not None else _BatchLease(tuple(leases))
+        # (``pads``: rows a DP share repeats as padding, none of its own; see ``drop``)
+        self._lease = lease if lease is not None else _BatchLease(tuple(leases), pads=pads)
         self._task = task
         self._partition = partition
         self._scalar = scalar
@@ -699,26 +703,37 @@ class RowRemoteBatch(RemoteBatch):
         """Delete these rows from the queue for good (idempotent) and free their bytes.
         Dropping a whole delivered batch also ends its lease. Any later ``materialize``
         or ``write`` through this batch raises :class:`~streamrl.errors.RowsDropped`.
-        Runs to the end even if the awaiting task is cancelled meanwhile."""
+        Runs to the end even if the awaiting task is cancelled meanwhile.
+
+        A DP batch padded with rows of other ranks' shares (``dp_remainder="pad"``)
+        deletes its own rows only: the padding rows are left to the shares they belong
+        to, and this batch's lease ends once only padding is left (acknowledged)."""
         await _timed(shielded(self._drop()))
 
     async def _drop(self) -> None:
-        rows = [r for r in self._rows.tolist() if r not in self._lease.dropped]
+        lease = self._lease
+        pads = lease.pads
+        rows = [r for r in self._rows.tolist() if r not in lease.dropped and r not in pads]
         if rows:
-            self._lease.dropped.update(rows)
-            self._cache.forget(self._lease.dropped)  # their views may be reused
+            lease.dropped.update(rows)
+            self._cache.forget(lease.dropped)  # their views may be reused
             await self._s.drop(rows)
-        if self._lease.open and self._lease.ids:
-            remaining = await self._s.lease_rows(self._lease.ids)
+        if lease.open and lease.ids:
+            remaining = await self._s.lease_rows(lease.ids)
             if not remaining:
-                self._lease.close()
+                lease.close()
+            elif pads and pads.issuperset(remaining):
+                # only padding is left: rows of other shares, which this batch is done
+                # with (acknowledged: their own shares still read them)
+                await self._s.ack(list(lease.ids))
+                lease.close()
 
     # ------------------------------------------------------------------ pickling
 
     def __getstate__(self):
         return {"q": self._s.queue, "rows": self._rows, "shards": self._shards,
                 "versions": self._versions, "fields": self._fields, "known": self._known, "leases": self._lease.ids,
-                "open": self._lease.open, "released": self._lease.released, "nbytes": self.nbytes, "task": self._task, "partition": self._partition,
+                "open": self._lease.open, "released": self._lease.released, "pads": tuple(self._lease.pads), "nbytes": self.nbytes, "task": self._task, "partition": self._partition,
                 "scalar": self._scalar, "probe": self._cache.probe}
 
     def __setstate__(self, st):
@@ -727,7 +742,7 @@ class RowRemoteBatch(RemoteBatch):
         self._fields = st["fields"]
         self._known = st["known"]
         self._cache = _Cache(probe=st.get("probe"))
-        self._lease = _BatchLease(st["leases"])
+        self._lease = _BatchLease(st["leases"], pads=st.get("pads", ()))
         self._lease.open = st["open"]
         self._lease.released = st.get("released", False)
         self._task, self._partition, self._scalar = st["task"], st["partition"], st["scalar"]

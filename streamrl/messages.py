@@ -61,6 +61,9 @@ class Delivery:
     dispatch: int | None = None
     known: tuple[str, ...] = ()  # every field written on all rows of the batch
     nbytes: int = 0  # bytes of the asked-for fields of these rows, as put
+    #: rows of ``rows`` that repeat rows of other DP shares as padding (not the batch's
+    #: own: its ``drop()`` leaves them to the share that holds them)
+    pads: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)

@@ -9,7 +9,7 @@ import os
 import warnings
 import weakref
 from collections import OrderedDict
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import anyio
@@ -729,9 +729,13 @@ class StreamQueue:
         return Stream(self, req, timeout)
 
     def _delivered(self, d: Delivery) -> RowRemoteBatch:
+        pads: Iterable[int] = ()
+        if d.pads:  # (a padded DP share: its own rows come first)
+            own = set(d.rows[:len(d.rows) - len(d.pads)])
+            pads = [r for r in d.pads if r not in own]
         mb = RowRemoteBatch(self, d.rows, d.shards, d.fields, versions=d.versions,
                             leases=(d.lease,), task=d.task, partition=d.partition,
-                            known=d.known)
+                            known=d.known, pads=pads)
         mb.nbytes = d.nbytes
         return mb
 

@@ -3,6 +3,7 @@ DP dispatch and the stats that account for every row."""
 
 from __future__ import annotations
 
+import pickle
 import random
 
 import anyio
@@ -382,8 +383,8 @@ async def test_after_seal_of_the_whole_queue_a_stream_over_an_empty_partition_en
 
 async def test_dropping_a_padded_batch_ends_its_lease(make_queue):
     """A batch of padding only (one row, two DP ranks) repeats rank 0's row. Dropped
-    through it, the row leaves rank 0's batch too, and both leases end: none is left
-    open (it stayed until its lease timeout)."""
+    (here through a pickled copy), it ends its lease (it stayed open until its lease timeout) and leaves the row to
+    rank 0, whose share it is: rank 0 still reads it, and its ack consumes it."""
     q = make_queue(consumers=["t"])
     await q.put({"x": torch.arange(1)}, partition="p")
     await q.seal("p")
@@ -391,12 +392,38 @@ async def test_dropping_a_padded_batch_ends_its_lease(make_queue):
     a = await q.get("t", ["x"], 1, dp_rank=0, **kw)
     b = await q.get("t", ["x"], 1, dp_rank=1, **kw)
     assert b.rows == a.rows and (await q.stats()).leases == 2
-    await b.drop()
+    await pickle.loads(pickle.dumps(b)).drop()  # (a copy sent elsewhere drops the same)
     st = await q.stats()
-    assert st.leases == 0 and st.rows == 0 and st.bytes == 0
-    await a.ack()  # (idempotent: its rows were dropped)
-    with pytest.raises(RowsDropped):
-        await a.materialize()
+    assert st.leases == 1 and st.rows == 1
+    assert (await a.materialize())["x"].tolist() == [0]
+    await a.ack()
+    st = await q.stats()
+    assert st.leases == 0 and st.rows == 0 and st.bytes == 0 and st.dropped == st.consumed == 1
+
+
+async def test_dropping_a_padded_batch_drops_its_own_rows_only(make_queue):
+    """Three rows over two DP ranks of two: rank 1's share is one row of its own and a
+    repeat of one of rank 0's. Its ``drop()`` deletes its own row and leaves the repeat
+    to rank 0, which reads its whole share afterwards (it lost rows to another rank's
+    drop before); a view of the batch drops as the batch does, and nothing leaks."""
+    q = make_queue(consumers=["t"])
+    await q.put({"x": torch.arange(3)}, partition="p")
+    await q.seal("p")
+    kw = dict(partition="p", dp_size=2, dp_remainder="pad", timeout=30)
+    a = await q.get("t", ["x"], 2, dp_rank=0, **kw)
+    b = await q.get("t", ["x"], 2, dp_rank=1, **kw)
+    own_b = set(b.rows) - set(a.rows)
+    assert len(own_b) == 1 and len(set(b.rows) & set(a.rows)) == 1
+    xb = dict(zip(b.rows, (await b.materialize())["x"].tolist()))
+    await b[:].drop()  # (a view of the whole batch)
+    st = await q.stats()
+    assert st.rows == 2 and st.leases == 1 and st.dropped == 1
+    assert sorted((await a.materialize())["x"].tolist()) == sorted(
+        set(range(3)) - {xb[r] for r in own_b})
+    await a.ack()
+    st = await q.stats()
+    assert st.rows == 0 and st.leases == 0 and st.bytes == 0
+    assert await q.audit() == []
 
 
 async def test_stats_account_for_every_row(make_queue):

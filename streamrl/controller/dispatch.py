@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
-from collections.abc import Hashable, Iterator
+from collections.abc import Hashable, Iterator, Sequence
 from typing import TYPE_CHECKING, SupportsFloat, cast
 
 from ..config import Request
@@ -162,9 +162,11 @@ class Dispatch(ControllerBase):
         return unit
 
     def _delivery(self, lid: int, req: Request, sub: _Sub, rids: list[int], rank: int = 0,
-                  dispatch: int | None = None, nbytes: int | None = None) -> Delivery:
+                  dispatch: int | None = None, nbytes: int | None = None,
+                  pads: Sequence[int] = ()) -> Delivery:
         """The delivery of ``rids`` under lease ``lid`` (``nbytes``: the bytes of the
-        asked-for fields of those rows, if the caller counted them)."""
+        asked-for fields of those rows, if the caller counted them; ``pads``: those of
+        them that are another DP share's rows, repeated as padding)."""
         rows = self.rows
         objs = [rows[r] for r in rids]
         common: set[str] = set()
@@ -189,7 +191,7 @@ class Dispatch(ControllerBase):
             part = one_part.name if one_part is not None else None
         return Delivery(lid, req.task, list(rids), [r.shard for r in objs],
                         [r.version for r in objs], req.fields, part, rank, dispatch,
-                        tuple(sorted(common)), total)
+                        tuple(sorted(common)), total, tuple(pads))
 
     # ------------------------------------------------------------------ DP dispatch
 
@@ -234,7 +236,7 @@ class Dispatch(ControllerBase):
             lease.deadline = self.clock() + lease.timeout
             heapq.heappush(self._lease_heap, (lease.deadline, lid))
             self._claim(lease)
-        return self._delivery(lid, req, sub, list(rids) + list(pads), rank, k)
+        return self._delivery(lid, req, sub, list(rids) + list(pads), rank, k, pads=pads)
 
     def _make_dispatch(self, sub: _Sub, req: Request, disp: _Dispatcher, k: int,
                        sampler: Sampler) -> bool | _End | None:
