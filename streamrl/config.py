@@ -118,6 +118,10 @@ class QueueConfig:
         max_staleness: drop rows older than ``version - max_staleness`` (``None``: never).
         max_lead: admission pacer on versions (``None``: no pacing).
         consumers: tasks whose acknowledgements drop a row (``None``: no cleanup).
+        group_key: a field whose value groups rows (a GRPO prompt's ``uid``), known from
+            the start: rows dropped as stale take their group along, whichever stream
+            or filter groups by it, or none (``None``: keys are learnt from grouped
+            streams and filters).
         name: the queue's name.
         storage: the storage backend of the units: a registered name (``"memory"``,
             ``"spill"``, ...) or a mapping ``{"backend": name, **options}``.
@@ -148,6 +152,7 @@ class QueueConfig:
     max_staleness: int | None = None
     max_lead: int | None = None
     consumers: Sequence[str] | None = None  # (kept as a sorted tuple)
+    group_key: str | None = None
     name: str | None = None
     storage: Any = "memory"
     sampler: Any = "fifo"
@@ -175,6 +180,7 @@ class QueueConfig:
         _check_bound("max_staleness", self.max_staleness)
         _check_bound("max_lead", self.max_lead)
         object.__setattr__(self, "consumers", _consumers(self.consumers))
+        _check_name("group_key", self.group_key, allow_none=True)
         _check_name("name", self.name, allow_none=True)
         _check_sampler(self.sampler, allow_none=False)
         object.__setattr__(self, "checkpoint_every",

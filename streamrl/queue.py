@@ -121,6 +121,7 @@ class StreamQueue:
                  capacity_bytes: int | None = None, transport: "str | Transport" = "embedded",
                  lease_timeout: float = 600.0, max_staleness: int | None = None,
                  max_lead: int | None = None, consumers: Sequence[str] | None = None,
+                 group_key: str | None = None,
                  name: str | None = None, storage: Any = "memory", sampler: Any = "fifo",
                  checkpoint_every: float | None = None, checkpoint_dir: str | None = None,
                  checkpoint_keep: int = 2, metrics: Any = None, **options: Any):
@@ -131,12 +132,15 @@ class StreamQueue:
         config = QueueConfig(
             capacity=capacity, num_shards=num_shards, capacity_bytes=capacity_bytes,
             transport=transport, lease_timeout=lease_timeout, max_staleness=max_staleness,
-            max_lead=max_lead, consumers=consumers, name=name, storage=storage,
+            max_lead=max_lead, consumers=consumers, group_key=group_key, name=name,
+            storage=storage,
             sampler=sampler, checkpoint_every=checkpoint_every,
             checkpoint_dir=checkpoint_dir, checkpoint_keep=checkpoint_keep, metrics=metrics,
             options=options)
         self._config = config
         self._start(registry.resolve(config.transport)(config), name)
+        if config.group_key is not None:  # (a tag of every partition: puts send its values)
+            self._learn_tags(None, frozenset({config.group_key}))
         self._serve_metrics(config)
         if config.checkpoint_every is not None:
             from .checkpoint.client import Periodic  # noqa: F811 (at run time)

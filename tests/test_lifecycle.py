@@ -10,6 +10,7 @@ import anyio
 import pytest
 import torch
 
+import streamrl
 from streamrl import filters
 from streamrl.controller import imbalance
 from streamrl.errors import DispatchError, FilterError, InvalidArgument, RowsDropped, StreamTimeout
@@ -424,6 +425,32 @@ async def test_dropping_a_padded_batch_drops_its_own_rows_only(make_queue):
     st = await q.stats()
     assert st.rows == 0 and st.leases == 0 and st.bytes == 0
     assert await q.audit() == []
+
+
+@pytest.mark.parametrize("declared", [True, False])
+async def test_a_declared_group_key_makes_a_streams_own_staleness_drop_whole_groups(
+        make_queue, declared):
+    """With ``group_key="uid"`` on the queue, a stream with its own ``max_staleness``
+    that finds stale rows drops their whole groups, although no grouped stream or filter
+    ever named the key: the group mates it could not be handed (they lack a field it
+    asks for) go too. Without the option the key is unknown and the mates stay (the
+    groups are split: what the docs warn of)."""
+    q = make_queue(group_key="uid" if declared else None)
+    rows = await q.put({"uid": torch.tensor([7, 7, 8, 8]), "x": torch.zeros(4, 2)},
+                       partition="p", version=0)
+    await q.put({"y": torch.ones(2)}, rows=rows[[0, 2]])
+    assert await q.set_version(2) == 0  # (no queue-wide bound)
+    with pytest.raises(StreamTimeout):
+        await q.get("t", ["x", "y"], 2, partition="p", max_staleness=1, timeout=0.5)
+    st = await q.stats()
+    assert (st.stale, st.rows, st.bytes == 0) == ((4, 0, True) if declared else (2, 2, False))
+    assert await q.audit() == []
+
+
+def test_a_group_key_is_a_field_name():
+    for bad in ("", 3, ["uid"]):
+        with pytest.raises(InvalidArgument, match="group_key"):
+            streamrl.StreamQueue(group_key=bad)
 
 
 async def test_stats_account_for_every_row(make_queue):

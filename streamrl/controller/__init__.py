@@ -60,7 +60,7 @@ from .state import _consumers
 #: the queue options (:class:`~streamrl.config.QueueConfig` fields) the controller reads:
 #: its keyword arguments
 OPTIONS = ("capacity", "capacity_bytes", "num_shards", "lease_timeout", "max_staleness",
-           "max_lead", "consumers", "sampler")
+           "max_lead", "consumers", "group_key", "sampler")
 
 __all__ = ["Controller", "OPTIONS", "validate_request", "Request", "Delivery", "END", "FilterSpec",
            "FilterJob", "DropReason", "Undo", "WriteToken", "CommitResult", "imbalance",
@@ -88,6 +88,10 @@ class Controller(Admission, Dispatch, Leases, Groups, Lifecycle, Index, Introspe
             while ``v <= version + max_lead`` (``None``: no pacing).
         consumers: tasks that must acknowledge a row before it is dropped automatically
             (default for partitions that do not declare their own).
+        group_key: a field whose value groups rows, known from the start (a tag of
+            every partition): rows dropped as stale take their group along, whether or
+            not a grouped request or filter names it (``None``: group keys are those of
+            grouped requests and filters).
         sampler: which ready rows a request gets unless it names its own sampler: a
             registered name, ``{"sampler": name, **options}`` or a
             :class:`~streamrl.sampling.Sampler` (see :mod:`streamrl.sampling`).
@@ -115,6 +119,7 @@ class Controller(Admission, Dispatch, Leases, Groups, Lifecycle, Index, Introspe
         max_staleness: int | None = None,
         max_lead: int | None = None,
         consumers: Sequence[str] | None = None,
+        group_key: str | None = None,
         sampler: Any = "fifo",
         clock: Callable[[], float] = time.monotonic,
     ):
@@ -123,7 +128,7 @@ class Controller(Admission, Dispatch, Leases, Groups, Lifecycle, Index, Introspe
         self._configure(QueueConfig(
             capacity=capacity, capacity_bytes=capacity_bytes, num_shards=num_shards,
             lease_timeout=lease_timeout, max_staleness=max_staleness, max_lead=max_lead,
-            consumers=consumers, sampler=sampler), clock)
+            consumers=consumers, group_key=group_key, sampler=sampler), clock)
 
     @classmethod
     def from_config(cls, config: QueueConfig, *,
@@ -153,8 +158,11 @@ class Controller(Admission, Dispatch, Leases, Groups, Lifecycle, Index, Introspe
         self.max_staleness = config.max_staleness
         self.max_lead = config.max_lead
         self.default_consumers = _consumers(config.consumers)
+        self.group_key = config.group_key
         self.sampler: Sampler = resolve(config.sampler)
         self.clock = clock
         self._init_state()
+        if self.group_key is not None:
+            self._tag_scope(self.group_key, None)
         self._init_index()
         self._init_outboxes()

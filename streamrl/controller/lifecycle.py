@@ -264,6 +264,8 @@ class Lifecycle(ControllerBase):
         one of them, so groups leave together."""
         keys = {s.group_by for s in self.subs.values() if s.group_by}
         keys |= {s.group_by for s in self.filters.values() if s.group_by}
+        if self.group_key is not None:
+            keys.add(self.group_key)
         if not keys:
             return objs
         out = {r.id: r for r in objs}

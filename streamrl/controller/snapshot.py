@@ -197,6 +197,8 @@ class Snapshot(ControllerBase):
         self.dead_shards = set(st["dead_shards"])
         self.dtypes = dict(st["dtypes"])
         self.tag_fields = set(st["tag_fields"])
+        if self.group_key is not None:  # (this queue's own, saved or not)
+            self.tag_fields.add(self.group_key)
         self.part_tags = {p: set(fs) for p, fs in st.get("part_tags", {}).items()}
         for f in st["filters"]:
             spec = FilterSpec(f["name"], frozenset(f["fields"]), f["group_by"], f["group_size"])

@@ -107,6 +107,7 @@ class State:
     max_staleness: int | None
     max_lead: int | None
     default_consumers: frozenset[str] | None
+    group_key: str | None
     sampler: Sampler
     clock: Callable[[], float]
 
