@@ -775,7 +775,9 @@ class StreamQueue:
 
     async def declare(self, partition: str, consumers: Sequence[str] | None) -> None:
         """Set the tasks whose acknowledgement drops a row of ``partition`` automatically
-        (overrides the queue's ``consumers``; ``None`` turns cleanup off)."""
+        (overrides the queue's ``consumers``; ``None`` turns cleanup off). A finished
+        partition (sealed and drained) has nothing to clean up: declaring it does
+        nothing."""
         _check_partition(partition)
         await self._control.declare(partition, consumers)
 

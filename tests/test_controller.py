@@ -890,6 +890,26 @@ def test_after_the_whole_queue_is_sealed_a_partition_without_rows_ends(dp):
         c.allocate("never", 1, ("x",), nbytes=8)
 
 
+def test_a_finished_partition_named_again_keeps_no_record():
+    """A partition first named after the whole queue was sealed (by a declaration or a
+    seal) is finished at once, as is one declared again after it finished: no record is
+    kept for it (a record per such name stayed before, for good)."""
+    c = Controller(16, num_shards=1, consumers=["t"])
+    (r,), _ = put(c, 1, part="p")
+    c.seal("p")
+    d = c.take(req("t", bs=1, partition="p"))
+    c.ack([d.lease])
+    assert "p" in c.retired and "p" not in c.parts
+    c.declare("p", ["t"])  # (finished: nothing to clean up)
+    assert "p" not in c.parts
+    c.seal_all()
+    c.declare("late", ["t"])
+    c.seal("later")
+    assert set(c.parts) == set() and {"late", "later"} <= c.retired
+    for part in ("late", "later", "p"):
+        assert c.take(req("t", bs=1, partition=part)) is END
+
+
 @pytest.mark.parametrize("group_size", [None, 2])
 def test_closing_the_queue_lets_a_grouped_filter_judge_short_groups(group_size):
     """close(): no row can join a group any more, as after a seal. A grouped filter

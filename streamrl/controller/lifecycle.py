@@ -22,13 +22,18 @@ class Lifecycle(ControllerBase):
     def declare(self, partition: str, consumers: Sequence[str] | None) -> None:
         """Set the tasks that must acknowledge each row of ``partition`` before it is
         dropped automatically (``None`` turns automatic cleanup off for it). Rows already
-        acknowledged by all of them are dropped now."""
+        acknowledged by all of them are dropped now. A finished partition (sealed,
+        drained and forgotten) has nothing to clean up: declaring it does nothing."""
+        tasks = _consumers(consumers)
+        if isinstance(partition, str) and partition in self.retired:
+            return
         p = self._part(partition)
-        p.consumers = _consumers(consumers)
+        p.consumers = tasks
         p.cmask = self._mask(p.consumers)
         if p.cmask:
             self._drop_rows([r for r in p.rows.values() if self._consumed(r)],
                             DropReason.CONSUMED)
+        self._maybe_retire(p)  # (first named after the whole queue was sealed: finished)
 
     def seal_all(self) -> None:
         """No new rows anywhere (new fields of existing rows are still accepted): every
@@ -51,7 +56,7 @@ class Lifecycle(ControllerBase):
             self.changed.add(p.name)
             self._wake_part(p.name)
             self._judge_short_groups(p.name)
-            self._maybe_retire(p)
+        self._maybe_retire(p)  # (also one first named after the whole queue was sealed)
 
     def _judge_short_groups(self, partition: str | None) -> None:
         """No row can join a group of ``partition`` (``None``: of any) any more: grouped
