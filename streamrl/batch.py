@@ -725,7 +725,10 @@ class RowRemoteBatch(RemoteBatch):
             elif pads and pads.issuperset(remaining):
                 # only padding is left: rows of other shares, which this batch is done
                 # with (acknowledged: their own shares still read them)
-                await self._s.ack(list(lease.ids))
+                try:
+                    await self._s.ack(list(lease.ids))
+                except LeaseExpired:  # (it ended meanwhile: nothing of it is left here)
+                    pass
                 lease.close()
 
     # ------------------------------------------------------------------ pickling
