@@ -382,16 +382,24 @@ async def test_after_seal_of_the_whole_queue_a_stream_over_an_empty_partition_en
     assert len([mb async for mb in q.stream("t", ["x"], 1, partition="p", timeout=5)]) == 2
 
 
-async def test_dropping_a_padded_batch_ends_its_lease(make_queue):
-    """A batch of padding only (one row, two DP ranks) repeats rank 0's row. Dropped
-    (here through a pickled copy), it ends its lease (it stayed open until its lease timeout) and leaves the row to
-    rank 0, whose share it is: rank 0 still reads it, and its ack consumes it."""
+async def _padded_shares(make_queue, rows: int, batch: int):
+    """A queue holding ``rows`` rows of ``x`` (sealed), and the batches of its two DP
+    ranks of ``batch`` rows each, the short one padded."""
     q = make_queue(consumers=["t"])
-    await q.put({"x": torch.arange(1)}, partition="p")
+    await q.put({"x": torch.arange(rows)}, partition="p")
     await q.seal("p")
     kw = dict(partition="p", dp_size=2, dp_remainder="pad", timeout=30)
-    a = await q.get("t", ["x"], 1, dp_rank=0, **kw)
-    b = await q.get("t", ["x"], 1, dp_rank=1, **kw)
+    a = await q.get("t", ["x"], batch, dp_rank=0, **kw)
+    b = await q.get("t", ["x"], batch, dp_rank=1, **kw)
+    return q, a, b
+
+
+async def test_dropping_a_padded_batch_ends_its_lease(make_queue):
+    """A batch of padding only (one row, two DP ranks) repeats rank 0's row. Dropped
+    (here through a pickled copy), it ends its lease (it stayed open until its lease
+    timeout) and leaves the row to rank 0, whose share it is: rank 0 still reads it,
+    and its ack consumes it."""
+    q, a, b = await _padded_shares(make_queue, 1, 1)
     assert b.rows == a.rows and (await q.stats()).leases == 2
     await pickle.loads(pickle.dumps(b)).drop()  # (a copy sent elsewhere drops the same)
     st = await q.stats()
@@ -407,12 +415,7 @@ async def test_dropping_a_padded_batch_drops_its_own_rows_only(make_queue):
     repeat of one of rank 0's. Its ``drop()`` deletes its own row and leaves the repeat
     to rank 0, which reads its whole share afterwards (it lost rows to another rank's
     drop before); a view of the batch drops as the batch does, and nothing leaks."""
-    q = make_queue(consumers=["t"])
-    await q.put({"x": torch.arange(3)}, partition="p")
-    await q.seal("p")
-    kw = dict(partition="p", dp_size=2, dp_remainder="pad", timeout=30)
-    a = await q.get("t", ["x"], 2, dp_rank=0, **kw)
-    b = await q.get("t", ["x"], 2, dp_rank=1, **kw)
+    q, a, b = await _padded_shares(make_queue, 3, 2)
     own_b = set(b.rows) - set(a.rows)
     assert len(own_b) == 1 and len(set(b.rows) & set(a.rows)) == 1
     xb = dict(zip(b.rows, (await b.materialize())["x"].tolist()))
