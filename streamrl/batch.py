@@ -734,10 +734,13 @@ class RowRemoteBatch(RemoteBatch):
     # ------------------------------------------------------------------ pickling
 
     def __getstate__(self):
+        lease = self._lease
         return {"q": self._s.queue, "rows": self._rows, "shards": self._shards,
-                "versions": self._versions, "fields": self._fields, "known": self._known, "leases": self._lease.ids,
-                "open": self._lease.open, "released": self._lease.released, "pads": tuple(self._lease.pads), "nbytes": self.nbytes, "task": self._task, "partition": self._partition,
-                "scalar": self._scalar, "probe": self._cache.probe}
+                "versions": self._versions, "fields": self._fields, "known": self._known,
+                "leases": lease.ids, "open": lease.open, "released": lease.released,
+                "pads": tuple(lease.pads), "nbytes": self.nbytes, "task": self._task,
+                "partition": self._partition, "scalar": self._scalar,
+                "probe": self._cache.probe}
 
     def __setstate__(self, st):
         self._s = st["q"].session

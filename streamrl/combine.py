@@ -150,10 +150,10 @@ class CombiningService(ControllerService):
     def stage_like(self, cols: Mapping[str, Column]) -> tuple[int, int] | None:
         """Stage a put of one new row that the caller found like the rows staged now:
         the same partition and version, and fields of the same dtypes and shapes (so
-        bytes) as the row that opened the stage (as :attr:`like` describes it). Cheaper than
-        :meth:`stage_put`, which it equals for such a row; ``None`` when the stage is
-        empty, or when it has no room for the row (put it with :meth:`stage_put` then,
-        which flushes or refuses as it must)."""
+        bytes) as the row that opened the stage (as :attr:`like` describes it). Cheaper
+        than :meth:`stage_put`, which it equals for such a row; ``None`` when the stage
+        is empty, or when it has no room for the row (put it with :meth:`stage_put`
+        then, which flushes or refuses as it must)."""
         n = self.staged
         b = self._row_bytes
         total = self._bytes + b
