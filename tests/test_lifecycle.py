@@ -3,6 +3,7 @@ DP dispatch and the stats that account for every row."""
 
 from __future__ import annotations
 
+import asyncio
 import pickle
 import random
 
@@ -408,6 +409,37 @@ async def test_dropping_a_padded_batch_ends_its_lease(make_queue):
     await a.ack()
     st = await q.stats()
     assert st.leases == 0 and st.rows == 0 and st.bytes == 0 and st.dropped == st.consumed == 1
+
+
+@pytest.mark.parametrize("rows,batch", [(3, 2), (1, 1)])
+async def test_a_cancelled_drop_of_a_padded_batch_still_runs_to_its_end(make_queue, rows,
+                                                                        batch):
+    """``drop()`` runs to its end once started, even when the task awaiting it is
+    cancelled (cancelled before it starts, it does nothing): for a padded batch, which
+    drops its own row (3 rows, batches of 2), or, holding padding only (1 row), drops
+    nothing and acknowledges its lease. The queue then holds rank 0's share alone, whose
+    ack leaves nothing. The cancellation comes after 0 to 5 steps of the event loop (the
+    drop is done by then on some transports)."""
+    for steps in range(6):
+        q, a, b = await _padded_shares(make_queue, rows, batch)
+        task = asyncio.ensure_future(b.drop())
+        for _ in range(steps):
+            await asyncio.sleep(0)
+        task.cancel()
+        try:
+            await task
+        except asyncio.CancelledError:
+            pass
+        st = await q.stats()
+        if steps == 0:  # (never started)
+            assert (st.rows, st.leases, st.dropped) == (rows, 2, 0)
+            await b.drop()
+            st = await q.stats()
+        own = rows - len(a)  # (b's own rows)
+        assert (st.rows, st.leases, st.dropped) == (rows - own, 1, own), steps
+        await a.ack()
+        st = await q.stats()
+        assert (st.rows, st.leases, st.bytes) == (0, 0, 0) and await q.audit() == []
 
 
 async def test_dropping_a_padded_batch_drops_its_own_rows_only(make_queue):
