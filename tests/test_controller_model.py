@@ -33,7 +33,9 @@ grouped dispatches of two groups a rank, enough for a bad split to show), the sh
 unclaimed) until their rank asks; a share that expired first raises ``DispatchError``
 for its rank and its rows come again, as do those of a share given back; a share whose
 rows were dropped before its rank asked gives what is left of it (``DispatchError`` if
-nothing is); rows dropped as a remainder are counted. Writes with ``overwrite=True`` of fields rows have never raise
+nothing is); rows dropped as a remainder are counted. In some runs the task of single
+rows asks for ``y`` too, and a write of ``y`` taken back takes its rows from the shares
+that hold them or repeat them as padding (the ack names them). Writes with ``overwrite=True`` of fields rows have never raise
 ``DuplicateField``, keep the rows ready, and leave the new bytes held (an abort keeps the
 old value, a retract changes nothing).
 
@@ -1239,6 +1241,36 @@ class ControllerModel(RuleBasedStateMachine):
         which that rank acks (and so consumes) first, or (``ack`` false) the shares are
         kept, live, for later rules (acks, releases, expiry, drops)."""
         self.finish_step("q", False, size, "pad", None, True, ack)
+
+    @precondition(lambda self: self.dp_fields[DP] != DP_FIELDS[DP] and not self.closed
+                  and "q" not in self.sealed)
+    @rule(size=st.sampled_from([1, 2]), go=RARELY)
+    def padded_step_loses_a_field(self, size, go):
+        """With the DP task of single rows asking for ``y``: rows of partition q get ``x``
+        at their put and ``y`` from a later write, the step ends with an uneven tail
+        whose shares (one repeating a row of the other as padding) stay unacked, and
+        then that write of ``y`` is taken back (its writer was cancelled): each share
+        loses the rows it holds or repeats (a share left with nothing ends)."""
+        if not go:
+            return
+        before = set(self.rows)
+        if not self._put("q", 2 * size - 1, ("x",), True, None, None):
+            return
+        lack = [r for r, row in self.rows.items() if r not in before and row.part == "q"
+                and "y" not in row.ready and "y" not in row.writing]
+        if not lack:
+            return
+        tok = self.c.begin_write(lack, ["y"])
+        self.deadline[("w", tok.id)] = self.now + LEASE_TIMEOUT
+        for rid in lack:
+            self.rows[rid].writing.add("y")
+        self._commit(tok, False)
+        self._settle()
+        self.finish_step("q", False, size, "pad", None, True, False)
+        w = next((w for w in self.committed if w[0] is tok), None)
+        if w is not None:
+            self.committed.remove(w)
+            self._retract(w)
 
     @rule(part=st.sampled_from(["p", "q"]), who=st.sampled_from(["same", "one", "none"]),
           go=RARELY)
