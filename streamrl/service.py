@@ -64,9 +64,9 @@ class ControllerService:
         # subscription -> its waiters and the batch size each waits for (see _waiting)
         self._sub_waiters: dict[tuple, dict[anyio.Event, int]] = {}
         self._part_waiters: dict[str | None, set[anyio.Event]] = {}
-        self._space_q: OrderedDict[object, anyio.Event] = OrderedDict()
-        # a put waiting for room -> the partition its new rows go to (a seal ends its wait)
-        self._space_part: dict[object, str] = {}
+        # puts waiting for room, first come first served: their place in line (which
+        # names the partition their new rows go to: a seal ends the wait) -> its event
+        self._space_q: OrderedDict[_Turn, anyio.Event] = OrderedDict()
         # rows storage units hold for puts waiting for room (put_rows_wait): not strays
         self._waiting_rows: set[int] = set()
         # puts waiting for version pacing -> the partition of their new rows (None:
@@ -263,11 +263,11 @@ class ControllerService:
             log.exception("streamrl: deleting rows from storage failed")
 
     def _wake(self, woken: Iterable[tuple], changed: Collection[Any], freed: bool) -> None:
-        if changed and (self._space_part or self._pace_waiters):
+        if changed and (self._space_q or self._pace_waiters):
             # a put waiting in a partition sealed now never fits: it raises
-            for me, part in self._space_part.items():
-                if not self.ctl.open_for_rows(part):
-                    self._space_q[me].set()
+            for me, ev in self._space_q.items():
+                if not self.ctl.open_for_rows(me.partition):
+                    ev.set()
             for ev, paced in self._pace_waiters.items():
                 if paced is not None and not self.ctl.open_for_rows(paced):
                     ev.set()
@@ -355,7 +355,7 @@ class ControllerService:
         return await self._admitted(got)
 
     async def _in_turn(self, partition: str, n: int, nbytes: int, deadline: float | None,
-                       timeout: float | None, admit: Callable[[object], T]) -> T:
+                       timeout: float | None, admit: Callable[[_Turn], T]) -> T:
         """Wait for room for ``n`` new rows of ``nbytes`` in ``partition``, first come,
         first served with every producer waiting (up to ``deadline``), then return
         ``admit(me)``, called at once while this caller is first in line (``me``: its
@@ -365,9 +365,8 @@ class ControllerService:
         ``admit`` ran, the outboxes are drained, and the next in line is woken either
         way."""
         ctl = self.ctl
-        me = object()
+        me = _Turn(partition)
         self._space_q[me] = anyio.Event()
-        self._space_part[me] = partition
         done = False
         try:
             while True:
@@ -385,7 +384,6 @@ class ControllerService:
                         "timeout")
         finally:
             self._space_q.pop(me, None)
-            self._space_part.pop(me, None)
             if self._space_q:
                 next(iter(self._space_q.values())).set()
             if not done:
@@ -1184,6 +1182,16 @@ def _verdict(v: Any, n: int, name: str) -> list[bool]:
             f"filter {name!r} returned a mask of {len(v)} entries for {n} rows; return one "
             "bool per row (or a single bool)")
     return v
+
+
+class _Turn:
+    """A put's place in the line of puts waiting for room (compared by identity), and
+    the partition its new rows go to."""
+
+    __slots__ = ("partition",)
+
+    def __init__(self, partition: str):
+        self.partition = partition
 
 
 def _past(ctl: Controller, deadline: float | None) -> bool:
