@@ -34,6 +34,7 @@ import pytest
 import torch
 from conftest import TRANSPORTS
 
+from streamrl.combine import CombiningService
 from streamrl.errors import EndOfStream, LeaseExpired, QueueClosed, RowsDropped
 
 SOAK = float(os.environ.get("STREAMRL_CHAOS_SECONDS", "0"))
@@ -57,7 +58,10 @@ LEASE = 1.0  # short, so that held leases expire during the run
 class Ledger:
     """What the run did, as the clients saw it."""
 
-    def __init__(self):
+    def __init__(self, one_row: bool = False):
+        #: one-row puts: no filters and no groups (filters and group keys send puts the
+        #: usual way; without them, embedded one-row puts are staged: streamrl/combine.py)
+        self.one_row = one_row
         self.put: set[int] = set()  # samples whose put returned
         self.dropped: set[int] = set()  # samples a client dropped
         self.old: set[int] = set()  # samples put with a version already too old
@@ -130,46 +134,59 @@ async def _maybe_cancel(rng: random.Random, aw, p: float):
         raise
 
 
-async def _producer(q, rng, ledger: Ledger, gids: list[int], version: list[int], gate: Gate):
+async def _producer(q, rng, ledger: Ledger, gids: list[int], version: list[int], gate: Gate,
+                    one_row: bool = False):
+    """Puts the samples of ``gids``, a group (one put) at a time, or with ``one_row`` a
+    sample (one put of one row) at a time; then writes their rewards."""
     for gid in gids:
-        sids = torch.arange(gid * GROUP, gid * GROUP + GROUP)
-        data = {"sid": sids, "gid": torch.full((GROUP,), gid),
-                "x": sids.float().unsqueeze(1).repeat(1, 16)}
-        old = version[0] > MAX_STALENESS + 1 and rng.random() < 0.08
-        while True:  # retry until the put lands (a cancelled put leaves nothing behind)
-            # an old version (a slow rollout worker): the controller's version is at
-            # least version[0] - 1 (the trainer bumps version[0] first), so this one is
-            # older than version - max_staleness: dropped as stale at once
-            v = version[0] - (MAX_STALENESS + 2) if old else version[0]
-            async with gate:
-                done, rows = await _maybe_cancel(
-                    rng, q.put(data, partition="p", version=v, timeout=30), 0.25)
-            if done:
-                break
-            ledger.retried.update(sids.tolist())
-        ledger.put.update(sids.tolist())
-        ledger.sid_of.update(zip(rows.rows, sids.tolist()))
-        if old:
-            ledger.old.update(sids.tolist())
-        if rng.random() < 0.04:  # the producer changes its mind
-            async with gate:
-                try:
-                    await rows.drop()
-                except RowsDropped:  # already gone (a clear, staleness)
-                    pass
-            ledger.dropped.update(sids.tolist())
-            continue
-        reward = {"reward": sids.float() % 5}
-        while True:  # the judge's write, with cancellations and retries
+        if one_row:
+            for sid in range(gid * GROUP, gid * GROUP + GROUP):
+                await _put_sample(q, rng, ledger, torch.tensor([sid]), version, gate)
+        else:
+            await _put_sample(q, rng, ledger, torch.arange(gid * GROUP, gid * GROUP + GROUP),
+                              version, gate)
+
+
+async def _put_sample(q, rng, ledger: Ledger, sids: torch.Tensor, version: list[int],
+                      gate: Gate):
+    """Put the rows of ``sids`` (one put, retried until it lands), maybe drop them, then
+    write their reward (one write, retried until it lands or the rows left)."""
+    data = {"sid": sids, "gid": sids // GROUP, "x": sids.float().unsqueeze(1).repeat(1, 16)}
+    old = version[0] > MAX_STALENESS + 1 and rng.random() < 0.08
+    while True:  # retry until the put lands (a cancelled put leaves nothing behind)
+        # an old version (a slow rollout worker): the controller's version is at
+        # least version[0] - 1 (the trainer bumps version[0] first), so this one is
+        # older than version - max_staleness: dropped as stale at once
+        v = version[0] - (MAX_STALENESS + 2) if old else version[0]
+        async with gate:
+            done, rows = await _maybe_cancel(
+                rng, q.put(data, partition="p", version=v, timeout=30), 0.25)
+        if done:
+            break
+        ledger.retried.update(sids.tolist())
+    ledger.put.update(sids.tolist())
+    ledger.sid_of.update(zip(rows.rows, sids.tolist()))
+    if old:
+        ledger.old.update(sids.tolist())
+    if rng.random() < 0.04:  # the producer changes its mind
+        async with gate:
             try:
-                async with gate:
-                    done, _ = await _maybe_cancel(rng, q.put(reward, rows=rows), 0.25)
-            except RowsDropped:  # a filter, staleness or a clear dropped the rows meanwhile
-                break
-            if done:
-                break
-        if rng.random() < 0.3:
-            await asyncio.sleep(rng.random() * 0.003)
+                await rows.drop()
+            except RowsDropped:  # already gone (a clear, staleness)
+                pass
+        ledger.dropped.update(sids.tolist())
+        return
+    reward = {"reward": sids.float() % 5}
+    while True:  # the judge's write, with cancellations and retries
+        try:
+            async with gate:
+                done, _ = await _maybe_cancel(rng, q.put(reward, rows=rows), 0.25)
+        except RowsDropped:  # a filter, staleness or a clear dropped the rows meanwhile
+            break
+        if done:
+            break
+    if rng.random() < 0.3:
+        await asyncio.sleep(rng.random() * 0.003)
 
 
 class _Boom(Exception):
@@ -231,6 +248,7 @@ async def _body(q, rng, ledger: Ledger, task: str, mb) -> tuple[str, list[int]]:
     if task == "train":
         if not torch.equal(td["reward"], td["sid"].float() % 5):
             ledger.errors.append(f"{task}: wrong reward for samples {sids}")
+    if task == "train" and not ledger.one_row:
         gids = [s // GROUP for s in sids]
         split = sorted({g for g in gids if gids.count(g) != GROUP})
         if split:
@@ -250,8 +268,8 @@ async def _body(q, rng, ledger: Ledger, task: str, mb) -> tuple[str, list[int]]:
     return "acked", sids
 
 
-def _request(rng: random.Random, task: str) -> dict:
-    if task == "train":  # whole groups
+def _request(rng: random.Random, task: str, one_row: bool) -> dict:
+    if task == "train" and not one_row:  # whole groups
         return {"batch_size": rng.choice([GROUP, 2 * GROUP]), "group_by": "gid",
                 "group_size": GROUP}
     return {"batch_size": rng.choice([1, 3, 4])}
@@ -278,7 +296,8 @@ async def _by_get(q, rng, ledger: Ledger, task: str, fields) -> bool:
     """A few ``get``s, some cancelled at a random point. True at the end of the stream."""
     for _ in range(rng.randint(1, 4)):
         done, mb = await _maybe_cancel(
-            rng, q.get(task, fields, partition="p", timeout=30, **_request(rng, task)), 0.35)
+            rng, q.get(task, fields, partition="p", timeout=30,
+                       **_request(rng, task, ledger.one_row)), 0.35)
         if not done:  # the take gave its lease back, wherever the cancellation landed
             ledger.cancelled_takes += 1
             continue
@@ -301,7 +320,7 @@ async def _by_stream(q, rng, ledger: Ledger, task: str, fields) -> bool:
     ended = True  # the stream ran out (sealed and drained), unless we left it
     try:
         async with q.stream(task, fields, partition="p", timeout=30,
-                            **_request(rng, task)) as batches:
+                            **_request(rng, task, ledger.one_row)) as batches:
             while True:
                 try:  # (every batch before was acked or released: the fetch acks nothing)
                     done, mb = await _maybe_cancel(rng, anext(batches), 0.2)
@@ -377,28 +396,33 @@ def _no_sevens(td):  # a sync filter
     return (td["gid"] % 7) != 0
 
 
-def _filtered(sid: int) -> bool:
+def _filtered(sid: int, one_row: bool) -> bool:
+    if one_row:  # (no filters)
+        return False
     gid = sid // GROUP
     return gid % 13 == 0 or gid % 7 == 0
 
 
-async def run_chaos(make_queue, seed: int) -> dict:
+async def run_chaos(make_queue, seed: int, one_row: bool = False) -> dict:
+    """One seed's run; ``one_row``: samples are put one row at a time, with no filters and
+    no grouped consumer."""
     rng = random.Random(seed)
     q = make_queue(capacity=CAPACITY, capacity_bytes=CAPACITY_BYTES, num_shards=3,
                    lease_timeout=LEASE, consumers=list(TASKS), max_staleness=MAX_STALENESS)
     try:
         # Ray transports: fewer samples (each call crosses processes; CI's budget is 60 s)
-        return await _run(q, rng, 120 if q.transport == "embedded" else 24)
+        return await _run(q, rng, 120 if q.transport == "embedded" else 24, one_row)
     finally:  # a soak runs many seeds: no queue (or Ray actor) outlives its seed
         await q.close()
         await q.shutdown()
 
 
-async def _run(q, rng: random.Random, n_groups: int = 120) -> dict:
-    # both filters read "sid", which both tasks ask for: both gate both tasks
-    await q.add_filter(_keep_odd, fields=["sid", "gid", "x"], name="keep_odd")
-    await q.add_filter(_no_sevens, fields=["sid", "gid", "reward"], name="no_sevens")
-    ledger = Ledger()
+async def _run(q, rng: random.Random, n_groups: int = 120, one_row: bool = False) -> dict:
+    if not one_row:
+        # both filters read "sid", which both tasks ask for: both gate both tasks
+        await q.add_filter(_keep_odd, fields=["sid", "gid", "x"], name="keep_odd")
+        await q.add_filter(_no_sevens, fields=["sid", "gid", "reward"], name="no_sevens")
+    ledger = Ledger(one_row)
     version = [0]
     stop = asyncio.Event()
     gate = Gate()
@@ -413,7 +437,7 @@ async def _run(q, rng: random.Random, n_groups: int = 120) -> dict:
 
     async def produce():
         await asyncio.gather(*[
-            _producer(q, random.Random(rng.random()), ledger, share, version, gate)
+            _producer(q, random.Random(rng.random()), ledger, share, version, gate, one_row)
             for share in shares])
         await q.seal("p")
 
@@ -472,9 +496,9 @@ async def _run(q, rng: random.Random, n_groups: int = 120) -> dict:
     gone = set()  # samples neither acked nor explained by the client or the filters
     for task in TASKS:
         missing = ledger.put - set(ledger.acked[task]) - ledger.dropped - ledger.old
-        lost = {s for s in missing if not _filtered(s)}
+        lost = {s for s in missing if not _filtered(s, one_row)}
         gone |= lost
-        if task == "train":  # it takes whole groups, and staleness drops whole groups
+        if task == "train" and not one_row:  # it takes whole groups, and staleness drops whole groups
             split = sorted({s // GROUP for s in lost if s ^ 1 not in lost})
             assert not split, f"{task}: groups lost a row without the other: {split[:10]}"
     # ... can only have been cleared or dropped as stale
@@ -491,30 +515,59 @@ async def _run(q, rng: random.Random, n_groups: int = 120) -> dict:
             "acked": {t: len(a) for t, a in ledger.acked.items()}, "put": len(ledger.put)}
 
 
-def _seeds(transport: str) -> list[int]:
+def _seeds(transport: str, one_row: bool = False) -> list[int]:
     if SEED is not None:
         return [int(SEED)]
+    if one_row:
+        return {"embedded": [51, 52], "ray": [61], "rdt": [71]}.get(transport, [81])
     return {"embedded": [11, 12, 13], "ray": [21], "rdt": [31]}.get(transport, [41])
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("transport", CHAOS_TRANSPORTS, indirect=True)
-async def test_chaos(make_queue, transport):
+async def _soak(make_queue, transport: str, one_row: bool = False) -> None:
+    """Run the transport's seeds, then random ones until ``SOAK`` seconds have passed."""
+    what = "chaos" + (" (one-row puts)" if one_row else "")
     started = time.monotonic()
-    seeds = _seeds(transport)
+    seeds = _seeds(transport, one_row)
     i = 0
     while True:
         seed = seeds[i] if i < len(seeds) else random.randrange(1 << 30)
         t0 = time.monotonic()
         try:
-            seen = await run_chaos(make_queue, seed)
+            seen = await run_chaos(make_queue, seed, one_row)
         except BaseException as e:
-            print(f"\nchaos {transport}: seed {seed} FAILED after {time.monotonic() - t0:.1f}s "
+            print(f"\n{what} {transport}: seed {seed} FAILED after {time.monotonic() - t0:.1f}s "
                   f"(replay: STREAMRL_CHAOS_SEED={seed})")
-            raise AssertionError(f"chaos seed {seed} on {transport} failed "
+            raise AssertionError(f"{what}: seed {seed} on {transport} failed "
                                  f"(replay: STREAMRL_CHAOS_SEED={seed}): {e!r}") from e
-        print(f"\nchaos {transport}: seed {seed} ok in {time.monotonic() - t0:.1f}s {seen}")
+        print(f"\n{what} {transport}: seed {seed} ok in {time.monotonic() - t0:.1f}s {seen}")
         i += 1
         if i >= len(seeds) and time.monotonic() - started >= SOAK:
             break
-    print(f"chaos {transport}: {i} seeds in {time.monotonic() - started:.1f}s")
+    print(f"{what} {transport}: {i} seeds in {time.monotonic() - started:.1f}s")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("transport", CHAOS_TRANSPORTS, indirect=True)
+async def test_chaos(make_queue, transport):
+    await _soak(make_queue, transport)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("transport", CHAOS_TRANSPORTS, indirect=True)
+async def test_chaos_one_row_puts(make_queue, transport, monkeypatch):
+    """The agentic pattern under the same chaos: every sample its own one-row put. With
+    no filter and no group key, embedded puts are staged and admitted in blocks
+    (streamrl/combine.py), and a drop or a write may reach a row still staged; on Ray
+    they are coalesced and admitted by a storage unit."""
+    flushed = [0]
+    flush = CombiningService.flush
+
+    def counting_flush(self):
+        flushed[0] += self.staged
+        flush(self)
+
+    monkeypatch.setattr(CombiningService, "flush", counting_flush)
+    await _soak(make_queue, transport, one_row=True)
+    if transport == "embedded":  # (the stage was used, not only the usual way)
+        assert flushed[0] > 0
+        print(f"rows admitted from the stage: {flushed[0]}")
