@@ -140,6 +140,43 @@ def test_dp_split_is_the_samplers():
     assert [len(c.take(r).rows) for r in dealt] == [2, 2]
 
 
+class Split(Sampler):
+    """Dispatch order as it is; its DP split is ``how(units, ranks)``."""
+
+    def __init__(self, how):
+        self.how = how
+
+    def order(self, ready, size):
+        return ready.units()
+
+    def split(self, units, ranks, weights):
+        return self.how(units, ranks)
+
+
+def test_a_custom_dp_split_is_checked():
+    """A sampler's split that leaves a unit out, deals one twice, or pads a share with
+    rows not of the dispatch is refused (InvalidArgument saying what split() must do)
+    and leases nothing; the rows go to the next request whole."""
+    c = Controller(100)
+    rows = put(c, [0, 0, 0])
+    c.seal("p")  # (the last dispatch: three rows for two ranks of two)
+    bad = {
+        "a unit left out": lambda u, r: ([u[0], u[1]], [[], []]),
+        "a unit twice": lambda u, r: ([u[0] + u[1], u[1] + u[2]], [[], []]),
+        "padding from elsewhere": lambda u, r: ([u[0] + u[1], u[2]], [[], [999]]),
+    }
+    for why, how in bad.items():
+        req = Request("t", ("x",), 2, partition="p", dp_size=2, dp_remainder="pad",
+                      sampler=Split(how))
+        with pytest.raises(InvalidArgument, match="every unit in exactly one share"):
+            c.take(req)
+        assert not c.leases, why
+    good = [Request("t", ("x",), 2, partition="p", dp_size=2, dp_rank=r, dp_remainder="pad",
+                    sampler=Split(deal)) for r in (0, 1)]
+    a, b = (c.take(r) for r in good)
+    assert (a.rows, b.rows, b.pads) == (rows[0::2], [rows[1], rows[0]], (rows[0],))
+
+
 def test_balance_by_needs_a_balancing_sampler():
     class Dealer(Sampler):
         def order(self, ready, size):
