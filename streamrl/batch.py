@@ -197,7 +197,7 @@ class RowRemoteBatch(RemoteBatch):
     """
 
     __slots__ = ("_s", "_rows", "_shards", "_versions", "_fields", "_known", "_cache", "_lease",
-                 "_task", "_partition", "_scalar", "nbytes", "_lazy", "__weakref__")
+                 "_task", "_partition", "_scalar", "nbytes", "_lazy", "_pad", "__weakref__")
     _lazy: tuple[Any, Any, Mapping[str, Column]] | None  # a put's, until first used
 
     def __init__(self, queue: "StreamQueue", rows: Sequence[int] | np.ndarray,
@@ -206,11 +206,14 @@ class RowRemoteBatch(RemoteBatch):
                  leases: tuple[int, ...] = (), task: str | None = None,
                  partition: str | None = None, cache: _Cache | None = None,
                  lease: _BatchLease | None = None, scalar: bool = False,
-                 known: Iterable[str] = (), pads: Iterable[int] = ()):
+                 known: Iterable[str] = (), pads: Iterable[int] = (),
+                 pad: Sequence[bool] | np.ndarray | None = None):
         self._s: Session = queue.session
         self._rows = np.asarray(rows, dtype=np.int64)
         self._shards = np.asarray(shards, dtype=np.int32)
         self._versions = None if versions is None else np.asarray(versions, dtype=np.int64)
+        # (which positions are padding, None when none is: see ``padding``)
+        self._pad = None if pad is None else np.asarray(pad, dtype=np.bool_)
         self._fields = tuple(fields)
         self._known = frozenset(known) | frozenset(self._fields)
         self._cache = cache if cache is not None else _Cache(probe=_probe(self._rows, self._shards))
@@ -257,6 +260,7 @@ class RowRemoteBatch(RemoteBatch):
                 r = self._rows = np.array(rows, dtype=np.int64)
                 sh = self._shards = np.array(shards, dtype=np.int32)
             self._versions = None
+            self._pad = None
             names = self._fields = tuple(cols)
             self._known = frozenset(names)
             self._cache = _Cache({f: [_Chunk(r, c)] for f, c in cols.items()},
@@ -317,6 +321,35 @@ class RowRemoteBatch(RemoteBatch):
         return self._lease.ids
 
     @property
+    def padding(self) -> torch.Tensor:
+        """A bool mask shaped like :attr:`batch_size`: ``True`` where this batch holds a
+        row as padding. A DP batch of a dispatch that did not split evenly
+        (``dp_remainder="pad"``) repeats rows of other ranks' shares after its own rows
+        so that every rank gets as many; a loss that must count each sample once leaves
+        them out (``loss[~mb.padding]``). The mask is by position: a row a custom
+        sampler repeats from the rank's own share is ``False`` in its own place and
+        ``True`` in the repeat. Views, concats and pickled copies keep the mask of the
+        places they hold; it is all ``False`` for any other batch. Reads no data.
+
+        Examples:
+            >>> import asyncio, torch, streamrl
+            >>> async def main():
+            ...     async with streamrl.StreamQueue(consumers=["t"]) as q:
+            ...         await q.put({"x": torch.arange(3)}, partition="p")
+            ...         await q.seal("p")
+            ...         kw = dict(partition="p", dp_size=2, dp_remainder="pad")
+            ...         a = await q.get("t", ["x"], 2, dp_rank=0, **kw)
+            ...         b = await q.get("t", ["x"], 2, dp_rank=1, **kw)
+            ...         return a.padding.tolist(), b.padding.tolist()
+            >>> asyncio.run(main())
+            ([False, False], [False, True])
+        """
+        pad = self._pad
+        mask = (torch.zeros(len(self._rows), dtype=torch.bool) if pad is None
+                else torch.from_numpy(pad.copy()))
+        return mask.reshape(self.batch_size)
+
+    @property
     def queue(self) -> "StreamQueue":
         """The queue the rows belong to."""
         return self._s.queue
@@ -343,7 +376,7 @@ class RowRemoteBatch(RemoteBatch):
             self._fields if fields is None else fields,
             versions=None if self._versions is None else self._versions[idx], task=self._task,
             partition=self._partition, cache=self._cache, lease=self._lease, scalar=scalar,
-            known=self._known)
+            known=self._known, pad=None if self._pad is None else self._pad[idx])
 
     def __getitem__(self, idx: Any) -> "RemoteBatch":
         """Index rows like a TensorDict's batch dimension: ``int`` (a 1-row view whose
@@ -437,12 +470,14 @@ class RowRemoteBatch(RemoteBatch):
         lease.open = any(b._lease.open for b in batches) if lease.ids else False
         versions = (None if any(b._versions is None for b in batches)
                     else np.concatenate([b._versions for b in batches]))
+        pad = (None if all(b._pad is None for b in batches) else np.concatenate(
+            [np.zeros(len(b._rows), np.bool_) if b._pad is None else b._pad for b in batches]))
         tasks = {b._task for b in batches}
         return RowRemoteBatch(
             q, np.concatenate([b._rows for b in batches]),
             np.concatenate([b._shards for b in batches]), common, versions=versions,
             task=tasks.pop() if len(tasks) == 1 else None,
-            partition=batches[0]._partition, cache=cache, lease=lease, known=known)
+            partition=batches[0]._partition, cache=cache, lease=lease, known=known, pad=pad)
 
     def repeat(self, repeats: int) -> "RowRemoteBatch":
         """The rows tiled ``repeats`` times (like ``TensorDict.repeat``)."""
@@ -615,6 +650,10 @@ class RowRemoteBatch(RemoteBatch):
         """Write new fields to these rows (``len(data) == len(self)``). The written values
         are cached, so materializing them from this batch costs nothing.
 
+        A DP batch padded with rows of other ranks' shares (see :attr:`padding`) writes
+        its own rows only: give a value for every place, as for any batch; those at
+        padding places are left out (the rank whose share the row is writes it).
+
         Raises:
             SchemaError: wrong length, or the batch repeats rows.
             DuplicateField: a field is already written and ``overwrite`` is false.
@@ -623,7 +662,8 @@ class RowRemoteBatch(RemoteBatch):
         self._check_alive("write")
         if self._scalar:
             raise SchemaError("write through a batch of rows (use a slice, not an int index)")
-        if len(np.unique(self._rows)) != len(self._rows):
+        own = self._rows if self._pad is None else self._rows[~self._pad]
+        if len(np.unique(own)) != len(own):
             raise SchemaError("this batch repeats rows (repeat/concat of overlapping views); "
                               "write through a batch where each row appears once")
         await self._s.write(self, data, overwrite=overwrite)
@@ -740,11 +780,12 @@ class RowRemoteBatch(RemoteBatch):
                 "leases": lease.ids, "open": lease.open, "released": lease.released,
                 "pads": tuple(lease.pads), "nbytes": self.nbytes, "task": self._task,
                 "partition": self._partition, "scalar": self._scalar,
-                "probe": self._cache.probe}
+                "probe": self._cache.probe, "pad": self._pad}
 
     def __setstate__(self, st):
         self._s = st["q"].session
         self._rows, self._shards, self._versions = st["rows"], st["shards"], st["versions"]
+        self._pad = st.get("pad")
         self._fields = st["fields"]
         self._known = st["known"]
         self._cache = _Cache(probe=st.get("probe"))

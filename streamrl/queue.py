@@ -539,6 +539,19 @@ class StreamQueue:
             raise SchemaError(
                 f"writing {n} rows of {list(names)} to {len(ids)} rows; give one value per "
                 "target row")
+        if target is not None:
+            pad = target.padding
+            if bool(pad.any()):
+                # a padded DP batch: its padding places hold rows of other ranks' shares,
+                # which those ranks write; the values given for them are left out
+                keep = (~pad).nonzero().flatten()
+                at = keep.tolist()
+                cols = {f: take_rows(c, at) for f, c in cols.items()}
+                nbytes = {f: [b[i] for i in at] for f, b in nbytes.items()}
+                target = target[keep]
+                ids = target.rows
+                if not ids:
+                    return target
         if len(set(ids)) != len(ids):
             raise SchemaError("the target rows repeat; write each row once")
         tags = self._tags(part, cols)
@@ -734,12 +747,15 @@ class StreamQueue:
 
     def _delivered(self, d: Delivery) -> RowRemoteBatch:
         pads: Iterable[int] = ()
+        pad = None
         if d.pads:  # (a padded DP share: its own rows come first)
-            own = set(d.rows[:len(d.rows) - len(d.pads)])
+            n = len(d.rows) - len(d.pads)
+            own = set(d.rows[:n])
             pads = [r for r in d.pads if r not in own]
+            pad = np.arange(len(d.rows)) >= n
         mb = RowRemoteBatch(self, d.rows, d.shards, d.fields, versions=d.versions,
                             leases=(d.lease,), task=d.task, partition=d.partition,
-                            known=d.known, pads=pads)
+                            known=d.known, pads=pads, pad=pad)
         mb.nbytes = d.nbytes
         return mb
 

@@ -442,6 +442,56 @@ async def test_a_cancelled_drop_of_a_padded_batch_still_runs_to_its_end(make_que
         assert (st.rows, st.leases, st.bytes) == (0, 0, 0) and await q.audit() == []
 
 
+async def test_a_padded_batch_marks_its_padding(make_queue):
+    """``padding`` is True exactly where a DP batch repeats a row of another rank's
+    share: on the batch, its views (slice, index list, int, bool mask), a concat, a
+    pickled copy (which another process would get); all False for rank 0's full share
+    and for the batch a put returns."""
+    q, a, b = await _padded_shares(make_queue, 3, 2)
+    assert a.padding.tolist() == [False, False]
+    assert b.padding.tolist() == [r in a.rows for r in b.rows] == [False, True]
+    assert b[1:].padding.tolist() == [True]
+    assert b[[1, 0, 1]].padding.tolist() == [True, False, True]
+    assert b[1].padding.shape == torch.Size([]) and bool(b[1].padding)
+    assert b[torch.tensor([False, True])].padding.tolist() == [True]
+    assert pickle.loads(pickle.dumps(b)).padding.tolist() == [False, True]
+    # (rank 0's own row is not padding in its own place, whatever another batch repeats)
+    assert streamrl.RowRemoteBatch.concat([a, b]).padding.tolist() == [False, False, False, True]
+    x = (await b.materialize())["x"]
+    assert x[~b.padding].tolist() == [x[0].item()]
+    put = await q.put({"x": torch.arange(2)}, partition="o")
+    assert put.padding.tolist() == [False, False] and put.padding.dtype == torch.bool
+    await a.ack()
+    await b.ack()
+    assert (await q.stats()).rows == 2
+
+
+@pytest.mark.parametrize("rows", [3, 1])
+async def test_a_write_through_a_padded_batch_writes_its_own_rows_only(make_queue, rows):
+    """Every DP rank writes a result for each place of its batch (as a trainer writes
+    back log-probs); a padded rank's values at its padding places are left out, so the
+    rank whose share the row is writes it (it got DuplicateField before, or, with
+    overwrite, lost its value to the padded rank's). Through ``write`` (3 rows: one
+    own row, one repeat) and through ``put(rows=...)`` (1 row: padding only, nothing
+    is written), whichever rank writes first."""
+    q, a, b = await _padded_shares(make_queue, rows, 2 if rows == 3 else 1)
+    xb = (await b.materialize())["x"]
+    if rows == 3:
+        assert (await b.write({"y": -xb.float()})) is b
+    else:
+        assert len(await q.put({"y": -xb.float()}, rows=b)) == 0
+    xa = (await a.materialize())["x"]
+    await a.write({"y": xa.float() * 10})
+    assert (await a.materialize(["y"]))["y"].tolist() == (xa * 10).tolist()
+    own = b[~b.padding]
+    assert (await own.materialize(["y"]))["y"].tolist() == (-xb[~b.padding]).tolist()
+    await b.write({"z": torch.ones(len(b))})  # (a second field: no DuplicateField)
+    await a.ack()
+    await b.ack()
+    st = await q.stats()
+    assert (st.rows, st.leases, st.bytes) == (0, 0, 0) and await q.audit() == []
+
+
 async def test_dropping_a_padded_batch_drops_its_own_rows_only(make_queue):
     """Three rows over two DP ranks of two: rank 1's share is one row of its own and a
     repeat of one of rank 0's. Its ``drop()`` deletes its own row and leaves the repeat
