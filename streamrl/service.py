@@ -40,7 +40,7 @@ from .messages import (END, CommitResult, Delivery, DropReason, FilterJob, Filte
                        PutStatus, Request, WriteToken)
 from .checkpoint.cut import CheckpointCut, Hold
 from .errors import (CheckpointError, FilterError, InvalidArgument, LeaseExpired, QueueClosed,
-                     QueueFull, RowsDropped, StreamRLError, StreamTimeout)
+                     QueueFull, RowsDropped, SchemaError, StreamRLError, StreamTimeout)
 from .stats import Histogram, Stats, TaskStats, partition_stats
 from .transport.base import DataPlane
 
@@ -582,7 +582,10 @@ class ControllerService:
 
         Cancelled after the commit (while filters run): the write is taken back
         (:meth:`retract`) before the cancellation goes on, so a writer that was cancelled
-        finds nothing of its write and can retry."""
+        finds nothing of its write and can retry. So is a write whose value of a tag
+        field (a group key) is not one scalar a row, found when it is read back from
+        storage (a writer that did not know the field is a tag sends no value): it
+        raises :class:`~streamrl.errors.SchemaError` and leaves nothing."""
         res = self.ctl.commit(token, nbytes, tags)
         try:
             if res.dead:
@@ -591,7 +594,7 @@ class ControllerService:
                 await self._backfill_tags(f, _by_shard(self.ctl, rows))
             if not self._done_now():
                 await self._after(raise_filter_errors=True)
-        except anyio.get_cancelled_exc_class():
+        except (anyio.get_cancelled_exc_class(), SchemaError):
             await shielded(self.retract(token))
             raise
         return res

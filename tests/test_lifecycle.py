@@ -14,7 +14,8 @@ import torch
 import streamrl
 from streamrl import filters
 from streamrl.controller import imbalance
-from streamrl.errors import DispatchError, FilterError, InvalidArgument, RowsDropped, StreamTimeout
+from streamrl.errors import (DispatchError, FilterError, InvalidArgument, RowsDropped, SchemaError,
+                             StreamTimeout)
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -530,6 +531,34 @@ async def test_a_declared_group_key_makes_a_streams_own_staleness_drop_whole_gro
     st = await q.stats()
     assert (st.stale, st.rows, st.bytes == 0) == ((4, 0, True) if declared else (2, 2, False))
     assert await q.audit() == []
+
+
+@pytest.mark.parametrize("rows", [1, 2])
+async def test_a_put_whose_group_key_is_no_scalar_leaves_nothing(make_queue, rows):
+    """With ``group_key`` the key is a tag of every partition, so a put whose key is not
+    one scalar a row raises SchemaError, and leaves nothing, even as the first put of a
+    partition, before the client has heard which fields are tags there (the value is
+    then read back from storage after the commit: the row stayed, without a key, and a
+    grouped take of the partition raised). The grouped stream then reads the good rows
+    as usual."""
+    q = make_queue(consumers=["t"], group_key="uid")
+    bad = {"uid": torch.zeros(rows, 2, dtype=torch.int64), "x": torch.ones(rows, 4)}
+    with pytest.raises(SchemaError, match="one scalar per row"):
+        await q.put(bad, partition="p")
+    st = await q.stats()
+    assert (st.rows, st.bytes, st.put - st.dropped) == (0, 0, 0) and await q.audit() == []
+    for i in range(4):
+        await q.put({"uid": torch.tensor([i % 2]), "x": torch.full((1, 4), float(i))},
+                    partition="p")
+    await q.seal("p")
+    got = []
+    async for mb in q.stream("t", ["uid", "x"], 2, partition="p", group_by="uid",
+                             group_size=2, timeout=30):
+        td = await mb.materialize()
+        got.append(sorted(td["x"][:, 0].tolist()))
+    assert sorted(got) == [[0.0, 2.0], [1.0, 3.0]]
+    st = await q.stats()
+    assert (st.rows, st.bytes) == (0, 0) and await q.audit() == []
 
 
 def test_a_group_key_is_a_field_name():
