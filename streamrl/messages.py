@@ -26,7 +26,7 @@ class DropReason(str, enum.Enum):
     CONSUMED = "consumed"  # every declared consumer acknowledged it
     DP_REMAINDER = "dp_remainder"  # left over by DP dispatch with dp_remainder="drop"
     LOST = "lost"  # its storage unit died
-    CANCELLED = "cancelled"  # the put that created it was cancelled after it landed
+    CANCELLED = "cancelled"  # the put that created it was cancelled (or failed) after it landed
 
     def __str__(self) -> str:
         return self.value

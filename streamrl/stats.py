@@ -217,7 +217,8 @@ class Stats:
         bytes_freed: bytes of rows that left the queue.
         dropped: rows that left the queue.
         dropped_by: rows that left, per reason: ``dropped``, ``cleared``, ``filtered``,
-            ``filter_error``, ``stale``, ``consumed``, ``dp_remainder``, ``lost``.
+            ``filter_error``, ``stale``, ``consumed``, ``dp_remainder``, ``lost``,
+            ``cancelled`` (a put that was cancelled, or failed, after its rows landed).
         bytes_dropped_by: bytes of those rows, per the same reasons.
         filtered: rows rejected by filters.
         filtered_by: rows rejected, per filter name.
