@@ -2,8 +2,8 @@
 
 :class:`CombiningService` is the controller service of the embedded transport. A one-row
 put of new rows that could be admitted now (room, no one waiting for room or pacing, an
-open partition, the fields' dtypes, no tag or filter on its fields) is not admitted on
-its own: it is *staged*. Its row id and storage unit are fixed at once (ids leased from
+open partition, the fields' dtypes, no filter, one scalar in each field that is a group
+key) is not admitted on its own: it is *staged*. Its row id and storage unit are fixed at once (ids leased from
 the controller ahead, as a storage unit leases ids for the puts it admits itself), so the
 put returns its :class:`~streamrl.RowRemoteBatch` at once, and the rows staged are
 admitted, stored and committed together -- one controller allocate and commit, one
@@ -53,7 +53,8 @@ import torch
 
 from .control import CONTROL_METHODS
 from .controller import Controller
-from .errors import StreamRLError
+from .columns import tag_values
+from .errors import SchemaError, StreamRLError
 from .service import ControllerService
 from .transport.base import Column, DataPlane
 
@@ -90,6 +91,7 @@ class CombiningService(ControllerService):
         self._part = ""
         self._version: int | None = None
         self._dtypes: dict[str, str] = {}
+        self._tagf: tuple[str, ...] = ()  # the stage's fields that are tags (group keys)
         self._rows: list[Mapping[str, Column]] = []  # the staged rows' columns
         self._rsizes: list[Mapping[str, int]] = []  # their bytes per field
         # the stage's first row: its bytes per field and in all, and what the caller
@@ -130,12 +132,12 @@ class CombiningService(ControllerService):
                 self.flush()
             return None
         if not n:
-            if not self._open(partition, dtypes, version, b, head):
+            if not self._open(partition, dtypes, version, b, head, cols):
                 return None
             self._sizes = sizes
             self._row_bytes = b
             self.like = like or {}
-        elif b > self.max_row_bytes:
+        elif b > self.max_row_bytes or (self._tagf and not _keys_ok(self._tagf, cols)):
             self.flush()
             return None
         return self._append(cols, sizes, b)
@@ -190,10 +192,12 @@ class CombiningService(ControllerService):
         return rid, shard
 
     def _open(self, partition: str, dtypes: dict[str, str], version: int | None,
-              b: int, head: object = None) -> bool:
-        """Open a stage for rows like this one, if such a put could be admitted now and
-        nothing else is pending (``head``: the caller is the first producer waiting for
-        room, whose turn it is); ``False``: put it the usual way."""
+              b: int, head: object = None, cols: Mapping[str, Column] = _NOTHING) -> bool:
+        """Open a stage for rows like this one (``cols``), if such a put could be
+        admitted now and nothing else is pending (``head``: the caller is the first
+        producer waiting for room, whose turn it is); ``False``: put it the usual way.
+        Fields that are tags (group keys) must hold one scalar (their values are read
+        from the block at the flush)."""
         ctl = self.ctl
         q = self._space_q
         if (b > self.max_row_bytes or (q and next(iter(q)) is not head)
@@ -209,9 +213,13 @@ class CombiningService(ControllerService):
                 or (ctl.max_staleness is not None
                     and version < ctl.version - ctl.max_staleness)):
             return False
-        tags = ctl.tags_of(partition)
-        if tags and any(f in tags for f in dtypes):
-            return False
+        tagf: tuple[str, ...] = ()
+        if ctl.tag_fields or ctl.part_tags:
+            # (the fields a commit wants tag values of: tags here or in any partition)
+            tagf = tuple(f for f in dtypes if f in ctl.tag_fields
+                         or any(f in t for t in ctl.part_tags.values()))
+            if tagf and not _keys_ok(tagf, cols):
+                return False
         try:
             loop = asyncio.get_running_loop()
         except RuntimeError:
@@ -237,6 +245,7 @@ class CombiningService(ControllerService):
         self._part = partition
         self._version = version
         self._dtypes = dtypes
+        self._tagf = tagf
         self._bytes = 0
         self._rows = []
         self._rsizes = []
@@ -295,10 +304,12 @@ class CombiningService(ControllerService):
         else:
             sizes = {f: [r[f] for r in rsizes] for f in self._dtypes}
         unit = self._units[self._shard]
+        # (each checked to hold one scalar a row when staged: see _keys_ok)
+        tags = {f: tag_values(f, cols[f]) for f in self._tagf} if self._tagf else None
         try:  # stored under the ids leased to the unit, then admitted and committed
             unit.put(ids, cols)
             ctl.admit_stored(self._part, ids, self._shard, sizes, version=self._version,
-                             dtypes=self._dtypes, admitted=True)
+                             dtypes=self._dtypes, admitted=True, tags=tags)
         except BaseException:
             try:
                 unit.delete(ids)
@@ -369,3 +380,16 @@ def _flushing(name: str):
 for _name in CONTROL_METHODS:
     setattr(CombiningService, _name, _flushing(_name))
 del _name
+
+
+def _keys_ok(fields: Sequence[str], cols: Mapping[str, Column]) -> bool:
+    """Each of ``fields`` of the one-row put ``cols`` holds one scalar a tag can take
+    (what :func:`~streamrl.columns.tag_values` accepts); otherwise the put goes the usual
+    way, which raises or skips the value as it must."""
+    for f in fields:
+        try:
+            if len(tag_values(f, cols[f])) != 1:
+                return False
+        except (SchemaError, TypeError, KeyError):
+            return False
+    return True

@@ -363,18 +363,19 @@ class StreamQueue:
         if rows is None and type(data) is dict and (self._stage is not None or self._unit_puts) \
                 and not (overwrite is not False or (version is not None and (
                     type(version) is not int)) or (partition is not None and (
-                        type(partition) is not str or not partition)) or self._tags_any
+                        type(partition) is not str or not partition))
                     or (timeout is not None and (type(timeout) not in (int, float)
                                                  or not 0 <= timeout < math.inf))
                     or _timing_now.get() is not None):
-            # new rows with plain arguments (all valid, of the usual types), no tag fields
-            # known anywhere, no ``timed`` block open (it counts the queue's calls): a
-            # one-row put may skip the checks and bookkeeping of the usual way
+            # new rows with plain arguments (all valid, of the usual types), no ``timed``
+            # block open (it counts the queue's calls): a one-row put may skip the checks
+            # and bookkeeping of the usual way (embedded: the stage checks group keys;
+            # Ray: only with no tag field known anywhere, as it sends no tag values)
             if self._stage is not None:
                 staged = self._put_staged(data, partition, version)
                 if staged is not None:
                     return staged
-            else:
+            elif not self._tags_any:
                 one = one_row_dense(data)
                 if one is not None:  # (what to_columns and the sizes would make of it)
                     part = DEFAULT_PARTITION if partition is None else partition
@@ -494,13 +495,14 @@ class StreamQueue:
                 else:
                     sizes[f] = row_nbytes(c, 1)[0]
                     dtypes[f] = column_dtype(f, c)
-            if not (self._tags_any and self._tags(one_part, cols)):
-                staged = stage.stage_put(one_part, cols, sizes, dtypes, version)
-                if staged is None and not nowait:  # no room: wait for it, then stage
-                    staged = await stage.stage_when_room(one_part, cols, sizes, dtypes,
-                                                         version, timeout)
-                if staged is not None:
-                    return RowRemoteBatch._put(self, staged[0], staged[1], cols, one_part)
+            if self._tags_any:  # (a group key's value that is not one scalar raises here)
+                self._tags(one_part, cols)
+            staged = stage.stage_put(one_part, cols, sizes, dtypes, version)
+            if staged is None and not nowait:  # no room: wait for it, then stage
+                staged = await stage.stage_when_room(one_part, cols, sizes, dtypes,
+                                                     version, timeout)
+            if staged is not None:
+                return RowRemoteBatch._put(self, staged[0], staged[1], cols, one_part)
             nbytes = {f: [b] for f, b in sizes.items()}
         else:
             nbytes = {}
@@ -548,8 +550,10 @@ class StreamQueue:
                 at = keep.tolist()
                 cols = {f: take_rows(c, at) for f, c in cols.items()}
                 nbytes = {f: [b[i] for i in at] for f, b in nbytes.items()}
-                target = target[keep]
-                ids = target.rows
+                own = target[keep]
+                assert isinstance(own, RowRemoteBatch)  # (a tensor index gives rows)
+                target = own
+                ids = own.rows
                 if not ids:
                     return target
         if len(set(ids)) != len(ids):

@@ -319,6 +319,80 @@ async def test_bad_one_row_puts_raise_at_the_put_that_caused_them(make_queue):
     assert await q.audit() == []
 
 
+def keyed(i: int, uid) -> dict:
+    return {"uid": torch.tensor([uid]), "x": torch.full((1, 4), float(i))}
+
+
+@pytest.mark.parametrize("declared", ["group_key", "stream"])
+async def test_one_row_puts_with_a_group_key_are_staged_and_keep_their_groups(make_queue,
+                                                                               declared):
+    """The agentic GRPO pattern: each sample its own one-row put, its group key a field
+    (known as such from ``group_key``, or from a grouped stream already waiting). The
+    puts are staged like any others, the keys are read from the block at the flush,
+    and the grouped stream gets whole groups of the right rows."""
+    q = make_queue(capacity=64, consumers=["t"],
+                   **({"group_key": "uid"} if declared == "group_key" else {}))
+    await first_use(q)
+    got: list = []
+
+    async def consume():
+        async for mb in q.stream("t", ["uid", "x"], 4, partition="p", group_by="uid",
+                                 group_size=4, timeout=30):
+            td = await mb.materialize()
+            got.append((set(td["uid"].tolist()), sorted(td["x"][:, 0].tolist())))
+
+    task = asyncio.ensure_future(consume())
+    await asyncio.sleep(0.05)  # (the stream waits: "uid" is a group key from here on)
+    for i in range(12):
+        await q.put(keyed(i, i % 3), partition="p")
+    assert staged(q) == (12 if combines(q) else 0)
+    await q.seal("p")
+    await task
+    assert sorted(got, key=lambda g: g[1]) == [
+        ({u}, [float(i) for i in range(12) if i % 3 == u]) for u in range(3)]
+    st = await q.stats()
+    assert (st.rows, st.put) == (0, 12) and await q.audit() == []
+
+
+async def test_a_one_row_put_whose_group_key_is_no_scalar_raises_and_leaves_nothing(make_queue):
+    """Staged rows with a key, then a one-row put whose key is not one scalar: it is not
+    staged, raises SchemaError and leaves nothing; the staged rows and the puts after it
+    are grouped as usual."""
+    q = make_queue(capacity=64, consumers=["t"], group_key="uid")
+    await first_use(q)
+    await q.put(keyed(0, 7), partition="p")
+    assert staged(q) == (1 if combines(q) else 0)
+    with pytest.raises(SchemaError, match="one scalar per row"):
+        await q.put({"uid": torch.tensor([[7, 8]]), "x": torch.zeros(1, 4)}, partition="p")
+    await q.put(keyed(1, 7), partition="p")
+    await q.seal("p")
+    mb = await q.get("t", ["uid", "x"], 2, partition="p", group_by="uid", group_size=2,
+                     timeout=10)
+    assert (await mb.materialize())["x"][:, 0].tolist() == [0.0, 1.0]
+    await mb.ack()
+    st = await q.stats()
+    assert st.rows == 0 and st.put - st.dropped == 0 and await q.audit() == []
+
+
+async def test_staleness_drops_whole_groups_of_staged_one_row_puts(make_queue):
+    """With ``group_key`` and ``max_staleness``, a group whose members were put one at
+    a time (staged) goes stale whole, and a fresh group stays whole."""
+    q = make_queue(capacity=64, consumers=["t"], group_key="uid", max_staleness=0)
+    await first_use(q)
+    for i in range(3):
+        await q.put(keyed(i, 1), partition="p", version=0)
+    assert staged(q) == (3 if combines(q) else 0)
+    await q.set_version(1)  # (group 1 is stale now, staged members too)
+    for i in range(3, 6):
+        await q.put(keyed(i, 2), partition="p", version=1)
+    await q.seal("p")
+    mb = await q.get("t", ["uid", "x"], 3, partition="p", group_by="uid", timeout=10)
+    assert (await mb.materialize())["x"][:, 0].tolist() == [3.0, 4.0, 5.0]
+    await mb.ack()
+    st = await q.stats()
+    assert (st.rows, st.stale) == (0, 3) and await q.audit() == []
+
+
 async def test_a_put_cancelled_while_waiting_keeps_the_puts_that_returned(make_queue):
     q = make_queue(capacity=3)
     await first_use(q)

@@ -165,16 +165,18 @@ class Admission(ControllerBase):
     def admit_stored(self, partition: str, ids: Sequence[int], shard: int,
                      nbytes: Mapping[str, Sequence[int]], *, version: int | None = None,
                      dtypes: Mapping[str, str] | None = None, admitted: bool = False,
-                     at_once_only: bool = False) -> CommitResult | None:
+                     at_once_only: bool = False,
+                     tags: Mapping[str, Sequence[Hashable]] | None = None
+                     ) -> CommitResult | None:
         """Admit and commit, in one step, new rows that storage unit ``shard`` stored
         already under ``ids`` leased to it (:meth:`unit_ids`); ``nbytes``: per field,
-        the bytes of each row. The same as :meth:`allocate` (``ids``, ``shard``,
-        ``admitted``) then :meth:`commit` at once, raising what :meth:`allocate`
-        raises, without a write token between them where nothing needs one: rows of one
-        shape (each field the same bytes in every row), no filter, no tag field, no
-        staleness bound; otherwise it does just that, or, with ``at_once_only``,
-        nothing (``None``: the caller admits them with a write token, whose commit
-        result it has to act on)."""
+        the bytes of each row; ``tags``: as :meth:`commit` takes them. The same as
+        :meth:`allocate` (``ids``, ``shard``, ``admitted``) then :meth:`commit` at
+        once, raising what :meth:`allocate` raises, without a write token between them
+        where nothing needs one: rows of one shape (each field the same bytes in every
+        row), no filter, no tag field, no staleness bound; otherwise it does just that,
+        or, with ``at_once_only``, nothing (``None``: the caller admits them with a
+        write token, whose commit result it has to act on)."""
         n = len(ids)
         fields = tuple(nbytes)
         tmpl = (_uniform([(f, nbytes[f]) for f in fields])
@@ -186,7 +188,7 @@ class Admission(ControllerBase):
             total = sum(sum(v) for v in nbytes.values())
             tok = self.allocate(partition, n, fields, nbytes=total, version=version,
                                 ids=ids, shard=shard, dtypes=dtypes, admitted=admitted)
-            return self.commit(tok, nbytes)
+            return self.commit(tok, nbytes, tags)
         tsum = sum(tmpl.values())
         p, version, ids, shards = self._admit(partition, n, tsum * n, version, ids, shard,
                                               dtypes, admitted)
