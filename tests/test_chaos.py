@@ -59,8 +59,8 @@ class Ledger:
     """What the run did, as the clients saw it."""
 
     def __init__(self, one_row: bool = False):
-        #: one-row puts: no filters and no groups (filters and group keys send puts the
-        #: usual way; without them, embedded one-row puts are staged: streamrl/combine.py)
+        #: one-row puts and no filters (a filter sends puts the usual way; without one,
+        #: embedded one-row puts are staged: streamrl/combine.py)
         self.one_row = one_row
         self.put: set[int] = set()  # samples whose put returned
         self.dropped: set[int] = set()  # samples a client dropped
@@ -80,6 +80,18 @@ class Ledger:
         self.cleared = 0  # rows the clears dropped
         self.cancelled_takes = 0
         self.errors: list[str] = []
+        # per task, sample -> the number of the batch whose ack counted it
+        self.batch_of: dict[str, dict[int, int]] = {t: {} for t in TASKS}
+        self.batches = 0
+
+    def ack(self, task: str, sids, rows) -> None:
+        """The samples ``sids`` (rows ``rows``) of one batch were acknowledged by ``task``."""
+        sids, rows = list(sids), list(rows)
+        self.acked[task].extend(sids)
+        self.acked_rows[task].extend(rows)
+        self.batches += 1
+        for s in sids:
+            self.batch_of[task][s] = self.batches
 
 
 class Gate:
@@ -137,27 +149,41 @@ async def _maybe_cancel(rng: random.Random, aw, p: float):
 async def _producer(q, rng, ledger: Ledger, gids: list[int], version: list[int], gate: Gate,
                     one_row: bool = False):
     """Puts the samples of ``gids``, a group (one put) at a time, or with ``one_row`` a
-    sample (one put of one row) at a time; then writes their rewards."""
+    sample (one put of one row) at a time, every member of a group with the version the
+    first one was put with; then writes their rewards."""
     for gid in gids:
         if one_row:
-            for sid in range(gid * GROUP, gid * GROUP + GROUP):
-                await _put_sample(q, rng, ledger, torch.tensor([sid]), version, gate)
+            old = version[0] > MAX_STALENESS + 1 and rng.random() < 0.08
+            v = version[0] - (MAX_STALENESS + 2) if old else version[0]
+            put = [await _put_sample(q, rng, ledger, torch.tensor([sid]), version, gate,
+                                     (v, old)) for sid in range(gid * GROUP, gid * GROUP + GROUP)]
+            if rng.random() < 0.04:  # the producer changes its mind (about the group)
+                for rows in put:
+                    async with gate:
+                        try:
+                            await rows.drop()
+                        except RowsDropped:  # already gone (a clear, staleness)
+                            pass
+                ledger.dropped.update(range(gid * GROUP, gid * GROUP + GROUP))
         else:
             await _put_sample(q, rng, ledger, torch.arange(gid * GROUP, gid * GROUP + GROUP),
                               version, gate)
 
 
 async def _put_sample(q, rng, ledger: Ledger, sids: torch.Tensor, version: list[int],
-                      gate: Gate):
+                      gate: Gate, fixed: tuple[int, bool] | None = None):
     """Put the rows of ``sids`` (one put, retried until it lands), maybe drop them, then
-    write their reward (one write, retried until it lands or the rows left)."""
+    write their reward (one write, retried until it lands or the rows left); returns
+    the batch the put returned. ``fixed``: the version to put them with and whether it
+    is old (else: chosen here, again for each retry), and the rows are not dropped here
+    (the caller decides for the whole group)."""
     data = {"sid": sids, "gid": sids // GROUP, "x": sids.float().unsqueeze(1).repeat(1, 16)}
-    old = version[0] > MAX_STALENESS + 1 and rng.random() < 0.08
+    old = fixed[1] if fixed else version[0] > MAX_STALENESS + 1 and rng.random() < 0.08
     while True:  # retry until the put lands (a cancelled put leaves nothing behind)
         # an old version (a slow rollout worker): the controller's version is at
         # least version[0] - 1 (the trainer bumps version[0] first), so this one is
         # older than version - max_staleness: dropped as stale at once
-        v = version[0] - (MAX_STALENESS + 2) if old else version[0]
+        v = fixed[0] if fixed else version[0] - (MAX_STALENESS + 2) if old else version[0]
         async with gate:
             done, rows = await _maybe_cancel(
                 rng, q.put(data, partition="p", version=v, timeout=30), 0.25)
@@ -168,14 +194,14 @@ async def _put_sample(q, rng, ledger: Ledger, sids: torch.Tensor, version: list[
     ledger.sid_of.update(zip(rows.rows, sids.tolist()))
     if old:
         ledger.old.update(sids.tolist())
-    if rng.random() < 0.04:  # the producer changes its mind
+    if not fixed and rng.random() < 0.04:  # the producer changes its mind
         async with gate:
             try:
                 await rows.drop()
             except RowsDropped:  # already gone (a clear, staleness)
                 pass
         ledger.dropped.update(sids.tolist())
-        return
+        return rows
     reward = {"reward": sids.float() % 5}
     while True:  # the judge's write, with cancellations and retries
         try:
@@ -187,6 +213,7 @@ async def _put_sample(q, rng, ledger: Ledger, sids: torch.Tensor, version: list[
             break
     if rng.random() < 0.3:
         await asyncio.sleep(rng.random() * 0.003)
+    return rows
 
 
 class _Boom(Exception):
@@ -239,8 +266,7 @@ async def _body(q, rng, ledger: Ledger, task: str, mb) -> tuple[str, list[int]]:
             rest = [r for r in rest if r not in gone]
         # (a row without a sample is one whose put was cancelled: its sample was put again)
         acked = [r for r in rest if r in ledger.sid_of]
-        ledger.acked[task].extend(ledger.sid_of[r] for r in acked)
-        ledger.acked_rows[task].extend(acked)
+        ledger.ack(task, (ledger.sid_of[r] for r in acked), acked)
         return "settled", []
     sids = td["sid"].tolist()
     if not torch.equal(td["x"][:, 0], td["sid"].float()):
@@ -260,16 +286,15 @@ async def _body(q, rng, ledger: Ledger, task: str, mb) -> tuple[str, list[int]]:
     except LeaseExpired as e:  # expired, or some rows were taken back
         if e.rows is not None:  # the others were acknowledged
             back = set(e.rows)
-            ledger.acked[task].extend(s for s, row in zip(sids, mb.rows) if row not in back)
-            ledger.acked_rows[task].extend(row for row in mb.rows if row not in back)
+            ledger.ack(task, (s for s, row in zip(sids, mb.rows) if row not in back),
+                       (row for row in mb.rows if row not in back))
         return "settled", []
-    ledger.acked[task].extend(sids)
-    ledger.acked_rows[task].extend(mb.rows)
+    ledger.ack(task, sids, mb.rows)
     return "acked", sids
 
 
-def _request(rng: random.Random, task: str, one_row: bool) -> dict:
-    if task == "train" and not one_row:  # whole groups
+def _request(rng: random.Random, task: str) -> dict:
+    if task == "train":  # whole groups
         return {"batch_size": rng.choice([GROUP, 2 * GROUP]), "group_by": "gid",
                 "group_size": GROUP}
     return {"batch_size": rng.choice([1, 3, 4])}
@@ -297,7 +322,7 @@ async def _by_get(q, rng, ledger: Ledger, task: str, fields) -> bool:
     for _ in range(rng.randint(1, 4)):
         done, mb = await _maybe_cancel(
             rng, q.get(task, fields, partition="p", timeout=30,
-                       **_request(rng, task, ledger.one_row)), 0.35)
+                       **_request(rng, task)), 0.35)
         if not done:  # the take gave its lease back, wherever the cancellation landed
             ledger.cancelled_takes += 1
             continue
@@ -320,7 +345,7 @@ async def _by_stream(q, rng, ledger: Ledger, task: str, fields) -> bool:
     ended = True  # the stream ran out (sealed and drained), unless we left it
     try:
         async with q.stream(task, fields, partition="p", timeout=30,
-                            **_request(rng, task, ledger.one_row)) as batches:
+                            **_request(rng, task)) as batches:
             while True:
                 try:  # (every batch before was acked or released: the fetch acks nothing)
                     done, mb = await _maybe_cancel(rng, anext(batches), 0.2)
@@ -337,13 +362,12 @@ async def _by_stream(q, rng, ledger: Ledger, task: str, fields) -> bool:
                 if what == "acked" and behaviour < 0.2:
                     ended = False
                     break  # after an ack: a new stream
-        ledger.acked[task].extend(pending)
-        ledger.acked_rows[task].extend(pending_rows)
+        ledger.ack(task, pending, pending_rows)
     except LeaseExpired as e:  # the exit's ack came too late, or rows were taken back
         if e.rows is not None and pending_rows:
             back = set(e.rows)
-            ledger.acked[task].extend(s for s, r in zip(pending, pending_rows) if r not in back)
-            ledger.acked_rows[task].extend(r for r in pending_rows if r not in back)
+            ledger.ack(task, (s for s, r in zip(pending, pending_rows) if r not in back),
+                       (r for r in pending_rows if r not in back))
         return False
     return ended
 
@@ -404,8 +428,7 @@ def _filtered(sid: int, one_row: bool) -> bool:
 
 
 async def run_chaos(make_queue, seed: int, one_row: bool = False) -> dict:
-    """One seed's run; ``one_row``: samples are put one row at a time, with no filters and
-    no grouped consumer."""
+    """One seed's run; ``one_row``: samples are put one row at a time, with no filters."""
     rng = random.Random(seed)
     q = make_queue(capacity=CAPACITY, capacity_bytes=CAPACITY_BYTES, num_shards=3,
                    lease_timeout=LEASE, consumers=list(TASKS), max_staleness=MAX_STALENESS)
@@ -498,11 +521,18 @@ async def _run(q, rng: random.Random, n_groups: int = 120, one_row: bool = False
         missing = ledger.put - set(ledger.acked[task]) - ledger.dropped - ledger.old
         lost = {s for s in missing if not _filtered(s, one_row)}
         gone |= lost
-        if task == "train" and not one_row:  # it takes whole groups, and staleness drops whole groups
+        if task == "train" and not one_row:  # whole groups; staleness drops whole groups
             split = sorted({s // GROUP for s in lost if s ^ 1 not in lost})
             assert not split, f"{task}: groups lost a row without the other: {split[:10]}"
     # ... can only have been cleared or dropped as stale
     assert len(gone) <= stale + cleared, (len(gone), stale, cleared, sorted(gone)[:10])
+    # a group's rows acknowledged by "train" came in one batch (a group can be short
+    # when its members are put one at a time: a member cleared before the other was put)
+    batches: dict[int, set[int]] = {}
+    for sid, b in ledger.batch_of["train"].items():
+        batches.setdefault(sid // GROUP, set()).add(b)
+    split = sorted(g for g, bs in batches.items() if len(bs) > 1)
+    assert not split, f"train: groups split across batches: {split[:10]}"
     assert st.filtered == sum(st.filtered_by.values())
     assert st.put == st.rows + st.dropped, st.dropped_by
     assert ledger.max_rows <= CAPACITY, ledger.max_rows
@@ -555,8 +585,9 @@ async def test_chaos(make_queue, transport):
 @pytest.mark.slow
 @pytest.mark.parametrize("transport", CHAOS_TRANSPORTS, indirect=True)
 async def test_chaos_one_row_puts(make_queue, transport, monkeypatch):
-    """The agentic pattern under the same chaos: every sample its own one-row put. With
-    no filter and no group key, embedded puts are staged and admitted in blocks
+    """The agentic pattern under the same chaos: every sample its own one-row put (a
+    group's members one after the other, "train" taking whole groups). With no filter,
+    embedded puts are staged and admitted in blocks with their group keys
     (streamrl/combine.py), and a drop or a write may reach a row still staged; on Ray
     they are coalesced and admitted by a storage unit."""
     flushed = [0]
