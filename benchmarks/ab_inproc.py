@@ -70,6 +70,9 @@ async def main() -> None:
     ap.add_argument("--json", default=None)
     ap.add_argument("--no-gc", action="store_true",
                     help="the cyclic GC off in the timed runs (less noise; no GC cost)")
+    ap.add_argument("--group", type=int, default=0, metavar="N",
+                    help="the embedded case with a group key (N samples a group) and a "
+                    "grouped consumer, as a GRPO trainer reads")
     a = ap.parse_args()
     import streamrl as new
 
@@ -82,7 +85,8 @@ async def main() -> None:
         if i % 2:
             pair.reverse()
         for k, m in pair:
-            runs[k].append(await embedded_streamrl(a.rows, mod=m, no_gc=a.no_gc) * 1e6)
+            runs[k].append(await embedded_streamrl(a.rows, mod=m, no_gc=a.no_gc,
+                                                   group=a.group) * 1e6)
             runs["queue"].append(await embedded_asyncio_queue(a.rows, no_gc=a.no_gc) * 1e6)
         for k, m in pair:
             ctl = importlib.import_module(m.__name__ + ".controller")
@@ -94,7 +98,7 @@ async def main() -> None:
            "asyncio_queue_us_per_row": med["queue"],
            "cost_ratio": {"old": med["old"] / med["queue"], "new": med["new"] / med["queue"]},
            "controller_rows_per_cpu_s": {"old": med["ctl_old"], "new": med["ctl_new"]},
-           "reps": a.reps, "rows": a.rows}
+           "reps": a.reps, "rows": a.rows, "group": a.group}
     q = {k: statistics.quantiles(v, n=4) for k, v in runs.items() if len(v) > 1}
     res["quartiles"] = q
     for k in ("old", "new"):

@@ -65,9 +65,17 @@ def pace(us: float) -> dict:
             "scale_to_issue": ISSUE_PACE_US / us}
 
 
-def sample(i: int) -> dict:
-    return {"tokens": torch.full((1, TOKENS), i, dtype=torch.int64),
-            "reward": torch.tensor([float(i)])}
+#: rows of a group in the grouped case (the n rollouts of one GRPO prompt)
+GROUP = 8
+
+
+def sample(i: int, group: int = 0) -> dict:
+    """Sample ``i``; with ``group``, also its group key ``uid`` (``i // group``)."""
+    out = {"tokens": torch.full((1, TOKENS), i, dtype=torch.int64),
+           "reward": torch.tensor([float(i)])}
+    if group:
+        out["uid"] = torch.tensor([i // group])
+    return out
 
 
 #: scrapes made in each metrics-on run (the metrics case)
@@ -87,15 +95,17 @@ def _scraper(url: str, stop: "threading.Event", every: float) -> int:
 
 
 async def embedded_streamrl(n: int, metrics: bool = False, scrape_every: float = 1.0, *,
-                            mod=streamrl, no_gc: bool = False) -> float:
+                            mod=streamrl, no_gc: bool = False, group: int = 0) -> float:
     """Seconds per row: one producer putting one-row samples, a consumer streaming
     batches of 64 and materializing them. With ``metrics``: the queue serves
     Prometheus metrics and a thread scrapes them every ``scrape_every`` seconds.
     ``mod``: the streamrl package to use (benchmarks/ab_inproc.py passes another
-    tree's); ``no_gc``: the cyclic GC is off while the run is timed."""
+    tree's); ``no_gc``: the cyclic GC is off while the run is timed; ``group``: each
+    sample has a group key ``uid`` (``group`` samples a group, put one after the other)
+    and the consumer takes whole groups (``group_by="uid"``), as a GRPO trainer does."""
     import threading
 
-    samples = [sample(i) for i in range(n)]
+    samples = [sample(i, group) for i in range(n)]
     async with mod.StreamQueue(capacity=4096, num_shards=4, consumers=["train"],
                                metrics=True if metrics else None) as q:
         got = 0
@@ -103,9 +113,12 @@ async def embedded_streamrl(n: int, metrics: bool = False, scrape_every: float =
         scraper = (asyncio.ensure_future(asyncio.to_thread(
             _scraper, q.metrics_url, stop, scrape_every)) if metrics else None)
 
+        grouped = {"group_by": "uid", "group_size": group} if group else {}
+
         async def consume():
             nonlocal got
-            async for mb in q.stream("train", ["tokens", "reward"], BATCH, partition="p"):
+            async for mb in q.stream("train", ["tokens", "reward"], BATCH, partition="p",
+                                     **grouped):
                 td = await mb.materialize()
                 got += td.batch_size[0]
 
@@ -472,6 +485,9 @@ async def main() -> None:
     b = med([await embedded_asyncio_queue(a.rows) for _ in range(a.reps)])
     res["embedded"] = {"streamrl_us_per_row": s * 1e6, "asyncio_queue_us_per_row": b * 1e6,
                        "cost_ratio": s / b, "target_ratio": 5.0}
+    g = med([await embedded_streamrl(a.rows, group=GROUP) for _ in range(a.reps)])
+    res["embedded_grouped"] = {"streamrl_us_per_row": g * 1e6, "cost_ratio": g / b,
+                               "group": GROUP}
     # metrics on (endpoint + a scrape a second) against off, interleaved pairs, the
     # order alternating: CPU time per row, and wall time
     res["metrics"] = await metrics_case(a.metrics_rows, a.metrics_reps, a.scrape_every)
@@ -487,6 +503,10 @@ async def main() -> None:
           f"streamrl {e['streamrl_us_per_row']:.1f} us/row, asyncio.Queue "
           f"{e['asyncio_queue_us_per_row']:.1f} us/row: {e['cost_ratio']:.1f}x its cost "
           f"(target <= {e['target_ratio']:.0f}x)")
+    e = res["embedded_grouped"]
+    print(f"the same with a group key (uid, {GROUP} a group) and a grouped consumer "
+          f"(group_by='uid'): {e['streamrl_us_per_row']:.1f} us/row, {e['cost_ratio']:.1f}x "
+          "asyncio.Queue's cost")
     _print_metrics(res["metrics"])
     scale = res["pace"]["scale_to_issue"]
     print(f"this machine's pace: asyncio.Queue {res['pace']['asyncio_queue_us_per_row']:.1f} "
