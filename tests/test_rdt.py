@@ -344,6 +344,47 @@ def test_reads_plan_few_messages_and_no_copies_of_big_ranges():
     assert layout([BIG + 1]) == ([0], BIG + 1)  # alone: not padded, not copied
 
 
+@pytest.mark.parametrize("transport", ["rdt"], indirect=True)
+async def test_a_row_dropped_during_a_read_is_the_only_row_reported_dropped(make_queue,
+                                                                          monkeypatch):
+    """Rows of one holder in separate held tensors (four one-row puts); one is dropped
+    after the storage unit answered the read and before the holder is read. The read
+    raises RowsDropped naming that row only: it named all four, so a consumer that skips
+    the rows named and acknowledges its batch (as the error says to) consumed three rows
+    it never read. The others read back, and the queue holds them until they are
+    consumed."""
+    from streamrl.errors import RowsDropped
+    from streamrl.transport.rdt import holder_stats
+    from streamrl.transport.rdt.data import RdtDataPlane
+
+    q = make_queue(capacity=64, num_shards=1, consumers=["t"])
+    rows = [(await q.put({"sid": torch.tensor([i]), "x": torch.full((1, 16), float(i))},
+                         partition="p")).rows[0] for i in range(4)]
+    mb = await q.get("t", ["sid", "x"], 4, partition="p", timeout=30)
+    read = RdtDataPlane._fetch_ranges
+
+    async def dropped_first(self, ref0, ranges, items):
+        monkeypatch.setattr(RdtDataPlane, "_fetch_ranges", read)
+        held = holder_stats()["tensors"]
+        await q.drop([rows[0]])
+        # (the holder frees the row's tensor: it is gone before the read)
+        async def freed():
+            return holder_stats()["tensors"] < held
+
+        assert await wait_for(freed, timeout=10)
+        return await read(self, ref0, ranges, items)
+
+    monkeypatch.setattr(RdtDataPlane, "_fetch_ranges", dropped_first)
+    with pytest.raises(RowsDropped) as e:
+        await mb.materialize()
+    assert e.value.rows == [rows[0]]
+    keep = mb[[i for i, r in enumerate(mb.rows) if r not in e.value.rows]]
+    assert (await keep.materialize())["sid"].tolist() == [1, 2, 3]
+    await mb.ack()
+    st = await q.stats()
+    assert (st.rows, st.dropped_by.get("dropped"), st.consumed) == (0, 1, 3)
+
+
 def test_a_transfer_whose_peer_is_gone_is_given_up_and_the_next_ones_run():
     """The transfer thread's watchdog: an operation blocked on a peer the group says is
     gone is given up (its waiter fails with HolderGone) and the operations after it run

@@ -256,9 +256,10 @@ class RdtDataPlane(RayDataPlane):
                     return bufs
             return await self._fetch_socket(ref0, ranges)
         except KeyError:
+            gone = await self._gone(ref0, items) if len({i[0].key for i in items}) > 1 else rows
             raise RowsDropped(
-                f"rows {rows_preview(rows)} were dropped while they were read (their "
-                f"holder {ref0.holder} no longer has their tensors)", rows) from None
+                f"rows {rows_preview(gone)} were dropped while they were read (their "
+                f"holder {ref0.holder} no longer has their tensors)", gone) from None
         except ConnectionError as e:  # the holder's socket: the holder is gone
             await self._rows_lost(rows, ref0.holder)
             raise RowsLost(
@@ -266,6 +267,25 @@ class RdtDataPlane(RayDataPlane):
                 f"({ref0.holder}) is gone ({e}); their held fields are lost, and the queue "
                 "dropped these rows (stats().dropped_by['lost']). Move on without them",
                 rows, holder=ref0.holder) from None
+
+    async def _gone(self, ref0: HeldRef, items: list) -> list[int]:
+        """The rows of ``items`` (ranges of one holder, of several held tensors) whose
+        tensors the holder no longer has, read tensor by tensor: a read that missed one
+        of them must not report the rows of the others as dropped (a consumer skips
+        the rows a RowsDropped names, and its ack would then consume rows it never
+        read). A holder frees a tensor once no row refers to it, so the rows of a
+        missing tensor are the rows that left. All of them if none is missing now."""
+        by_key: dict[int, list] = {}
+        for item in items:
+            by_key.setdefault(item[0].key, []).append(item)
+        gone: set[int] = set()
+        for its in by_key.values():
+            ranges, _ = coalesce([(ref.key, off, n) for ref, off, n, _ in its])
+            try:
+                await self._fetch_ranges(ref0, ranges, its)
+            except RowsDropped:
+                gone.update(r for *_, rs in its for r in rs)
+        return sorted(gone) or sorted({r for *_, rs in items for r in rs})
 
     async def _rows_lost(self, rows: list[int], holder: str) -> None:
         """Tell the controller (``on_rows_lost``) that ``rows`` are lost with ``holder``
