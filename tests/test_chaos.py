@@ -627,10 +627,6 @@ async def test_chaos_one_row_puts(make_queue, transport, monkeypatch):
     embedded puts are staged and admitted in blocks with their group keys
     (streamrl/combine.py), and a drop or a write may reach a row still staged; on Ray
     they are coalesced and admitted by a storage unit."""
-    if transport == "rdt" and not os.environ.get("STREAMRL_CHAOS_ONE_ROW_RDT"):
-        pytest.skip("on rdt this run finds, every few minutes of soak, a sample acked by "
-                    "one task that the ledger does not count (open: docs/reliability.md); "
-                    "STREAMRL_CHAOS_ONE_ROW_RDT=1 runs it")
     flushed = [0]
     flush = CombiningService.flush
 
