@@ -3,12 +3,12 @@
 :class:`CombiningService` is the controller service of the embedded transport. A one-row
 put of new rows that could be admitted now (room, no one waiting for room or pacing, an
 open partition, the fields' dtypes, no filter, one scalar in each field that is a group
-key) is not admitted on its own: it is *staged*. Its row id and storage unit are fixed at once (ids leased from
-the controller ahead, as a storage unit leases ids for the puts it admits itself), so the
-put returns its :class:`~streamrl.RowRemoteBatch` at once, and the rows staged are
-admitted, stored and committed together -- one controller allocate and commit, one
-storage put of one block per field, one readiness update -- when the stage is
-*flushed*:
+key) is not admitted on its own: it is *staged*. Its row id and storage unit are fixed
+at once (ids leased from the controller ahead, as a storage unit leases ids for the puts
+it admits itself), so the put returns its :class:`~streamrl.RowRemoteBatch` at once, and
+the rows staged are admitted, stored and committed together -- one controller allocate
+and commit, one storage put of one block per field, one readiness update -- when the
+stage is *flushed*:
 
 * when it is full (:attr:`CombiningService.max_rows` rows or
   :attr:`~CombiningService.max_bytes` bytes);

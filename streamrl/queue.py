@@ -542,7 +542,7 @@ class StreamQueue:
                 f"writing {n} rows of {list(names)} to {len(ids)} rows; give one value per "
                 "target row")
         if target is not None:
-            pad = target.padding
+            pad = target.padding.reshape(-1)
             if bool(pad.any()):
                 # a padded DP batch: its padding places hold rows of other ranks' shares,
                 # which those ranks write; the values given for them are left out
