@@ -32,10 +32,13 @@ def _param(block):
 
 
 @pytest.mark.parametrize("block", [_param(b) for b in BLOCKS])
-def test_doc_snippet(block, tmp_path):
+def test_doc_snippet(block, tmp_path, request):
+    address = None
     if block.tag == "ray":
         pytest.importorskip("ray")
-    ok, detail = snippets.run(block, tmp_path)
+        # the block joins the test run's Ray rather than start its own (~8 s a block)
+        address = request.getfixturevalue("ray_session").get_runtime_context().gcs_address
+    ok, detail = snippets.run(block, tmp_path, address)
     assert ok, f"{block.name} (line {block.line} of {block.path.name}) failed:\n{detail}"
 
 

@@ -36,6 +36,10 @@ BLOCK = re.compile(r"(?:<!-- test: ([\w-]+) -->\n)?```python\n(.*?)```", re.S)
 TAGS = ("run", "skip", "ray")
 RAY_PRELUDE = ('import ray\nray.init(address="local", num_cpus=2, include_dashboard=False, '
                '_node_ip_address="127.0.0.1")\n')
+#: the prelude that joins a running cluster instead (``run(..., ray_address=...)``): the
+#: test run's own, so that each Ray block does not start one (about 8 s a block here)
+RAY_JOIN = 'import ray\nray.init(address={!r}, _node_ip_address="127.0.0.1")\n'
+
 #: seconds one block may take (a Ray block starts a cluster)
 TIMEOUT = 300
 
@@ -74,10 +78,15 @@ def blocks() -> list[Block]:
     return out
 
 
-def run(block: Block, tmp: pathlib.Path) -> tuple[bool, str]:
-    """Run ``block`` as a script in directory ``tmp``: (passed, the end of its stderr)."""
+def run(block: Block, tmp: pathlib.Path, ray_address: str | None = None) -> tuple[bool, str]:
+    """Run ``block`` as a script in directory ``tmp``: (passed, the end of its stderr).
+    ``ray_address``: a Ray block joins that cluster (its GCS address) instead of starting
+    one of its own."""
     script = tmp / f"{block.path.stem}_{block.index}.py"
-    script.write_text((RAY_PRELUDE if block.tag == "ray" else "") + block.code)
+    prelude = ""
+    if block.tag == "ray":
+        prelude = RAY_PRELUDE if ray_address is None else RAY_JOIN.format(ray_address)
+    script.write_text(prelude + block.code)
     path = os.environ.get("PYTHONPATH")
     env = {**os.environ, "RAY_ADDRESS": "", "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",
            # this checkout's streamrl, whichever one is installed
