@@ -275,8 +275,10 @@ class Stats:
             read), ``"local"`` (held tensors read by the process holding them). Reported
             by each client without waiting, at most every 0.05 s a process
             (``streamrl.transport.ray.data.REPORT_EVERY``) and before each ``stats()``
-            call of that process: eventually consistent across processes. Empty for
-            the embedded transport.
+            call of that process: eventually consistent across processes. Moves made
+            less than 0.05 s before a process exits, or before the event loop that made
+            them ends, are reported only with that process's next move or ``stats()``
+            call, if any. Empty for the embedded transport.
         closed: whether the queue is closed.
         last_filter_errors: messages of the last filter failures.
 

@@ -8,6 +8,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import time
 
 import anyio
 import numpy as np
@@ -540,6 +541,34 @@ async def test_a_process_stats_see_its_own_moves_at_once(rq):
     assert got >= x.nbytes + 12 * 1024 * 4, (got, ray_data.REPORT_EVERY)
 
 
+@ray.remote(num_cpus=0)
+class _SmallPutter:
+    async def put(self, q, n: int) -> int:
+        for i in range(n):  # one-row puts: each admitted by a storage unit
+            await q.put({"tokens": torch.full((1, 256), i), "reward": torch.ones(1)},
+                        partition="p")
+            await asyncio.sleep(0.002)
+        return n * (256 * 8 + 4)
+
+
+async def test_bytes_of_a_producer_that_never_calls_the_controller_are_reported(rq):
+    """A producer whose puts all go to storage units (small puts) has no connection
+    of its own to the controller: its reports of bytes moved still arrive (they used to
+    wait for a connection that never came)."""
+    q = rq(num_shards=2)
+    before = sum((await q.stats()).bytes_by_path.values())
+    putter = _SmallPutter.remote()  # (kept: a process that exits within REPORT_EVERY of
+    # its last move may take those moves' report with it; see stats.bytes_by_path)
+    moved = await putter.put.remote(q, 60)
+    deadline = time.monotonic() + 10
+    while True:
+        got = sum((await q.stats()).bytes_by_path.values()) - before
+        if got >= moved or time.monotonic() > deadline:
+            break
+        await asyncio.sleep(0.05)
+    assert got >= moved, (got, moved)
+
+
 async def test_data_arriving_after_its_write_was_aborted_is_dropped(rq):
     """A put cancelled while its data is on its way to the unit: the controller forgets
     the rows and deletes them from the unit, possibly before the data lands. The late
@@ -557,7 +586,8 @@ async def test_data_arriving_after_its_write_was_aborted_is_dropped(rq):
 
 def _count_calls(monkeypatch) -> list[str]:
     """The names of the socket calls this process makes from now on (until
-    ``monkeypatch.undo()``)."""
+    ``monkeypatch.undo()``), but for reports of bytes moved (``path_bytes``: sent on
+    their own schedule, a call when this loop has no connection to the controller yet)."""
     from streamrl.transport.rpc import RpcClient
 
     calls: list[str] = []
@@ -565,7 +595,8 @@ def _count_calls(monkeypatch) -> list[str]:
 
     async def counted(self, method, *args, **kwargs):
         # a call the caller may cancel goes as cancellable(rid, method, args, kwargs)
-        calls.append(args[1] if method == "cancellable" else method)
+        if method != "path_bytes":
+            calls.append(args[1] if method == "cancellable" else method)
         return await call(self, method, *args, **kwargs)
 
     monkeypatch.setattr(RpcClient, "call", counted)

@@ -20,10 +20,10 @@ from typing import Any
 import ray
 
 from ...errors import TransportError
-from ..rpc import Endpoint, RpcClient
+from ..rpc import ConnectFailed, Endpoint, RpcClient
 
-__all__ = ["Endpoints", "UNDO_TIMEOUT", "unwrap", "send", "undone", "spawn", "new_loop",
-           "request_id"]
+__all__ = ["Endpoints", "UNDO_TIMEOUT", "unwrap", "send", "post", "undone", "spawn",
+           "new_loop", "request_id"]
 
 log = logging.getLogger("streamrl")
 
@@ -73,6 +73,31 @@ def send(rpc: RpcClient | None, actor: Any, method: str, *args: Any) -> None:
     """Call ``method`` without waiting for it: on the socket channel when this event loop
     has a connection to the actor (after the calls already sent on it), else through Ray."""
     if rpc is None or not rpc.notify(method, *args):
+        getattr(actor, method).remote(*args)
+
+
+def post(rpc: RpcClient | None, actor: Any, method: str, *args: Any) -> None:
+    """Like :func:`send`, for a message that may arrive a little later (a report of
+    statistics): when this event loop has no connection to the actor yet, one is opened
+    in the background and the message goes on it (through Ray if it cannot be opened),
+    so that the next ones need no Ray call; with no event loop here, through Ray."""
+    if rpc is not None:
+        if rpc.notify(method, *args):
+            return
+        try:
+            asyncio.get_running_loop()
+        except RuntimeError:
+            pass
+        else:
+            spawn(_post_on_connection(rpc, actor, method, args), f"sending {method}")
+            return
+    getattr(actor, method).remote(*args)
+
+
+async def _post_on_connection(rpc: RpcClient, actor: Any, method: str, args: tuple) -> None:
+    try:
+        await rpc.call(method, *args)
+    except ConnectFailed:  # (nothing was sent)
         getattr(actor, method).remote(*args)
 
 

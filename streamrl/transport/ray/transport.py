@@ -21,7 +21,7 @@ import ray
 from ...config import QueueConfig
 from ...errors import InvalidArgument, TransportError
 from ..base import Transport
-from .calls import Endpoints, send
+from .calls import Endpoints, post
 from .control import RayControl
 from .controller import ControllerActor
 from .data import DataPlaneFactory, RayDataPlane
@@ -82,16 +82,14 @@ class RayTransport(Transport):
                                     on_lost=control.report_lost)
             rpc = control.rpc
             # bytes moved per path go to the controller without waiting (over this event
-            # loop's connection to it; without one yet, with the next move), at most every
-            # REPORT_EVERY seconds, and before each stats call of this process
-            if rpc is not None:
-                data.report_moved = lambda d: rpc.notify("path_bytes", d)
-            else:
-                def report_moved(d: dict[str, int]) -> bool:
-                    send(None, controller, "path_bytes", d)
-                    return True
+            # loop's connection to it, opened for them if need be; without an event loop,
+            # as a Ray actor call), at most every REPORT_EVERY seconds, and before each
+            # stats call of this process
+            def report_moved(d: dict[str, int]) -> bool:
+                post(rpc, controller, "path_bytes", d)
+                return True
 
-                data.report_moved = report_moved
+            data.report_moved = report_moved
             control.before_stats = data.report_now
             shared = _clients[(self._key, self._data_plane)] = (control, data)
         self._control, self._data = shared
