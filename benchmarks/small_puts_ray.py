@@ -301,10 +301,12 @@ def _init_ray():
     import ray
 
     if not ray.is_initialized():
-        path = os.pathsep.join([HERE, os.path.dirname(HERE), os.environ.get("PYTHONPATH", "")])
+        # (benchmarks/ on the workers' path through the environment the local Ray
+        # inherits: a job-level runtime_env would double each actor's start)
+        os.environ["PYTHONPATH"] = os.pathsep.join(
+            p for p in [HERE, os.path.dirname(HERE), os.environ.get("PYTHONPATH", "")] if p)
         ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False,
-                 object_store_memory=1 << 30, _node_ip_address="127.0.0.1",
-                 runtime_env={"env_vars": {"PYTHONPATH": path}})
+                 object_store_memory=1 << 30, _node_ip_address="127.0.0.1")
     return ray
 
 

@@ -39,14 +39,16 @@ def _ray(transport: str) -> None:
     if "ray" in transport:
         import ray
 
-        path = os.pathsep.join([HERE, os.path.dirname(HERE), os.environ.get("PYTHONPATH", "")])
+        # (tests/ on the workers' path through the environment the local Ray inherits,
+        # as tests/conftest.py does: a job-level runtime_env doubles each actor's start;
+        # joining the test run's Ray, its workers have the path already)
         if os.environ.get("STREAMRL_TEST_RAY"):
-            ray.init(address=os.environ["STREAMRL_TEST_RAY"], log_to_driver=False,
-                     runtime_env={"env_vars": {"PYTHONPATH": path}})
+            ray.init(address=os.environ["STREAMRL_TEST_RAY"], log_to_driver=False)
             return
+        os.environ["PYTHONPATH"] = os.pathsep.join(
+            p for p in [HERE, os.path.dirname(HERE), os.environ.get("PYTHONPATH", "")] if p)
         ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False,
-                 object_store_memory=256 << 20, _node_ip_address="127.0.0.1",
-                 runtime_env={"env_vars": {"PYTHONPATH": path}})
+                 object_store_memory=256 << 20, _node_ip_address="127.0.0.1")
 
 
 def _rows(sids: list[int]) -> dict:

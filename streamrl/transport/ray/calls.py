@@ -99,6 +99,9 @@ async def _post_on_connection(rpc: RpcClient, actor: Any, method: str, args: tup
         await rpc.call(method, *args)
     except ConnectFailed:  # (nothing was sent)
         getattr(actor, method).remote(*args)
+    except ConnectionError as e:  # sent, then the actor went (a queue shut down): a late
+        # report to an actor that is gone has no one to tell
+        log.debug("streamrl: %s was sent, then its connection was lost: %r", method, e)
 
 
 async def undone(aw: Coroutine, what: str) -> None:
