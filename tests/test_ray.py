@@ -4,6 +4,7 @@ nodes, and failures (a storage unit or the controller dying, a consumer dying)."
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import subprocess
 import sys
@@ -567,6 +568,21 @@ async def test_bytes_of_a_producer_that_never_calls_the_controller_are_reported(
             break
         await asyncio.sleep(0.05)
     assert got >= moved, (got, moved)
+
+
+async def test_a_queue_shut_down_right_after_a_put_logs_no_failure(transport, caplog):
+    """The report of bytes a put moved, sent as the queue's actors are killed, is not a
+    failure to warn of: nobody is left to tell (it printed 'sending path_bytes failed'
+    after every such shutdown)."""
+    caplog.set_level(logging.DEBUG, logger="streamrl")
+    q = streamrl.StreamQueue(transport=transport, num_shards=1)
+    try:
+        await q.put({"x": torch.zeros(4, 8)}, partition="p")
+        await q.close()
+    finally:
+        await q.shutdown()
+    await asyncio.sleep(0.5)  # (the report goes out, and its connection is cut)
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING], caplog.text
 
 
 async def test_data_arriving_after_its_write_was_aborted_is_dropped(rq):
