@@ -73,6 +73,8 @@ async def main() -> None:
     ap.add_argument("--group", type=int, default=0, metavar="N",
                     help="the embedded case with a group key (N samples a group) and a "
                     "grouped consumer, as a GRPO trainer reads")
+    ap.add_argument("--filtered", action="store_true",
+                    help="with --group: a zero-variance filter judges each group")
     a = ap.parse_args()
     import streamrl as new
 
@@ -86,7 +88,8 @@ async def main() -> None:
             pair.reverse()
         for k, m in pair:
             runs[k].append(await embedded_streamrl(a.rows, mod=m, no_gc=a.no_gc,
-                                                   group=a.group) * 1e6)
+                                                   group=a.group,
+                                                   filtered=a.filtered) * 1e6)
             runs["queue"].append(await embedded_asyncio_queue(a.rows, no_gc=a.no_gc) * 1e6)
         for k, m in pair:
             ctl = importlib.import_module(m.__name__ + ".controller")
@@ -98,7 +101,8 @@ async def main() -> None:
            "asyncio_queue_us_per_row": med["queue"],
            "cost_ratio": {"old": med["old"] / med["queue"], "new": med["new"] / med["queue"]},
            "controller_rows_per_cpu_s": {"old": med["ctl_old"], "new": med["ctl_new"]},
-           "reps": a.reps, "rows": a.rows, "group": a.group}
+           "reps": a.reps, "rows": a.rows, "group": a.group,
+           "filtered": a.filtered}
     q = {k: statistics.quantiles(v, n=4) for k, v in runs.items() if len(v) > 1}
     res["quartiles"] = q
     for k in ("old", "new"):

@@ -95,14 +95,17 @@ def _scraper(url: str, stop: "threading.Event", every: float) -> int:
 
 
 async def embedded_streamrl(n: int, metrics: bool = False, scrape_every: float = 1.0, *,
-                            mod=streamrl, no_gc: bool = False, group: int = 0) -> float:
+                            mod=streamrl, no_gc: bool = False, group: int = 0,
+                            filtered: bool = False) -> float:
     """Seconds per row: one producer putting one-row samples, a consumer streaming
     batches of 64 and materializing them. With ``metrics``: the queue serves
     Prometheus metrics and a thread scrapes them every ``scrape_every`` seconds.
     ``mod``: the streamrl package to use (benchmarks/ab_inproc.py passes another
     tree's); ``no_gc``: the cyclic GC is off while the run is timed; ``group``: each
     sample has a group key ``uid`` (``group`` samples a group, put one after the other)
-    and the consumer takes whole groups (``group_by="uid"``), as a GRPO trainer does."""
+    and the consumer takes whole groups (``group_by="uid"``), as a GRPO trainer does;
+    ``filtered`` (with ``group``): a zero-variance filter judges each group (the rewards
+    all differ, so none is dropped) and the consumer asks for the reward it reads."""
     import threading
 
     samples = [sample(i, group) for i in range(n)]
@@ -114,6 +117,9 @@ async def embedded_streamrl(n: int, metrics: bool = False, scrape_every: float =
             _scraper, q.metrics_url, stop, scrape_every)) if metrics else None)
 
         grouped = {"group_by": "uid", "group_size": group} if group else {}
+        if filtered:
+            await q.add_filter(mod.filters.zero_variance("reward", group_by="uid",
+                                                         group_size=group))
 
         async def consume():
             nonlocal got
@@ -488,6 +494,10 @@ async def main() -> None:
     g = med([await embedded_streamrl(a.rows, group=GROUP) for _ in range(a.reps)])
     res["embedded_grouped"] = {"streamrl_us_per_row": g * 1e6, "cost_ratio": g / b,
                                "group": GROUP}
+    f = med([await embedded_streamrl(a.rows, group=GROUP, filtered=True)
+             for _ in range(a.reps)])
+    res["embedded_grouped_filtered"] = {"streamrl_us_per_row": f * 1e6, "cost_ratio": f / b,
+                                        "group": GROUP}
     # metrics on (endpoint + a scrape a second) against off, interleaved pairs, the
     # order alternating: CPU time per row, and wall time
     res["metrics"] = await metrics_case(a.metrics_rows, a.metrics_reps, a.scrape_every)
@@ -507,6 +517,9 @@ async def main() -> None:
     print(f"the same with a group key (uid, {GROUP} a group) and a grouped consumer "
           f"(group_by='uid'): {e['streamrl_us_per_row']:.1f} us/row, {e['cost_ratio']:.1f}x "
           "asyncio.Queue's cost")
+    e = res["embedded_grouped_filtered"]
+    print(f"the same with a zero-variance filter on each group: "
+          f"{e['streamrl_us_per_row']:.1f} us/row, {e['cost_ratio']:.1f}x asyncio.Queue's cost")
     _print_metrics(res["metrics"])
     scale = res["pace"]["scale_to_issue"]
     print(f"this machine's pace: asyncio.Queue {res['pace']['asyncio_queue_us_per_row']:.1f} "

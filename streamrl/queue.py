@@ -330,7 +330,8 @@ class StreamQueue:
                 put under 64 KiB is combined with the one-row puts that follow it into one
                 admission, its tensors copied into one block per field; see
                 :mod:`streamrl.combine`. It returns without waiting when there is room,
-                and every later call of the queue sees its row.)
+                and every later call of the queue sees its row; a filter that fails on
+                such a row is logged, not raised: see :meth:`add_filter`.)
             partition: where new rows go (default ``"default"``); ignored with ``rows``.
             rows: existing rows to add fields to (a batch from ``put``/``get``/``stream``,
                 or row ids); ``len(rows)`` must equal the rows in ``data``.
@@ -838,7 +839,10 @@ class StreamQueue:
         is then rejected while leased, the lease shrinks and that task's ``ack`` covers
         the rest). A filter that raises or returns a bad mask drops the rows it was judging
         (counted in ``stats().filter_errors``) and the error is raised to the producer whose
-        write triggered it as :class:`~streamrl.errors.FilterError`.
+        write triggered it as :class:`~streamrl.errors.FilterError`; it is logged instead
+        when no writer waits for it: runs that ``seal`` or ``add_filter`` trigger, and
+        rows of one-row puts that the embedded queue combined (those puts returned
+        already; see :mod:`streamrl.combine`).
 
         Ready-made filters (:mod:`streamrl.filters`) carry their ``fields``, ``group_by``,
         ``group_size`` and ``name``; arguments given here override them.

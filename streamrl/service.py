@@ -74,6 +74,10 @@ class ControllerService:
         self._pace_waiters: dict[anyio.Event, str | None] = {}
         self._filters: dict[str, Callable] = {}
         self._filter_failures: deque[str] = deque(maxlen=16)
+        #: filter jobs no writer waits for (those of one-row puts admitted together,
+        #: whose puts have returned: see streamrl/combine.py): a failure is logged even by
+        #: an :meth:`_after` that raises the failures of the writer it runs for
+        self._quiet_jobs: set[int] = set()
         self._waits: deque[float] = deque(maxlen=10000)
         self._wait_hist: dict[str, Histogram] = {}  # task -> how long its takes waited
         # (tag field, partition or None) -> its backfill is done
@@ -185,6 +189,7 @@ class ControllerService:
         if self._hold is not None and self._hold.expired(self.ctl.clock()):
             await shielded(self._end_hold(self._hold))
         errors: list[FilterError] = []
+        quiet: list[FilterError] = []  # (failures of jobs no writer waits for)
         # Storage I/O for state the controller already changed runs to the end even if
         # the caller is cancelled meanwhile (shielded): once taken out of the outbox, a
         # delete that was cut short would leave its rows in the units for ever.
@@ -208,8 +213,14 @@ class ControllerService:
                     for j in jobs[i:]:
                         self.ctl.filter_retry(j.id)
                     raise
-                if err is not None:
+                if self._quiet_jobs and job.id in self._quiet_jobs:
+                    self._quiet_jobs.discard(job.id)
+                    if err is not None:
+                        quiet.append(err)
+                elif err is not None:
                     errors.append(err)
+        for e in quiet:
+            log.error("streamrl: %s", e)
         if errors:
             if raise_filter_errors:
                 raise errors[0]

@@ -354,6 +354,132 @@ async def test_one_row_puts_with_a_group_key_are_staged_and_keep_their_groups(ma
     assert (st.rows, st.put) == (0, 12) and await q.audit() == []
 
 
+def rewarded(i: int, uid: int, reward: float) -> dict:
+    return {"uid": torch.tensor([uid]), "r": torch.tensor([reward]),
+            "x": torch.full((1, 4), float(i))}
+
+
+async def _settled(q, done) -> object:
+    """``q.stats()`` once ``done(stats)`` holds (filters run in the background)."""
+    deadline = asyncio.get_running_loop().time() + 20
+    while True:
+        st = await q.stats()
+        if done(st) or asyncio.get_running_loop().time() > deadline:
+            return st
+        await asyncio.sleep(0.02)
+
+
+@pytest.mark.parametrize("kind", ["sync", "async"])
+async def test_one_row_puts_with_a_group_filter_are_staged_and_judged_by_group(make_queue,
+                                                                              kind):
+    """The GRPO pattern as it runs: each sample its own one-row put, a zero-variance
+    filter on its group. The puts are staged (embedded) like puts without a filter; the
+    filter judges each group once it is whole: the group whose rewards are all equal is
+    dropped, the others reach the grouped stream whole, and nothing is left."""
+    from streamrl.filters import zero_variance
+
+    q = make_queue(capacity=64, consumers=["t"])
+    zv = zero_variance("r", group_by="uid", group_size=4)
+    if kind == "sync":
+        await q.add_filter(zv)
+    else:
+        async def judged(td):
+            await asyncio.sleep(0)
+            return zv(td)
+
+        await q.add_filter(judged, fields=["r"], group_by="uid", group_size=4,
+                           name="zero_variance")
+    got: list = []
+
+    async def consume():
+        # (asking for the filter's field: a filter holds back the rows it has not
+        # judged from requests of the fields it reads)
+        async for mb in q.stream("t", ["uid", "x", "r"], 4, partition="p", group_by="uid",
+                                 group_size=4, timeout=30):
+            td = await mb.materialize()
+            got.append((set(td["uid"].tolist()), sorted(td["x"][:, 0].tolist())))
+
+    task = asyncio.ensure_future(consume())
+    await asyncio.sleep(0.05)
+    for i in range(12):  # group 1's rewards are all equal
+        await q.put(rewarded(i, i % 3, 1.0 if i % 3 == 1 else float(i)), partition="p")
+    assert staged(q) == (12 if combines(q) else 0)
+    await q.seal("p")
+    await task
+    assert sorted(got, key=lambda g: g[1]) == [
+        ({u}, [float(i) for i in range(12) if i % 3 == u]) for u in (0, 2)]
+    st = await _settled(q, lambda st: st.rows == 0)
+    assert (st.rows, st.bytes, st.put, st.filtered) == (0, 0, 12, 4)
+    assert st.filtered_by == {"zero_variance": 4} and await q.audit() == []
+
+
+async def test_a_filter_that_raises_on_staged_one_row_puts_is_logged(make_queue, caplog):
+    """A filter that raises on a group of one-row puts: its rows are dropped and counted
+    either way. Embedded, where the puts were staged and have returned, the error is
+    logged (as for a run that ``seal`` triggers); where each put is admitted on its own
+    (Ray), the put that completed the group raises it."""
+    from streamrl.errors import FilterError
+
+    q = make_queue(capacity=64, consumers=["t"])
+
+    def picky(td):
+        if (td["uid"] == 1).any():
+            raise ValueError("no group 1 here")
+        return torch.ones(len(td["uid"]), dtype=torch.bool)
+
+    await q.add_filter(picky, fields=["uid"], group_by="uid", group_size=4, name="picky")
+    await first_use(q)
+    raised = []
+    for i in range(12):
+        try:
+            await q.put(rewarded(i, i % 3, float(i)), partition="p")
+        except FilterError:
+            raised.append(i)
+    assert raised == ([] if combines(q) else [10])  # (10: the last of group 1)
+    # a put of other rows right after (embedded: it admits the staged rows first, then
+    # runs the filters waiting, theirs included): the failure is not its to raise
+    await q.put({"uid": torch.tensor([7, 7]), "r": torch.zeros(2), "x": torch.zeros(2, 4)},
+                partition="other")
+    await q.clear("other")
+    await q.seal("p")
+    got = []
+    async for mb in q.stream("t", ["uid"], 4, partition="p", group_by="uid", group_size=4,
+                             timeout=30):
+        got.append(set((await mb.materialize())["uid"].tolist()))
+    assert sorted(got, key=min) == [{0}, {2}]
+    st = await _settled(q, lambda st: st.filter_errors == 4)
+    assert (st.rows, st.bytes, st.filter_errors, st.dropped_by.get("filter_error")) == (
+        0, 0, 4, 4)
+    assert any("no group 1 here" in m for m in st.last_filter_errors)
+    if combines(q):
+        assert "no group 1 here" in caplog.text
+    assert await q.audit() == []
+
+
+async def test_a_writer_never_gets_the_filter_failure_of_staged_rows(caplog):
+    """Embedded: the filter jobs of staged rows run in the background after their flush;
+    a writer whose commit drains them first (before that task ran) must not raise their
+    failure as its own: it is logged and counted."""
+    import streamrl
+
+    async with streamrl.StreamQueue(capacity=64, consumers=["t"]) as q:
+        def picky(td):
+            raise ValueError("never")
+
+        await q.add_filter(picky, fields=["uid"], group_by="uid", group_size=2,
+                           name="picky")
+        await first_use(q)
+        for i in range(2):
+            await q.put(rewarded(i, 5, float(i)), partition="p")
+        svc = q.session.transport.control
+        assert svc.staged == 2
+        svc.flush()  # (the group's filter job is queued; its task has not run yet)
+        assert svc.ctl.filter_jobs
+        await svc._after(raise_filter_errors=True)  # as a later writer's commit does
+        st = await q.stats()
+        assert (st.rows, st.filter_errors) == (0, 2) and "never" in caplog.text
+
+
 async def test_a_one_row_put_whose_group_key_is_no_scalar_raises_and_leaves_nothing(make_queue):
     """Staged rows with a key, then a one-row put whose key is not one scalar: it is not
     staged, raises SchemaError and leaves nothing; the staged rows and the puts after it
