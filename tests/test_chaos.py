@@ -59,8 +59,7 @@ class Ledger:
     """What the run did, as the clients saw it."""
 
     def __init__(self, one_row: bool = False):
-        #: one-row puts and no filters (a filter sends puts the usual way; without one,
-        #: embedded one-row puts are staged: streamrl/combine.py)
+        #: one-row puts (embedded, they are staged: streamrl/combine.py)
         self.one_row = one_row
         self.put: set[int] = set()  # samples whose put returned
         self.dropped: set[int] = set()  # samples a client dropped
@@ -450,28 +449,34 @@ def _no_sevens(td):  # a sync filter
     return (td["gid"] % 7) != 0
 
 
-def _filtered(sid: int, one_row: bool) -> bool:
-    if one_row:  # (no filters)
+def _filtered(sid: int, filters: bool) -> bool:
+    if not filters:
         return False
     gid = sid // GROUP
     return gid % 13 == 0 or gid % 7 == 0
 
 
-async def run_chaos(make_queue, seed: int, one_row: bool = False) -> dict:
-    """One seed's run; ``one_row``: samples are put one row at a time, with no filters."""
+async def run_chaos(make_queue, seed: int, one_row: bool = False,
+                    filters: bool | None = None) -> dict:
+    """One seed's run; ``one_row``: samples are put one row at a time; ``filters``: the
+    two filters judge the rows (default: unless ``one_row``)."""
+    if filters is None:
+        filters = not one_row
     rng = random.Random(seed)
     q = make_queue(capacity=CAPACITY, capacity_bytes=CAPACITY_BYTES, num_shards=3,
                    lease_timeout=LEASE, consumers=list(TASKS), max_staleness=MAX_STALENESS)
     try:
         # Ray transports: fewer samples (each call crosses processes; CI's budget is 60 s)
-        return await _run(q, rng, 120 if q.transport == "embedded" else 24, one_row)
+        return await _run(q, rng, 120 if q.transport == "embedded" else 24, one_row,
+                          filters)
     finally:  # a soak runs many seeds: no queue (or Ray actor) outlives its seed
         await q.close()
         await q.shutdown()
 
 
-async def _run(q, rng: random.Random, n_groups: int = 120, one_row: bool = False) -> dict:
-    if not one_row:
+async def _run(q, rng: random.Random, n_groups: int = 120, one_row: bool = False,
+               filters: bool = True) -> dict:
+    if filters:
         # both filters read "sid", which both tasks ask for: both gate both tasks
         await q.add_filter(_keep_odd, fields=["sid", "gid", "x"], name="keep_odd")
         await q.add_filter(_no_sevens, fields=["sid", "gid", "reward"], name="no_sevens")
@@ -554,7 +559,7 @@ async def _run(q, rng: random.Random, n_groups: int = 120, one_row: bool = False
     gone = set()  # samples neither acked nor explained by the client or the filters
     for task in TASKS:
         missing = ledger.put - set(ledger.acked[task]) - ledger.dropped - ledger.old
-        lost = {s for s in missing if not _filtered(s, one_row)}
+        lost = {s for s in missing if not _filtered(s, filters)}
         gone |= lost
         if task == "train" and not one_row:  # whole groups; staleness drops whole groups
             split = sorted({s // GROUP for s in lost if s ^ 1 not in lost})
@@ -582,25 +587,30 @@ async def _run(q, rng: random.Random, n_groups: int = 120, one_row: bool = False
             "acked": {t: len(a) for t, a in ledger.acked.items()}, "put": len(ledger.put)}
 
 
-def _seeds(transport: str, one_row: bool = False) -> list[int]:
+def _seeds(transport: str, one_row: bool = False, filters: bool = False) -> list[int]:
     if SEED is not None:
         return [int(SEED)]
+    if one_row and filters:
+        return {"embedded": [54], "ray": [63], "rdt": [73]}.get(transport, [83])
     if one_row:
         return {"embedded": [51, 52], "ray": [61], "rdt": [71]}.get(transport, [81])
     return {"embedded": [11, 12, 13], "ray": [21], "rdt": [31]}.get(transport, [41])
 
 
-async def _soak(make_queue, transport: str, one_row: bool = False) -> None:
+async def _soak(make_queue, transport: str, one_row: bool = False,
+                filters: bool | None = None) -> None:
     """Run the transport's seeds, then random ones until ``SOAK`` seconds have passed."""
-    what = "chaos" + (" (one-row puts)" if one_row else "")
+    if filters is None:
+        filters = not one_row
+    what = "chaos" + (" (one-row puts" + (", filtered)" if filters else ")") if one_row else "")
     started = time.monotonic()
-    seeds = _seeds(transport, one_row)
+    seeds = _seeds(transport, one_row, filters)
     i = 0
     while True:
         seed = seeds[i] if i < len(seeds) else random.randrange(1 << 30)
         t0 = time.monotonic()
         try:
-            seen = await run_chaos(make_queue, seed, one_row)
+            seen = await run_chaos(make_queue, seed, one_row, filters)
         except BaseException as e:
             print(f"\n{what} {transport}: seed {seed} FAILED after {time.monotonic() - t0:.1f}s "
                   f"(replay: STREAMRL_CHAOS_SEED={seed})")
@@ -636,6 +646,26 @@ async def test_chaos_one_row_puts(make_queue, transport, monkeypatch):
 
     monkeypatch.setattr(CombiningService, "flush", counting_flush)
     await _soak(make_queue, transport, one_row=True)
+    if transport == "embedded":  # (the stage was used, not only the usual way)
+        assert flushed[0] > 0
+        print(f"rows admitted from the stage: {flushed[0]}")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("transport", CHAOS_TRANSPORTS, indirect=True)
+async def test_chaos_one_row_puts_filtered(make_queue, transport, monkeypatch):
+    """The same, with the two filters judging the rows (an async one on the put's
+    fields, a sync one on the reward written later): embedded one-row puts are staged
+    with filters too, and the filter jobs of a flush run after it, in a task."""
+    flushed = [0]
+    flush = CombiningService.flush
+
+    def counting_flush(self):
+        flushed[0] += self.staged
+        flush(self)
+
+    monkeypatch.setattr(CombiningService, "flush", counting_flush)
+    await _soak(make_queue, transport, one_row=True, filters=True)
     if transport == "embedded":  # (the stage was used, not only the usual way)
         assert flushed[0] > 0
         print(f"rows admitted from the stage: {flushed[0]}")
