@@ -2,7 +2,7 @@
 
 Run: python benchmarks/small_puts.py --ray [--tq]   (or this file alone:
 python benchmarks/small_puts_ray.py [--rows 20000] [--tq] [--producers 4,16]
-[--episodes 1,16] [--reps 3])
+[--episodes 1,16] [--reps 3] [--grpo none|grouped|filtered])
 
 ``--reps R`` runs each streamrl case R times, the producer counts alternating
 (4, 16, 16, 4, ...) so that a slow minute of this shared machine does not land on one
@@ -52,6 +52,11 @@ calling ``client.put`` of one-row TensorDicts (with ``--episodes E``: ``async_pu
 E asyncio tasks a producer), the driver polling ``get_meta`` for 64 rows and calling
 ``get_data``. ``vs_tq``: each streamrl case's rate over TransferQueue's on the same
 case.
+
+``--grpo grouped``: each sample also carries its group key (``uid``, 8 consecutive
+samples of a producer a group) and the driver takes whole groups (``group_by="uid"``);
+``--grpo filtered``: a zero-variance filter judges each group first (the rewards all
+differ, so every row still arrives). The GRPO pattern on Ray.
 """
 
 from __future__ import annotations
@@ -83,9 +88,16 @@ async def machine_pace(rows: int = 20_000, reps: int = 3) -> dict:
         [await small_puts.embedded_asyncio_queue(rows) * 1e6 for _ in range(reps)]))
 
 
-def _sample(i: int) -> dict:
-    return {"tokens": torch.full((1, TOKENS), i, dtype=torch.int64),
-            "reward": torch.tensor([float(i)])}
+#: rows of a group in the ``--grpo`` cases (the rollouts of one GRPO prompt)
+GROUP = 8
+
+
+def _sample(i: int, grouped: bool = False) -> dict:
+    out = {"tokens": torch.full((1, TOKENS), i, dtype=torch.int64),
+           "reward": torch.tensor([float(i)])}
+    if grouped:  # (its group key: GROUP consecutive samples a group)
+        out["uid"] = torch.tensor([i // GROUP])
+    return out
 
 
 class _Producer:
@@ -94,12 +106,13 @@ class _Producer:
     def __init__(self):
         self.samples: list = []
 
-    def prepare(self, start: int, n: int) -> int:
-        self.samples = [_sample(start + i) for i in range(n)]
+    def prepare(self, start: int, n: int, grouped: bool = False) -> int:
+        self.samples = [_sample(start + i, grouped) for i in range(n)]
+        self.grouped = grouped
         return os.getpid()
 
     async def warm(self, q, part: str) -> None:
-        await q.put(_sample(-1), partition=part)
+        await q.put(_sample(-1 if not self.grouped else -GROUP, self.grouped), partition=part)
 
     async def run(self, q, part: str, episodes: int = 1) -> tuple[float, int, int]:
         async def episode(samples):
@@ -165,11 +178,13 @@ def _proc_cpu(actor) -> "ray.ObjectRef":  # noqa: F821
 
 async def _streamrl_case(ray, producers: int, rows: int, shards: int,
                          episodes: int = 1, capacity: int = 4096,
-                         consumer: str = "stream") -> dict:
+                         consumer: str = "stream", grpo: str = "none") -> dict:
     import streamrl
 
     Producer = ray.remote(num_cpus=0)(_Producer)
     per = rows // producers
+    if grpo != "none":
+        per = per // GROUP * GROUP  # (whole groups a producer)
     n = per * producers
     q = streamrl.StreamQueue(transport="ray", capacity=capacity, num_shards=shards,
                              consumers=["train"])
@@ -177,9 +192,16 @@ async def _streamrl_case(ray, producers: int, rows: int, shards: int,
         ctl = q._transport._controller
         units = q._transport._units
         ps = [Producer.remote() for _ in range(producers)]
-        await asyncio.gather(*[p.prepare.remote(i * per, per) for i, p in enumerate(ps)])
+        await asyncio.gather(*[p.prepare.remote(i * per, per, grpo != "none")
+                               for i, p in enumerate(ps)])
         await asyncio.gather(*[p.warm.remote(q, "warm") for p in ps])
         await q.clear("warm")
+        # --grpo: the consumer takes whole groups of 8 (uid), and with "filtered" a
+        # zero-variance filter judges each group first (all rewards differ: none dropped)
+        grouped = ({"group_by": "uid", "group_size": GROUP} if grpo != "none" else {})
+        if grpo == "filtered":
+            await q.add_filter(streamrl.filters.zero_variance(
+                "reward", group_by="uid", group_size=GROUP))
 
         got = 0
 
@@ -189,7 +211,7 @@ async def _streamrl_case(ray, producers: int, rows: int, shards: int,
                 while True:
                     try:
                         mb = await q.get("train", ["tokens", "reward"], BATCH,
-                                         partition="p", timeout=600)
+                                         partition="p", timeout=600, **grouped)
                     except streamrl.errors.EndOfStream:
                         break
                     td = await mb.materialize()
@@ -197,7 +219,7 @@ async def _streamrl_case(ray, producers: int, rows: int, shards: int,
                     await mb.ack()
                 return time.perf_counter()
             async for mb in q.stream("train", ["tokens", "reward"], BATCH, partition="p",
-                                     timeout=600):
+                                     timeout=600, **grouped):
                 td = await mb.materialize()
                 got += td.batch_size[0]
             return time.perf_counter()
@@ -229,6 +251,7 @@ async def _streamrl_case(ray, producers: int, rows: int, shards: int,
             ray.kill(p)
         return {
             "producers": producers, "episodes": episodes, "rows": n, "shards": shards,
+            "grpo": grpo,
             "consumer": consumer, "seconds": dt,
             # put calls from the producers per row (warm-up puts included)
             "unit_calls_per_row": sum(r[1] for r in ran) / n,
@@ -313,7 +336,7 @@ def _init_ray():
 async def ray_cases(rows: int, tq: bool, producers: tuple[int, ...] = (4, 16),
                     shards: int = 4, tq_rows: int = 2000,
                     episodes: tuple[int, ...] = (1,), capacity: int = 4096,
-                    consumer: str = "stream", reps: int = 1) -> dict:
+                    consumer: str = "stream", reps: int = 1, grpo: str = "none") -> dict:
     """The Ray small-put cases (see the module docstring): a dict of results per case,
     plus ratios against the issue's targets. With ``reps`` > 1 each case runs that many
     times, the producer counts alternating in order (4, 16, 16, 4, ...); a case's entry
@@ -326,7 +349,8 @@ async def ray_cases(rows: int, tq: bool, producers: tuple[int, ...] = (4, 16),
             runs: dict[int, list[dict]] = {p: [] for p in producers}
             for r in range(reps):
                 for p in (producers if r % 2 == 0 else producers[::-1]):
-                    got = await _streamrl_case(ray, p, rows, shards, e, capacity, consumer)
+                    got = await _streamrl_case(ray, p, rows, shards, e, capacity, consumer,
+                                               grpo)
                     got["controller_us_at_issue_pace"] = (
                         got["cpu_us_per_row"]["controller"] * pace["scale_to_issue"])
                     runs[p].append(got)
@@ -410,12 +434,16 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=1,
                     help="runs of each streamrl case, producer counts alternating; each "
                     "case reports its median run")
+    ap.add_argument("--grpo", choices=("none", "grouped", "filtered"), default="none",
+                    help="each sample carries its group key (uid, 8 a group) and the "
+                    "driver takes whole groups; 'filtered': a zero-variance filter "
+                    "judges each group first")
     ap.add_argument("--json", default=None)
     a = ap.parse_args()
     res = asyncio.run(ray_cases(a.rows, a.tq, tuple(int(x) for x in a.producers.split(",")),
                                 a.shards, a.tq_rows,
                                 tuple(int(x) for x in a.episodes.split(",")), a.capacity,
-                                a.consumer, a.reps))
+                                a.consumer, a.reps, a.grpo))
     print(json.dumps(res, indent=2))
     if a.json:
         with open(a.json, "w") as f:
