@@ -42,6 +42,24 @@ def test_doc_snippet(block, tmp_path, request):
     assert ok, f"{block.name} (line {block.line} of {block.path.name}) failed:\n{detail}"
 
 
+@pytest.mark.parametrize("code, ok, says", [
+    ("import torch\nprint(torch.zeros(2).sum().item())\n", True, "0.0"),
+    ("import torch\nraise ValueError('boom')\n", False, "ValueError: boom"),
+    ("print(torch.zeros(1))\n", False, "NameError"),  # (preloaded, but not its name)
+    ("import sys\nsys.exit(3)\n", False, ""),
+    ("import asyncio, streamrl\nasync def main():\n    async with streamrl.StreamQueue() as q:\n"
+     "        await q.put({'x': [1]})\n        raise RuntimeError((await q.stats()).rows)\n"
+     "asyncio.run(main())\n", False, "RuntimeError: 1"),
+])
+def test_a_block_passes_or_fails_as_a_script_would(tmp_path, code, ok, says):
+    """The checker itself (a non-Ray block runs in a forked process): a block passes only
+    when it exits with status 0, a name it did not import is an error even where the
+    module was preloaded, and its output (a traceback) comes back."""
+    block = snippets.Block(pathlib.Path(snippets.ROOT / "docs" / "x.md"), 0, 1, "run", code)
+    got, detail = snippets.run(block, tmp_path)
+    assert got is ok and says in detail, detail
+
+
 def test_readme_quick_start_is_checked():
     # the README's first block is the quick start: it runs, it is not skipped
     readme = [b for b in snippets.blocks() if b.path.name == "README.md"]
