@@ -629,6 +629,23 @@ async def test_chaos(make_queue, transport):
     await _soak(make_queue, transport)
 
 
+async def _soak_one_row(make_queue, transport: str, monkeypatch, filters: bool) -> None:
+    """:func:`_soak` with one-row puts; embedded, it checks that the stage was used
+    (rows were admitted from it), not only the usual way."""
+    flushed = [0]
+    flush = CombiningService.flush
+
+    def counting_flush(self):
+        flushed[0] += self.staged
+        flush(self)
+
+    monkeypatch.setattr(CombiningService, "flush", counting_flush)
+    await _soak(make_queue, transport, one_row=True, filters=filters)
+    if transport == "embedded":
+        assert flushed[0] > 0
+        print(f"rows admitted from the stage: {flushed[0]}")
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("transport", CHAOS_TRANSPORTS, indirect=True)
 async def test_chaos_one_row_puts(make_queue, transport, monkeypatch):
@@ -637,18 +654,7 @@ async def test_chaos_one_row_puts(make_queue, transport, monkeypatch):
     embedded puts are staged and admitted in blocks with their group keys
     (streamrl/combine.py), and a drop or a write may reach a row still staged; on Ray
     they are coalesced and admitted by a storage unit."""
-    flushed = [0]
-    flush = CombiningService.flush
-
-    def counting_flush(self):
-        flushed[0] += self.staged
-        flush(self)
-
-    monkeypatch.setattr(CombiningService, "flush", counting_flush)
-    await _soak(make_queue, transport, one_row=True)
-    if transport == "embedded":  # (the stage was used, not only the usual way)
-        assert flushed[0] > 0
-        print(f"rows admitted from the stage: {flushed[0]}")
+    await _soak_one_row(make_queue, transport, monkeypatch, filters=False)
 
 
 @pytest.mark.slow
@@ -657,15 +663,4 @@ async def test_chaos_one_row_puts_filtered(make_queue, transport, monkeypatch):
     """The same, with the two filters judging the rows (an async one on the put's
     fields, a sync one on the reward written later): embedded one-row puts are staged
     with filters too, and the filter jobs of a flush run after it, in a task."""
-    flushed = [0]
-    flush = CombiningService.flush
-
-    def counting_flush(self):
-        flushed[0] += self.staged
-        flush(self)
-
-    monkeypatch.setattr(CombiningService, "flush", counting_flush)
-    await _soak(make_queue, transport, one_row=True, filters=True)
-    if transport == "embedded":  # (the stage was used, not only the usual way)
-        assert flushed[0] > 0
-        print(f"rows admitted from the stage: {flushed[0]}")
+    await _soak_one_row(make_queue, transport, monkeypatch, filters=True)
