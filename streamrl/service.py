@@ -213,12 +213,9 @@ class ControllerService:
                     for j in jobs[i:]:
                         self.ctl.filter_retry(j.id)
                     raise
-                if self._quiet_jobs and job.id in self._quiet_jobs:
-                    self._quiet_jobs.discard(job.id)
-                    if err is not None:
-                        quiet.append(err)
-                elif err is not None:
-                    errors.append(err)
+                if err is not None:
+                    (quiet if job.id in self._quiet_jobs else errors).append(err)
+                self._quiet_jobs.discard(job.id)
         for e in quiet:
             log.error("streamrl: %s", e)
         if errors:
