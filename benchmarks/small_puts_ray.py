@@ -105,6 +105,7 @@ class _Producer:
 
     def __init__(self):
         self.samples: list = []
+        self.grouped = False
 
     def prepare(self, start: int, n: int, grouped: bool = False) -> int:
         self.samples = [_sample(start + i, grouped) for i in range(n)]
