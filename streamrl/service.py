@@ -42,7 +42,7 @@ from .checkpoint.cut import CheckpointCut, Hold
 from .errors import (CheckpointError, FilterError, InvalidArgument, LeaseExpired, QueueClosed,
                      QueueFull, RowsDropped, SchemaError, StreamRLError, StreamTimeout)
 from .stats import Histogram, Stats, TaskStats, partition_stats
-from .transport.base import DataPlane
+from .transport.base import Column, DataPlane
 
 log = logging.getLogger("streamrl")
 T = TypeVar("T")
@@ -206,9 +206,15 @@ class ControllerService:
                     self._wake((), (), True)
             if not jobs:
                 break
+            try:
+                read = await self._read_for_filters(jobs)
+            except BaseException:
+                for j in jobs:
+                    self.ctl.filter_retry(j.id)
+                raise
             for i, job in enumerate(jobs):
                 try:
-                    err = await self._run_filter(job)
+                    err = await self._run_filter(job, read)
                 except BaseException:
                     for j in jobs[i:]:
                         self.ctl.filter_retry(j.id)
@@ -945,9 +951,48 @@ class ControllerService:
         self.ctl.add_filter(spec)
         await self._after()
 
-    async def _run_filter(self, job: FilterJob) -> FilterError | None:
-        """Read the job's fields, call the filter, record the verdict. Returns the error
-        (rows already dropped) when the filter failed."""
+    async def _read_for_filters(self, jobs: list[FilterJob]) -> _FilterRead:
+        """The fields of the rows of filter ``jobs``, read with one storage call per unit
+        and set of fields (a call per job costs a Ray controller a round trip to a unit
+        each: with groups of 8, most of what a filter costs it). Jobs whose rows are all
+        gone, or a lone job, read nothing here (:meth:`_run_filter` reads for itself).
+        Rows dropped from storage meanwhile: nothing is read here either (each job reads
+        its own rows and judges the rest later, as alone)."""
+        from .columns import assemble
+
+        read: _FilterRead = {}
+        if len(jobs) < 2:
+            return read
+        want: dict[tuple[int, tuple[str, ...]], dict[int, None]] = {}
+        alone = 0  # the calls the jobs would make one by one
+        rows_of = self.ctl.rows
+        for job in jobs:
+            if not self.ctl.job_live(job.id):
+                continue
+            units = set()
+            for r in job.rows:
+                row = rows_of.get(r)
+                if row is not None:
+                    want.setdefault((row.shard, job.fields), {})[r] = None
+                    units.add(row.shard)
+            alone += len(units)
+        if len(want) >= alone:  # (no two jobs share a unit: nothing to save)
+            return read
+        keys = list(want)
+        try:
+            got = await self.data.get([(s, list(want[(s, fs)]), list(fs)) for s, fs in keys])
+        except RowsDropped:
+            return {}
+        for (s, fs), g in zip(keys, got):
+            read[(s, fs)] = ({r: i for i, r in enumerate(want[(s, fs)])},
+                             {f: assemble(g[f]) for f in fs})
+        return read
+
+    async def _run_filter(self, job: FilterJob, read: _FilterRead | None = None
+                          ) -> FilterError | None:
+        """Read the job's fields (or take them from ``read``, see
+        :meth:`_read_for_filters`), call the filter, record the verdict. Returns the
+        error (rows already dropped) when the filter failed."""
         from .columns import assemble, to_tensordict
 
         if not self.ctl.job_live(job.id):  # withdrawn (its write was taken back)
@@ -959,7 +1004,12 @@ class ControllerService:
             return None
         parts = _by_shard(self.ctl, live)
         try:
-            got = await self.data.get([(s, rows, list(job.fields)) for s, rows in parts.items()])
+            if read and all((s, job.fields) in read for s in parts):
+                got = [_rows_of_read(read[(s, job.fields)], rows, job.fields)
+                       for s, rows in parts.items()]
+            else:
+                got = await self.data.get([(s, rows, list(job.fields))
+                                           for s, rows in parts.items()])
             order = [r for rows in parts.values() for r in rows]
             cols = {f: assemble([p for g in got for p in g[f]]) for f in job.fields}
             td = to_tensordict(cols, len(order))
@@ -1164,6 +1214,28 @@ class ControllerService:
             if stray:
                 out.append(f"unit {shard} holds rows {stray[:8]} the controller does not know")
         return out
+
+
+#: fields read for filter jobs (:meth:`ControllerService._read_for_filters`): per
+#: (unit, fields), the position of each row read and the column of each field
+_FilterRead = dict[tuple[int, tuple[str, ...]], tuple[dict[int, int], dict[str, Column]]]
+
+
+def _rows_of_read(entry: tuple[dict[int, int], dict[str, Column]], rows: list[int],
+                  fields: tuple[str, ...]) -> dict[str, list[Column]]:
+    """``rows`` of one read of :meth:`ControllerService._read_for_filters`, as a storage
+    read gives them (per field, a list of pieces): a view when they were read
+    consecutively, else a copy."""
+    from .columns import take_rows
+
+    pos, cols = entry
+    idx = [pos[r] for r in rows]
+    first = idx[0]
+    if idx[-1] - first == len(idx) - 1 and idx == list(range(first, first + len(idx))):
+        at: slice | list[int] = slice(first, first + len(idx))
+    else:
+        at = idx
+    return {f: [take_rows(cols[f], at)] for f in fields}
 
 
 def _by_shard(ctl: Controller, rows: Sequence[int]) -> dict[int, list[int]]:

@@ -213,6 +213,43 @@ async def test_cancelled_filtered_put_with_ready_made_filter(make_queue):
     assert await _settled(q) == []
 
 
+async def test_a_put_completing_many_groups_cancelled_at_any_await(make_queue, transport):
+    """A put that completes several GRPO groups at once (their filter jobs read together,
+    one storage read per unit), cancelled after k turns of the event loop for every k:
+    retried when it did not complete, each group is judged once, the signal-free ones go,
+    and controller and storage agree."""
+    q = make_queue(capacity=1024)
+    await q.add_filter(filters.zero_variance("reward", group_by="uid", group_size=4))
+    G, S = 6, 4
+    steps = 14 if transport == "embedded" else 8
+    for k in range(steps):
+        uid = torch.arange(k * G, (k + 1) * G).repeat_interleave(S)
+        reward = torch.tensor([0., 1., 0., 1.]).repeat(G)
+        reward[:S] = 1.0  # the first group carries no signal
+        data = {"uid": uid, "reward": reward}
+        task = asyncio.ensure_future(q.put(data, partition="p"))
+        for _ in range(k):
+            await asyncio.sleep(0 if transport == "embedded" else 0.0005)
+        task.cancel()
+        try:
+            await task
+        except asyncio.CancelledError:
+            await q.put(data, partition="p")
+    await q.seal("p")
+    n = 0
+    async for mb in q.stream("t", ["uid", "reward"], 8, partition="p", group_by="uid",
+                             group_size=S, timeout=30):
+        n += len(mb)
+        await mb.ack()
+    assert n == steps * (G - 1) * S
+    st = await q.stats()
+    # (a cancelled put whose groups were judged before the cancellation landed counts
+    # its signal-free group as filtered, and its other rows as cancelled)
+    assert st.filtered_by.get("zero_variance", 0) >= steps * S
+    assert st.put == st.rows + st.filtered + st.dropped_by.get("cancelled", 0)
+    assert await _settled(q) == []
+
+
 async def test_a_batch_loses_rows_whose_write_was_taken_back(make_queue):
     """A consumer that took rows for a field whose write was then taken back (its writer
     was cancelled after the commit) finds those rows gone from its batch (RowsDropped on

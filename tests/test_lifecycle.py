@@ -635,3 +635,171 @@ async def test_wait_version_paces_workers(make_queue):
         assert got == []
         await q.set_version(3)
     assert got == [3]
+
+
+def _seen_filter(log):
+    """A grouped filter that records what it judged (the group keys and rewards of each
+    call) and drops the groups whose rewards are all equal."""
+    def judge(td):
+        log.append((td["uid"].tolist(), td["reward"].tolist()))
+        return [td["reward"].max().item() > td["reward"].min().item()] * len(td)
+
+    return judge
+
+
+async def test_the_groups_of_one_put_are_judged_each_on_its_own_rows(make_queue):
+    """A put that completes many groups at once: their filter jobs are read together
+    (one storage read per unit and set of fields, see
+    ControllerService._read_for_filters); each job must still see exactly its own
+    group's values, here with the groups' rows interleaved, and a second grouped filter
+    over another field judges the same groups alongside."""
+    q = make_queue(consumers=["train"])
+    judged: list = []
+    await q.add_filter(_seen_filter(judged), fields=["uid", "reward"], group_by="uid",
+                       group_size=4, name="signal")
+    await q.add_filter(lambda td: [td["score"].sum().item() >= 0] * len(td),
+                       fields=["score"], group_by="uid", group_size=4, name="nonneg")
+    G, S = 6, 4
+    uid = torch.arange(G).repeat(S)  # 0, 1, ..., 5, 0, 1, ...: every group interleaved
+    reward = torch.arange(G * S, dtype=torch.float32)
+    for g in (1, 4):  # no signal
+        reward[uid == g] = 7.0
+    score = torch.ones(G * S)
+    score[uid == 5] = -1.0  # group 5 goes by the other filter
+    await q.put({"uid": uid, "reward": reward, "score": score}, partition="p")
+    await q.seal("p")
+    trained: dict[int, list[float]] = {}
+    async for mb in q.stream("train", ["uid", "reward", "score"], 8, partition="p",
+                             group_by="uid", group_size=S, timeout=30):
+        td = await mb.materialize()
+        for u, r in zip(td["uid"].tolist(), td["reward"].tolist()):
+            trained.setdefault(u, []).append(r)
+    want = {g: sorted(reward[uid == g].tolist()) for g in range(G)}
+    for uids, rewards in judged:  # (the Ray controller's calls are not seen here)
+        assert len(set(uids)) == 1 and sorted(rewards) == want[uids[0]]
+    assert {g: sorted(r) for g, r in trained.items()} == {g: want[g] for g in (0, 2, 3)}
+    st = await q.stats()
+    assert st.filtered_by == {"signal": 2 * S, "nonneg": S}
+    assert st.filtered == 3 * S and st.rows == 0 and st.bytes == 0
+
+
+class _CountingReads:
+    """Wraps an embedded queue's storage reads: counts them, and raises ``RowsDropped``
+    in place of the next ``fail`` of them."""
+
+    def __init__(self, q, fail=0, turns=0):
+        self.data = q.session.transport.control.data
+        self.inner = self.data.get
+        self.calls: list[int] = []  # parts (unit reads) of each call
+        self.fail = fail
+        self.turns = turns  # turns of the event loop each read takes first
+        self.data.get = self
+
+    async def __call__(self, parts):
+        self.calls.append(len(parts))
+        for _ in range(self.turns):
+            await asyncio.sleep(0)
+        if self.fail:
+            self.fail -= 1
+            raise RowsDropped("(a test: rows dropped as they were read)")
+        return await self.inner(parts)
+
+
+@pytest.mark.parametrize("fail", [0, 1])
+async def test_a_put_that_completes_many_groups_reads_them_once_per_unit(fail):
+    """Embedded, seen from the storage side: the filter jobs of the groups one put
+    completes are read in one call, one read per unit (not one per group). Rows found
+    dropped in that read (``fail``): each job reads its own rows, as a lone job does, and
+    the verdicts are the same."""
+    async with streamrl.StreamQueue(capacity=256, num_shards=2, consumers=["t"]) as q:
+        judged: list = []
+        await q.add_filter(_seen_filter(judged), fields=["uid", "reward"], group_by="uid",
+                           group_size=4, name="signal")
+        reads = _CountingReads(q, fail)
+        G, S = 8, 4
+        uid = torch.arange(G).repeat_interleave(S)
+        reward = torch.rand(G * S)
+        reward[uid == 3] = 0.5
+        await q.put({"uid": uid, "reward": reward}, partition="p")
+        units = reads.calls[0]
+        assert 1 <= units <= 2  # (the rows' units)
+        assert reads.calls == [units] + [1] * G * fail
+        assert sorted(u[0] for u, _ in judged) == list(range(G))
+        for uids, rewards in judged:
+            assert set(uids) == {uids[0]} and rewards == reward[uid == uids[0]].tolist()
+        st = await q.stats()
+        assert (st.rows, st.filtered) == ((G - 1) * S, S)
+
+
+async def test_a_put_cancelled_while_its_groups_are_read_for_filters_can_be_retried():
+    """Embedded, with storage reads that take a few turns of the event loop: a put that
+    completes several groups, cancelled after k turns for every k (so also while the
+    groups' filter jobs are read together, and while each is judged), then retried when
+    it did not complete: every group is judged once in the end, the signal-free ones
+    go, controller and storage agree."""
+    async with streamrl.StreamQueue(capacity=1024, num_shards=2, consumers=["t"]) as q:
+        await q.add_filter(filters.zero_variance("reward", group_by="uid", group_size=4))
+        reads = _CountingReads(q, turns=3)
+        G, S = 4, 4
+        steps = 16
+        for k in range(steps):
+            uid = torch.arange(k * G, (k + 1) * G).repeat_interleave(S)
+            reward = torch.tensor([0., 1., 0., 1.]).repeat(G)
+            reward[:S] = 1.0  # the first group carries no signal
+            data = {"uid": uid, "reward": reward}
+            task = asyncio.ensure_future(q.put(data, partition="p"))
+            for _ in range(k):
+                await asyncio.sleep(0)
+            task.cancel()
+            try:
+                await task
+            except asyncio.CancelledError:
+                await q.put(data, partition="p")
+        assert len(reads.calls) < steps * G / 2  # (jobs were read together)
+        await q.seal("p")
+        n = 0
+        async for mb in q.stream("t", ["uid", "reward"], 8, partition="p", group_by="uid",
+                                 group_size=S, timeout=30):
+            n += len(mb)
+            await mb.ack()
+        assert n == steps * (G - 1) * S
+        st = await q.stats()
+        assert st.filtered_by["zero_variance"] >= steps * S
+        assert st.put == st.consumed + st.filtered + st.dropped_by.get("cancelled", 0)
+        assert (st.rows, st.bytes) == (0, 0)
+        assert await q.audit() == []
+
+
+async def test_a_seal_cancelled_while_it_reads_for_its_filters_leaves_them_to_run():
+    """Embedded, storage reads taking a few turns of the event loop: sealing a partition
+    lets a grouped filter without ``group_size`` judge its groups (in the seal's call).
+    Cancelled after k turns for every k -- also while those jobs are read together --
+    the seal may have happened, and then the jobs it queued run in the next call: every
+    group is judged, none is stranded unjudged."""
+    async with streamrl.StreamQueue(capacity=1024, num_shards=2, consumers=["t"]) as q:
+        await q.add_filter(filters.zero_variance("reward", group_by="uid"))
+        _CountingReads(q, turns=3)
+        G, S = 4, 4
+        for k in range(12):
+            part = f"p{k}"
+            uid = torch.arange(G).repeat(S)  # interleaved groups
+            reward = torch.tensor([0., 1., 2., 3.]).repeat_interleave(G)
+            reward[uid == 0] = 1.0  # group 0 carries no signal
+            await q.put({"uid": uid, "reward": reward}, partition=part)
+            task = asyncio.ensure_future(q.seal(part))
+            for _ in range(k):
+                await asyncio.sleep(0)
+            task.cancel()
+            try:
+                await task
+            except asyncio.CancelledError:
+                await q.seal(part)  # (it may not have begun; once sealed, it does nothing)
+            n = 0
+            async for mb in q.stream("t", ["uid", "reward"], 4, partition=part,
+                                     group_by="uid", timeout=10):
+                assert len(set((await mb.materialize())["uid"].tolist())) == 1
+                n += len(mb)
+                await mb.ack()
+            assert n == (G - 1) * S, k
+        st = await q.stats()
+        assert (st.rows, st.bytes, st.filtered) == (0, 0, 12 * S)
