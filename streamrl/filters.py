@@ -39,6 +39,10 @@ class Filter:
         return f"{type(self).__name__}(fields={self.fields}, group_by={self.group_by!r})"
 
 
+#: reward dtypes that ``Tensor.float()`` converts without rounding
+_EXACT_IN_FLOAT32 = (torch.float32, torch.float16, torch.bfloat16)
+
+
 class zero_variance(Filter):
     """Reject GRPO groups with no learning signal: all rewards of the group equal (within
     ``atol``), so every advantage would be zero.
@@ -77,6 +81,15 @@ class zero_variance(Filter):
         r = td.get(self.reward)
         if not isinstance(r, torch.Tensor) or r.is_nested:
             raise SchemaError(f"zero_variance needs a numeric reward tensor, got {type(r).__name__}")
+        if (not self.atol and r.dtype in _EXACT_IN_FLOAT32 and r.device.type == "cpu"
+                and 0 < r.numel() == r.shape[0] <= 256):
+            # a group's scalar rewards, judged in Python (a tenth of the torch calls'
+            # time): the same verdict, since these dtypes convert to float32 exactly and
+            # two float32 values differ exactly when their difference is above 0. A NaN
+            # reward rejects the group, as the torch way does.
+            vals = (r if r.dim() == 1 else r.reshape(-1)).tolist()
+            hi = max(vals)
+            return hi == hi and hi > min(vals) and all(v == v for v in vals)
         r = r.reshape(r.shape[0], -1).float()
         return bool((r.max(0).values - r.min(0).values).abs().max() > self.atol) if len(r) else False
 

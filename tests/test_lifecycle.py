@@ -803,3 +803,33 @@ async def test_a_seal_cancelled_while_it_reads_for_its_filters_leaves_them_to_ru
             assert n == (G - 1) * S, k
         st = await q.stats()
         assert (st.rows, st.bytes, st.filtered) == (0, 0, 12 * S)
+
+
+def test_zero_variance_gives_the_torch_verdict_on_every_reward_it_judges_in_python():
+    """zero_variance judges a small group's scalar rewards in Python (float32, float16,
+    bfloat16, atol 0): the verdict must be the one of its torch expression, whatever
+    the values (ties, neighbouring floats, infinities, NaNs) and shapes."""
+    from tensordict import TensorDict
+
+    def by_torch(r, atol=0.0):
+        r = r.reshape(r.shape[0], -1).float()
+        return bool((r.max(0).values - r.min(0).values).abs().max() > atol) if len(r) else False
+
+    f = filters.zero_variance("reward")
+    rng = random.Random(7)
+    inf, nan = float("inf"), float("nan")
+    pool = [0.0, -0.0, 1.0, 1.0 + 2 ** -23, 1.0 - 2 ** -24, 1e-45, -1e-45, 3e38, -3e38, inf,
+            -inf, nan, 0.5, 7.0]
+    cases = [[v] for v in pool] + [[v, w] for v in pool for w in pool]
+    cases += [[rng.choice(pool) for _ in range(rng.randint(1, 9))] for _ in range(400)]
+    checked = 0
+    for vals in cases:
+        for dtype in (torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64):
+            if dtype is torch.int64 and any(v != v or abs(v) in (inf,) for v in vals):
+                continue
+            for shape in ((len(vals),), (len(vals), 1)):
+                r = torch.tensor(vals, dtype=torch.float64).to(dtype).reshape(shape)
+                td = TensorDict({"reward": r}, batch_size=[len(vals)])
+                assert f(td) is by_torch(r), (vals, dtype, shape)
+                checked += 1
+    assert checked > 4000
