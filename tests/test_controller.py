@@ -523,11 +523,29 @@ def test_commit_counts_each_rows_bytes_whether_rows_agree_or_not():
     tok2 = c.allocate("p", 2, ("x", "y"), nbytes=0)
     c.commit(tok2, {"x": [8, 8], "y": [4, 4]})
     assert [c.rows[r].nbytes for r in tok2.rows] == [12, 12]
-    c.rows[tok2.rows[0]].fields["x"] = 100  # each row has a dict of its own
-    assert c.rows[tok2.rows[1]].fields["x"] == 8
+    # rows of one shape share one dict of sizes (never changed in place: Row.fields)
+    a, b = (c.rows[r] for r in tok2.rows)
+    assert a.fields is b.fields
     assert c.bytes_held == 8 * 3 + 15 + 24
+    # an overwrite of one of them, of other bytes: that row alone changes
+    w = c.begin_write([a.id], ("x",), overwrite=True)
+    c.commit(w, {"x": [100]})
+    assert (a.fields, b.fields) == ({"x": 100, "y": 4}, {"x": 8, "y": 4})
+    assert (a.nbytes, b.nbytes) == (104, 12) and c.bytes_held == 8 * 3 + 15 + 12 + 104
     d = c.take(req(fields=("x", "y"), bs=5))
     assert d.nbytes == 24 + 15 + 12 + 100 + 4
+    c.ack([d.lease])
+    # a write of a new field to both, of the same bytes: they share the new dict again
+    w = c.begin_write([a.id, b.id], ("z",))
+    c.commit(w, {"z": [2, 2]})
+    assert (a.fields, b.fields) == ({"x": 100, "y": 4, "z": 2}, {"x": 8, "y": 4, "z": 2})
+    assert a.fields is not b.fields  # (they differed before)
+    c2 = [c.rows[r] for r in tok.rows]  # (rows of other shapes, a dict each)
+    w = c.begin_write([r.id for r in c2], ("z",))
+    c.commit(w, {"z": [1, 1, 1]})
+    assert [r.fields for r in c2] == [{"x": 8, "y": 4, "z": 1}, {"x": 8, "y": 5, "z": 1},
+                                      {"x": 8, "y": 6, "z": 1}]
+    assert c.bytes_held == (12 + 13 + 14 + 3) + (104 + 2) + (12 + 2)
 
 
 def _summary(c):

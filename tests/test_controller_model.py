@@ -54,6 +54,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from streamrl.controller import END, Controller, Delivery, FilterSpec, Request
+from streamrl.controller import state
 from streamrl.errors import (DispatchError, DuplicateField, InvalidArgument, LeaseExpired,
                              QueueClosed, QueueFull, RowsDropped, StreamTimeout)
 
@@ -1356,7 +1357,10 @@ class ControllerModel(RuleBasedStateMachine):
         c = self.c
         assert set(c.rows) == set(self.rows)
         for rid, row in self.rows.items():
-            assert set(c.rows[rid].fields) == set(row.ready), (rid, c.rows[rid].fields)
+            # (bytes per field too: rows of one shape share one dict of them, which no
+            # change may alter in place; see Row.fields)
+            assert c.rows[rid].fields == row.ready, (rid, c.rows[rid].fields, row.ready)
+            assert c.rows[rid].nbytes == sum(row.ready.values()), rid
             assert c.rows[rid].part.name == row.part
             assert c.rows[rid].version == row.version, (rid, c.rows[rid].version)
         assert c.bytes_held == sum(sum(r.ready.values()) for r in self.rows.values())
@@ -1364,6 +1368,7 @@ class ControllerModel(RuleBasedStateMachine):
         assert {lid: sorted(rows) for lid, (_, rows) in self.leases.items()} == \
             {lid: sorted(lease.rows) for lid, lease in c.leases.items()}
         assert len(c.rows) <= CAPACITY
+        assert state._NO_FIELDS == {} and state._NO_TAGS_D == {}  # (shared, never changed)
         # every row dropped was deleted from storage, and no row held was
         assert self.deleted == self.dropped
         # rows dropped as stale, rejected, or dropped by a failed filter, counted so

@@ -195,7 +195,7 @@ class Admission(ControllerBase):
         born = self.clock()
         rows, prows = self.rows, p.rows
         for rid in ids:
-            rows[rid] = prows[rid] = Row(rid, p, shard, version, born, tmpl.copy(), tsum)
+            rows[rid] = prows[rid] = Row(rid, p, shard, version, born, tmpl, tsum)
         added = tsum * n
         self.c_put += n
         p.put += n
@@ -445,8 +445,11 @@ class Admission(ControllerBase):
                         self._remember(lid, ["withdrawn", lease.withdrawn])
                         if lease.pads:
                             ended.append(lease)
+            have = row.fields
+            if not have.keys().isdisjoint(token.fields):
+                row.fields = have = dict(have)  # (shared with other rows: see Row.fields)
             for f in token.fields:
-                b = row.fields.pop(f, None)
+                b = have.pop(f, None)
                 if b is None:
                     continue
                 row.nbytes -= b
@@ -501,10 +504,13 @@ class Admission(ControllerBase):
         sizes = [(f, nbytes[f]) for f in tok.fields if f in nbytes]
         nosize = [f for f in tok.fields if f not in nbytes]  # written with 0 bytes
         rows = self.rows
-        # new rows whose fields have the same bytes in every row (rows of one shape):
-        # each row's fields are a copy of one dict
-        tmpl = _uniform(sizes) if tok.new_rows and not nosize and not tags else None
+        # fields of the same bytes in every row (rows of one shape): new rows share one
+        # dict of them, and so do rows that shared one before (see Row.fields)
+        uni = _uniform(sizes)
+        tmpl = uni if tok.new_rows and not nosize and not tags else None
         tsum = sum(tmpl.values()) if tmpl else 0
+        src = new = None  # (with uni: the last row's dict before and after)
+        dsum = 0
         for i, rid in enumerate(tok.rows):
             row = rows.get(rid)
             if row is None:
@@ -513,21 +519,29 @@ class Admission(ControllerBase):
             row.writing &= keep
             have = row.fields
             if tmpl is not None and not have:
-                row.fields = tmpl.copy()
+                row.fields = tmpl  # (one dict for the rows of one shape: see Row.fields)
                 row.nbytes += tsum
                 added += tsum
                 touched.append(row)
                 continue
-            delta = 0
-            for f, col in sizes:  # (the hot loop of a put: kept flat)
-                b = int(col[i])
-                delta += b - have.get(f, 0)
-                have[f] = b
-            for f in nosize:
-                delta -= have.get(f, 0)
-                have[f] = 0
-            row.nbytes += delta
-            added += delta
+            if have is src:  # (as the row before: the same new dict)
+                row.fields = new  # type: ignore[assignment]
+                row.nbytes += dsum
+                added += dsum
+            else:
+                row.fields = mine = dict(have)  # (never changed in place: see Row.fields)
+                delta = 0
+                for f, col in sizes:  # (the hot loop of a put: kept flat)
+                    b = int(col[i])
+                    delta += b - have.get(f, 0)
+                    mine[f] = b
+                for f in nosize:
+                    delta -= have.get(f, 0)
+                    mine[f] = 0
+                row.nbytes += delta
+                added += delta
+                if uni is not None:
+                    src, new, dsum = have, mine, delta
             if tags:
                 for f, vals in tags.items():
                     self._set_tag(row, f, vals[i])

@@ -68,7 +68,10 @@ class Groups(ControllerBase):
             if old == v:
                 return
             self._ungroup(row, f, old)
-        row.tags[f] = v
+        if row.tags:
+            row.tags[f] = v
+        else:  # (not the empty dict every row starts with: see Row.tags)
+            row.tags = {f: v}
         row.part.groups.setdefault(f, {}).setdefault(v, {})[row.id] = None
 
     @staticmethod

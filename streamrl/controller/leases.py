@@ -101,6 +101,8 @@ class Leases(ControllerBase):
         # one put share it), observed at once
         born = 0.0
         seen = 0
+        lhave: dict | None = None  # the last row's fields, and the bytes asked of them
+        lb = 0
         for rid in lease.rows:
             row = rows[rid]
             if row.part is not part:
@@ -112,9 +114,12 @@ class Leases(ControllerBase):
                 part = row.part
                 pc, ph = part.counts.task(task), part.counts.hist(part.counts.delivery, task)
             have = row.fields
-            b = 0
-            for f in fields:
-                b += have.get(f, 0)
+            if have is not lhave:  # (rows of one shape share it: see Row.fields)
+                lhave = have
+                lb = 0
+                for f in fields:
+                    lb += have.get(f, 0)
+            b = lb
             k += 1
             kb += b
             if row.delivered & bit:
@@ -168,14 +173,20 @@ class Leases(ControllerBase):
             last = None
             k = kb = cmask = 0
             pins = self._pins
+            lhave: dict | None = None  # the last row's fields, and the bytes asked of them
+            lb = 0
             for rid in lease.rows:
                 row = rows.get(rid)
                 if row is None or row.leased.get(task) != lid:
                     continue
                 del row.leased[task]
-                b = 0
-                for f in fields:
-                    b += row.fields.get(f, 0)
+                have = row.fields
+                if have is not lhave:  # (rows of one shape share it: see Row.fields)
+                    lhave = have
+                    lb = 0
+                    for f in fields:
+                        lb += have.get(f, 0)
+                b = lb
                 row.acked |= bit
                 p = row.part
                 if p is not last:  # (rows come in runs of one partition)

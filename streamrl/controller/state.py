@@ -26,6 +26,8 @@ if TYPE_CHECKING:
     from .leases import _Lease
 
 _MISSING = object()
+_NO_FIELDS: dict[str, int] = {}  # (shared by every row without a field: never changed)
+_NO_TAGS_D: dict[str, Hashable] = {}  # (shared by every row without a tag: never changed)
 _NO_TAGS: frozenset[str] = frozenset()
 
 #: outcomes of finished leases (and ids of expired writes) kept for idempotent acks and
@@ -53,9 +55,11 @@ class Row:
         self.part = part
         self.shard = shard
         self.version = version
-        self.fields: dict[str, int] = {} if fields is None else fields  # ready field -> bytes
+        # ready field -> bytes. Never changed in place: rows of one shape share one dict
+        # (a put's rows, one per put), and a change gives the row a new one
+        self.fields: dict[str, int] = _NO_FIELDS if fields is None else fields
         self.nbytes = nbytes  # committed bytes
-        self.tags: dict[str, Hashable] = {}
+        self.tags: dict[str, Hashable] = _NO_TAGS_D  # (shared until a tag is set: never changed)
         self.leased: dict[str, int] = {}  # task -> lease id
         self.acked = 0  # tasks that acknowledged it
         self.pending = 0  # filters that have not judged it yet
