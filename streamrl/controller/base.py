@@ -21,7 +21,7 @@ declarations are not defined, so no lookup on the hot paths changes.
 from __future__ import annotations
 
 from abc import abstractmethod
-from collections.abc import Hashable, Iterable, KeysView
+from collections.abc import Hashable, Iterable, KeysView, Sequence
 from typing import TYPE_CHECKING
 
 from .state import State
@@ -116,7 +116,7 @@ class ControllerBase(State):
         def _lease(self, sub: _Sub, req: Request, rids: list[int], *, claimed: bool = True,
                    rank: int = 0, dispatch: int | None = None) -> Delivery: ...
         @abstractmethod
-        def _claim(self, lease: _Lease) -> int: ...
+        def _claim(self, lease: _Lease, objs: list[Row] | None = None) -> int: ...
         @abstractmethod
         def release(self, lease_ids: Iterable[int], *, expired: bool = False) -> None: ...
         @abstractmethod
@@ -157,4 +157,6 @@ class ControllerBase(State):
         def _sampler_of(self, req: Request) -> Sampler: ...
         @abstractmethod
         def _delivery(self, lid: int, req: Request, sub: _Sub, rids: list[int], rank: int = 0,
-                      dispatch: int | None = None, nbytes: int | None = None) -> Delivery: ...
+                      dispatch: int | None = None, nbytes: int | None = None,
+                      pads: Sequence[int] = (), objs: list[Row] | None = None
+                      ) -> Delivery: ...

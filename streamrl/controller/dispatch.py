@@ -17,7 +17,7 @@ from .base import ControllerBase
 
 if TYPE_CHECKING:
     from .index import _Sub
-    from .state import Partition
+    from .state import Partition, Row
 
 
 class _Dispatcher:
@@ -163,12 +163,14 @@ class Dispatch(ControllerBase):
 
     def _delivery(self, lid: int, req: Request, sub: _Sub, rids: list[int], rank: int = 0,
                   dispatch: int | None = None, nbytes: int | None = None,
-                  pads: Sequence[int] = ()) -> Delivery:
+                  pads: Sequence[int] = (), objs: list[Row] | None = None) -> Delivery:
         """The delivery of ``rids`` under lease ``lid`` (``nbytes``: the bytes of the
         asked-for fields of those rows, if the caller counted them; ``pads``: those of
-        them that are another DP share's rows, repeated as padding)."""
-        rows = self.rows
-        objs = [rows[r] for r in rids]
+        them that are another DP share's rows, repeated as padding; ``objs``: the rows'
+        records, if the caller has them)."""
+        if objs is None:
+            rows = self.rows
+            objs = [rows[r] for r in rids]
         common: set[str] = set()
         fields = req.fields
         count = nbytes is None
@@ -177,10 +179,13 @@ class Dispatch(ControllerBase):
             keys = objs[0].fields.keys()
             common = set(keys)
             one_part: Partition | None = objs[0].part
+            seen = objs[0].fields  # (rows of one shape share it: see Row.fields)
             for row in objs:  # (one pass: shared fields, bytes, partition)
                 have = row.fields
-                if have.keys() != keys:
-                    common.intersection_update(have)
+                if have is not seen:
+                    seen = have
+                    if have.keys() != keys:
+                        common.intersection_update(have)
                 if count:
                     for f in fields:
                         total += have.get(f, 0)

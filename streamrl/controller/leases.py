@@ -56,8 +56,9 @@ class Leases(ControllerBase):
         last = None
         plain: list[dict[int, None]] = []  # the task's ungrouped subscriptions' rows
         grouped: list[_Sub] = []
-        for rid in rids:  # (_unindex of the task, inlined: the hot loop of a take)
-            row = rows[rid]
+        objs = [rows[rid] for rid in rids]
+        for row in objs:  # (_unindex of the task, inlined: the hot loop of a take)
+            rid = row.id
             row.leased[task] = lid
             p = row.part
             if p is not last:  # (rows come in runs of one partition)
@@ -77,12 +78,13 @@ class Leases(ControllerBase):
                 if rid in s.avail:
                     self._remove(s, row)
         lease.claimed = False
-        nbytes = self._claim(lease) if claimed else None
-        return self._delivery(lid, req, sub, rids, rank, dispatch, nbytes)
+        nbytes = self._claim(lease, objs) if claimed else None
+        return self._delivery(lid, req, sub, rids, rank, dispatch, nbytes, objs=objs)
 
-    def _claim(self, lease: _Lease) -> int:
+    def _claim(self, lease: _Lease, objs: list[Row] | None = None) -> int:
         """The consumer has the batch now: count it (and redeliveries). Returns the bytes
-        of the asked-for fields of its rows."""
+        of the asked-for fields of its rows (``objs``: their records, if the caller has
+        them)."""
         lease.claimed = True
         task = lease.task
         bit = self._bit(self._tbits, task)
@@ -103,8 +105,7 @@ class Leases(ControllerBase):
         seen = 0
         lhave: dict | None = None  # the last row's fields, and the bytes asked of them
         lb = 0
-        for rid in lease.rows:
-            row = rows[rid]
+        for row in ([rows[rid] for rid in lease.rows] if objs is None else objs):
             if row.part is not part:
                 if part is not None:
                     _count(pc, tot, k, kb, rk, rb)
