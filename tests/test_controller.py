@@ -414,6 +414,34 @@ def test_grouped_filter_judges_a_sealed_group_once_an_awaited_member_is_dropped(
     assert sorted(c.take(req(fields=("r",), partition="p")).rows) == rows[:2]
 
 
+def test_a_grouped_stream_gets_a_sealed_group_once_an_unready_member_is_dropped():
+    """In a sealed partition a group is whole once every member the task owes is ready;
+    dropping the one member that is not makes it whole (the rest go out), and only the
+    groups that lost members are looked at again (many groups held: see
+    Controller._wake_groups) -- the other groups stay as they were."""
+    c = Controller(100)
+    c.register_tag("uid")
+    rows, _ = put(c, 8, ("x", "uid"), tags={"uid": [1, 1, 1, 2, 2, 2, 3, 3]})
+    tok = c.begin_write(rows[:2] + rows[3:5] + rows[6:], ("r",))  # rows 2, 5 lack "r"
+    c.commit(tok, {"r": [4] * 6})
+    c.seal("p")
+    r = req(fields=("r",), bs=2, partition="p", group_by="uid")
+    got = c.take(r)
+    assert sorted(got.rows) == rows[6:]  # group 3: whole
+    c.ack([got.lease])
+    assert c.take(r) is None  # groups 1 and 2 wait for their third member
+    c.drop([rows[2]])
+    got = c.take(r)
+    assert sorted(got.rows) == rows[:2]  # group 1 is whole without it
+    c.ack([got.lease])
+    assert c.take(r) is None  # group 2 still waits
+    c.drop([rows[5]])
+    got = c.take(r)
+    assert sorted(got.rows) == rows[3:5]
+    c.ack([got.lease])
+    assert c.take(r) is END
+
+
 def test_grouped_filter_judges_a_short_last_group_when_its_partition_is_sealed():
     """A group smaller than the filter's group_size is judged once its partition is
     sealed (no more rows can join it), also when the seal comes after its rows."""

@@ -21,7 +21,7 @@ declarations are not defined, so no lookup on the hot paths changes.
 from __future__ import annotations
 
 from abc import abstractmethod
-from collections.abc import Hashable, Iterable, KeysView, Sequence
+from collections.abc import Collection, Hashable, Iterable, KeysView, Sequence
 from typing import TYPE_CHECKING
 
 from .state import State
@@ -108,6 +108,8 @@ class ControllerBase(State):
         def _candidates(self, name: str) -> list[_Sub]: ...
         @abstractmethod
         def _wake_part(self, name: str) -> None: ...
+        @abstractmethod
+        def _wake_groups(self, name: str, left: Collection[tuple[str, Hashable]]) -> None: ...
         @abstractmethod
         def _check_complete(self, sub: _Sub, gk: tuple) -> None: ...
 

@@ -12,7 +12,7 @@ that what :meth:`Controller.load_state_dict` rebuilds is listed in one place.
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Iterable, KeysView
+from collections.abc import Collection, Hashable, Iterable, KeysView
 
 from ..config import Request, validate_request
 from ..errors import InvalidArgument
@@ -259,4 +259,21 @@ class Index(ControllerBase):
                 for gk in list(sub.buckets):
                     if gk[0] == name:
                         self._check_complete(sub, gk)
+            self.woken.add(sub.key)
+
+    def _wake_groups(self, name: str, left: Collection[tuple[str, Hashable]]) -> None:
+        """:meth:`_wake_part` after rows of sealed (or closed) partition ``name`` were
+        dropped, members of the groups ``left`` names (``(tag, value)``): only those
+        groups are looked at again. A group of a sealed partition is whole once every
+        member the task still owes is ready (see :meth:`_group_complete`), so a drop
+        changes that for the groups it took members from alone; a drop that settles the
+        partition's keys (the last write that could add a member) is
+        :meth:`_recheck_short`'s. :meth:`_wake_part` looks at every group: with many
+        groups held, a drain that dropped rows batch by batch paid for all of them each
+        time."""
+        for sub in self._candidates(name):
+            if sub.group_by is not None:
+                for f, v in left:
+                    if f == sub.group_by:
+                        self._check_complete(sub, (name, v))
             self.woken.add(sub.key)

@@ -142,6 +142,8 @@ class Lifecycle(ControllerBase):
         freed = 0
         gone = 0
         parts: set[Partition] = set()
+        # the groups members left, per partition: (tag, value) (see _wake_groups)
+        left: dict[Partition, set[tuple[str, Hashable]]] = {}
         # grouped filters to look at again: (filter, partition, the row's tags)
         regroup: list[tuple[str, Partition, dict[str, Hashable]]] = []
         ended: list[_Lease] = []  # leases that ended here and repeat rows as padding
@@ -183,6 +185,8 @@ class Lifecycle(ControllerBase):
                         grp.pop(rid, None)
                         if not grp:
                             del p.groups[f][v]
+                    if p.sealed or self.closed:  # (see _wake_groups)
+                        left.setdefault(p, set()).add((f, v))
             for avail in plain:  # (_unindex, inlined)
                 if rid in avail:
                     del avail[rid]
@@ -241,7 +245,7 @@ class Lifecycle(ControllerBase):
         for p in parts:
             self.changed.add(p.name)
             if p.sealed or self.closed:  # end and group-completeness conditions moved
-                self._wake_part(p.name)
+                self._wake_groups(p.name, left.get(p, ()))
             self._maybe_retire(p)
 
     def _end_run(self, p: Partition, reason: str | None, k: int, kb: int,
