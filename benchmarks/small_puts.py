@@ -221,6 +221,30 @@ def controller_one_row(total_rows: int) -> float:
     return (time.perf_counter() - t0) / total_rows
 
 
+def controller_sealed_drain(groups: int, size: int = GROUP, batch: int = BATCH) -> float:
+    """Seconds of controller work per row to drain a sealed partition of ``groups``
+    groups of ``size`` rows (all put and ready first) by whole-group batches of
+    ``batch`` rows (take + ack, each ack dropping its rows): a GRPO trainer draining a
+    step. Flat in ``groups`` when a drop looks again only at the groups it touched."""
+    n = groups * size
+    c = Controller(n + 1, num_shards=2, consumers=["t"])
+    c.register_tag("uid")
+    req = Request("t", ("x",), batch, partition="p", group_by="uid", group_size=size)
+    c.take(req)
+    tok = c.allocate("p", n, ("x", "uid"), nbytes=12 * n)
+    c.commit(tok, {"x": [4] * n, "uid": [8] * n}, {"uid": [i // size for i in range(n)]})
+    c.seal("p")
+    c.drain()
+    t0 = time.perf_counter()
+    got = 0
+    while got < n:
+        d = c.take(req)
+        c.ack([d.lease])
+        c.drain()
+        got += len(d.rows)
+    return (time.perf_counter() - t0) / n
+
+
 def med(xs):
     return statistics.median(xs)
 
@@ -504,6 +528,8 @@ async def main() -> None:
     res["pace"] = pace(b * 1e6)
     res["controller_batched_rows_per_s"] = med([controller_batched(256_000) for _ in range(a.reps)])
     res["controller_one_row_us"] = med([controller_one_row(a.rows) for _ in range(a.reps)]) * 1e6
+    res["controller_sealed_drain_us"] = {
+        g: med([controller_sealed_drain(g) for _ in range(a.reps)]) * 1e6 for g in (128, 2048)}
     if a.ray:
         from small_puts_ray import ray_cases  # noqa: E402 - optional, starts Ray
 
@@ -532,6 +558,10 @@ async def main() -> None:
     print(f"bare controller, one-row put with a waiting subscription: "
           f"{res['controller_one_row_us']:.1f} us/row, "
           f"{res['controller_one_row_us'] * scale:.1f} at the issue's pace")
+    d = res["controller_sealed_drain_us"]
+    print(f"bare controller, draining a sealed partition by whole groups of {GROUP}: "
+          + ", ".join(f"{g} groups {us:.2f} us/row" for g, us in d.items())
+          + f" ({d[2048] / d[128]:.2f}x: flat is right)")
     if "ray" in res:
         for k, v in res["ray"].items():
             print(f"ray {k}: {v}")
