@@ -371,17 +371,21 @@ class StreamQueue:
             # new rows with plain arguments (all valid, of the usual types), no ``timed``
             # block open (it counts the queue's calls): a one-row put may skip the checks
             # and bookkeeping of the usual way (embedded: the stage checks group keys;
-            # Ray: only with no tag field known anywhere, as it sends no tag values)
+            # Ray: the tag values go with it, as the usual way sends them)
             if self._stage is not None:
                 staged = self._put_staged(data, partition, version)
                 if staged is not None:
                     return staged
-            elif not self._tags_any:
+            else:
                 one = one_row_dense(data)
                 if one is not None:  # (what to_columns and the sizes would make of it)
                     part = DEFAULT_PARTITION if partition is None else partition
-                    return await self._put_rows(part, dict(data), 1, one[0], {}, version,
-                                                one[1], timeout, False, one[2])
+                    cols = dict(data)
+                    # (a group key's value that is not one scalar raises here, as the
+                    # usual way raises it: before anything is stored)
+                    return await self._put_rows(part, cols, 1, one[0],
+                                                self._tags(part, cols), version, one[1],
+                                                timeout, False, one[2])
         return await _timed(self._put(data, partition, rows, version=version,
                                       overwrite=overwrite, timeout=timeout, nowait=False))
 

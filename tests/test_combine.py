@@ -354,6 +354,35 @@ async def test_one_row_puts_with_a_group_key_are_staged_and_keep_their_groups(ma
     assert (st.rows, st.put) == (0, 12) and await q.audit() == []
 
 
+async def test_one_row_puts_with_a_group_key_take_the_short_way(make_queue, monkeypatch):
+    """The GRPO pattern's puts (each a one-row put with its group key, known as one) skip
+    the usual way's column checks on every transport (on Ray they were made to go it
+    while a tag field was known: a producer's CPU a row nearly doubled); the keys
+    still reach the controller, and a grouped stream gets whole groups."""
+    import streamrl.queue as queue_mod
+
+    q = make_queue(capacity=64, consumers=["t"], group_key="uid")
+    await first_use(q)
+    await q.put(keyed(0, 0), partition="p")
+
+    def usual(*args, **kwargs):
+        raise AssertionError("a one-row put went the usual way")
+
+    monkeypatch.setattr(queue_mod, "to_columns", usual)
+    for i in range(1, 12):
+        await q.put(keyed(i, i % 3), partition="p")
+    monkeypatch.undo()
+    await q.seal("p")
+    got = []
+    async for mb in q.stream("t", ["uid", "x"], 4, partition="p", group_by="uid",
+                             group_size=4, timeout=30):
+        td = await mb.materialize()
+        got.append((set(td["uid"].tolist()), sorted(td["x"][:, 0].tolist())))
+    assert sorted(got, key=lambda g: g[1]) == [
+        ({u}, [float(i) for i in range(12) if i % 3 == u]) for u in range(3)]
+    assert await q.audit() == []
+
+
 def rewarded(i: int, uid: int, reward: float) -> dict:
     return {"uid": torch.tensor([uid]), "r": torch.tensor([reward]),
             "x": torch.full((1, 4), float(i))}
