@@ -356,9 +356,9 @@ async def test_one_row_puts_with_a_group_key_are_staged_and_keep_their_groups(ma
 
 async def test_one_row_puts_with_a_group_key_take_the_short_way(make_queue, monkeypatch):
     """The GRPO pattern's puts (each a one-row put with its group key, known as one) skip
-    the usual way's column checks on every transport (on Ray they were made to go it
-    while a tag field was known: a producer's CPU a row nearly doubled); the keys
-    still reach the controller, and a grouped stream gets whole groups."""
+    the usual way's column checks on every transport (on Ray they went it whenever a
+    tag field was known); the keys still reach the controller, and a grouped stream
+    gets whole groups."""
     import streamrl.queue as queue_mod
 
     q = make_queue(capacity=64, consumers=["t"], group_key="uid")
