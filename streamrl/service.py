@@ -988,6 +988,17 @@ class ControllerService:
                              {f: assemble(g[f]) for f in fs})
         return read
 
+    def _filter_failed(self, job: FilterJob, live: list[int], e: Exception) -> FilterError:
+        """Filter job ``job`` failed with ``e`` on its rows ``live``: they are dropped
+        (counted in ``stats().filter_errors``); returns the error to raise or log."""
+        self.ctl.filter_done(job.id, None, error=True)
+        msg = (f"filter {job.filter!r} failed on {len(live)} rows ({type(e).__name__}: {e}); "
+               "those rows were dropped and counted in stats().filter_errors. Fix the filter")
+        self._filter_failures.append(msg)
+        err = FilterError(msg)
+        err.__cause__ = e
+        return err
+
     async def _run_filter(self, job: FilterJob, read: _FilterRead | None = None
                           ) -> FilterError | None:
         """Read the job's fields (or take them from ``read``, see
@@ -1017,18 +1028,19 @@ class ControllerService:
             if inspect.isawaitable(verdict):
                 verdict = await verdict
             keep = _verdict(verdict, len(order), job.filter)
-        except RowsDropped as e:  # rows dropped while being judged: judge the rest later
-            keep_map = {r: r not in set(e.rows) for r in job.rows}
-            self.ctl.filter_done(job.id, [keep_map[r] for r in job.rows])
-            return None
+        except RowsDropped as e:
+            # rows dropped while they were read: the job runs again on the others (they
+            # are judged all the same, never let through unjudged); rows storage has no
+            # more leave the controller too
+            gone = [r for r in set(e.rows).intersection(live) if r in self.ctl.rows]
+            if gone:
+                self.ctl.drop(gone)
+            if any(r not in self.ctl.rows for r in live):  # (fewer each time: it ends)
+                self.ctl.filter_retry(job.id)
+                return None
+            return self._filter_failed(job, live, e)
         except Exception as e:  # noqa: BLE001 - any failure of user code
-            self.ctl.filter_done(job.id, None, error=True)
-            msg = (f"filter {job.filter!r} failed on {len(live)} rows ({type(e).__name__}: {e}); "
-                   "those rows were dropped and counted in stats().filter_errors. Fix the filter")
-            self._filter_failures.append(msg)
-            err = FilterError(msg)
-            err.__cause__ = e
-            return err
+            return self._filter_failed(job, live, e)
         verdict_by_row = dict(zip(order, keep))
         self.ctl.filter_done(job.id, [verdict_by_row.get(r, False) for r in job.rows])
         return None

@@ -833,3 +833,39 @@ def test_zero_variance_gives_the_torch_verdict_on_every_reward_it_judges_in_pyth
                 assert f(td) is by_torch(r), (vals, dtype, shape)
                 checked += 1
     assert checked > 4000
+
+
+async def test_a_group_whose_member_is_dropped_while_it_is_read_is_still_judged():
+    """A row of a group is dropped while the group's filter job reads it (the storage
+    read raises RowsDropped): the rest of the group is judged all the same -- by the
+    filter, on the rows left -- never let through unjudged. Embedded, the race made
+    with a storage read that drops the row first."""
+    async with streamrl.StreamQueue(capacity=64, num_shards=1, consumers=["t"]) as q:
+        judged: list = []
+
+        def reject_all(td):
+            judged.append(td["uid"].tolist())
+            return False
+
+        await q.add_filter(reject_all, fields=["uid", "reward"], group_by="uid",
+                           group_size=4, name="reject")
+        svc = q.session.transport.control
+        inner = svc.data.get
+        raced: list = []
+
+        async def racing_get(parts):
+            if not raced:
+                (_, rows, _), = parts
+                raced.append(rows[0])
+                svc.ctl.drop([rows[0]])  # (the controller drops it as the read runs)
+                raise RowsDropped("(a test: dropped as it was read)", [rows[0]])
+            return await inner(parts)
+
+        svc.data.get = racing_get
+        await q.put({"uid": torch.full((4,), 7), "reward": torch.arange(4.0)}, partition="p")
+        await q.seal("p")
+        with pytest.raises(streamrl.errors.EndOfStream):  # (nothing let through)
+            await q.get("t", ["uid", "reward"], 1, partition="p", timeout=5)
+        assert judged == [[7, 7, 7]]  # the three rows left, judged (and rejected)
+        st = await q.stats()
+        assert (st.rows, st.filtered_by) == (0, {"reject": 3})
