@@ -201,6 +201,9 @@ class Index(ControllerBase):
         # ungrouped subscriptions that gained rows: whether one of those rows' partitions
         # is sealed
         grew: dict[_Sub, bool] = {}
+        # grouped subscriptions' groups that gained rows: looked at once each, after
+        # (a group's rows come together: one check, not one a row)
+        gained: dict[tuple[_Sub, tuple], None] = {}
         for row in rows:
             part = row.part
             if part is not last:  # (rows come in runs of one partition)
@@ -219,10 +222,16 @@ class Index(ControllerBase):
                         if sub.group_by is None:
                             sub.avail[rid] = None
                             grew[sub] = grew.get(sub, False) or part.sealed
-                        else:
-                            self._add(sub, row)
+                        else:  # (_add, its check of the group deferred)
+                            gk = (part.name, row.tags[sub.group_by])
+                            sub.buckets.setdefault(gk, {})[rid] = None
+                            sub.avail[rid] = None
+                            gained[(sub, gk)] = None
                 elif rid in sub.avail:
                     self._remove(sub, row)
+        for sub, gk in gained:
+            self._check_complete(sub, gk)
+            self.woken.add(sub.key)
         for sub, sealed in grew.items():  # (whether to wake: as _add decides)
             if len(sub.avail) >= sub.wake_at or sealed or self.closed or self.sealed_all:
                 self.woken.add(sub.key)
