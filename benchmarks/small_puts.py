@@ -221,13 +221,15 @@ def controller_one_row(total_rows: int) -> float:
     return (time.perf_counter() - t0) / total_rows
 
 
-def controller_sealed_drain(groups: int, size: int = GROUP, batch: int = BATCH) -> float:
+def controller_sealed_drain(groups: int, size: int = GROUP, batch: int = BATCH, *,
+                            consumers: bool = True) -> float:
     """Seconds of controller work per row to drain a sealed partition of ``groups``
     groups of ``size`` rows (all put and ready first) by whole-group batches of
-    ``batch`` rows (take + ack, each ack dropping its rows): a GRPO trainer draining a
-    step. Flat in ``groups`` when a drop looks again only at the groups it touched."""
+    ``batch`` rows (take + ack; with ``consumers``, each ack drops its rows, else they
+    stay): a GRPO trainer draining a step. Flat in ``groups`` when an ack or a drop
+    looks again only at the groups it touched."""
     n = groups * size
-    c = Controller(n + 1, num_shards=2, consumers=["t"])
+    c = Controller(n + 1, num_shards=2, consumers=["t"] if consumers else None)
     c.register_tag("uid")
     req = Request("t", ("x",), batch, partition="p", group_by="uid", group_size=size)
     c.take(req)
@@ -529,7 +531,8 @@ async def main() -> None:
     res["controller_batched_rows_per_s"] = med([controller_batched(256_000) for _ in range(a.reps)])
     res["controller_one_row_us"] = med([controller_one_row(a.rows) for _ in range(a.reps)]) * 1e6
     res["controller_sealed_drain_us"] = {
-        g: med([controller_sealed_drain(g) for _ in range(a.reps)]) * 1e6 for g in (128, 2048)}
+        (g, k): med([controller_sealed_drain(g, consumers=k) for _ in range(a.reps)]) * 1e6
+        for k in (True, False) for g in (128, 2048)}
     if a.ray:
         from small_puts_ray import ray_cases  # noqa: E402 - optional, starts Ray
 
@@ -558,10 +561,13 @@ async def main() -> None:
     print(f"bare controller, one-row put with a waiting subscription: "
           f"{res['controller_one_row_us']:.1f} us/row, "
           f"{res['controller_one_row_us'] * scale:.1f} at the issue's pace")
-    d = res["controller_sealed_drain_us"]
-    print(f"bare controller, draining a sealed partition by whole groups of {GROUP}: "
-          + ", ".join(f"{g} groups {us:.2f} us/row" for g, us in d.items())
-          + f" ({d[2048] / d[128]:.2f}x: flat is right)")
+    d = res.pop("controller_sealed_drain_us")
+    for k, how in ((True, "acks drop the rows"), (False, "no consumers: rows stay")):
+        print(f"bare controller, draining a sealed partition by whole groups of {GROUP} "
+              f"({how}): 128 groups {d[(128, k)]:.2f} us/row, 2048 groups "
+              f"{d[(2048, k)]:.2f} ({d[(2048, k)] / d[(128, k)]:.2f}x: flat is right)")
+        res[f"controller_sealed_drain_us_{'consumers' if k else 'no_consumers'}"] = {
+            g: d[(g, k)] for g in (128, 2048)}
     if "ray" in res:
         for k, v in res["ray"].items():
             print(f"ray {k}: {v}")

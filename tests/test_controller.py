@@ -442,6 +442,29 @@ def test_a_grouped_stream_gets_a_sealed_group_once_an_unready_member_is_dropped(
     assert c.take(r) is END
 
 
+def test_a_sealed_group_is_whole_once_the_task_acks_a_member_it_took_apart():
+    """A task owes a sealed group the members it has not acknowledged: a member it took
+    by another request shape (ungrouped) holds the group back until that batch is
+    acknowledged; the ack makes the group whole for the task's grouped request (only
+    the groups of the acknowledged rows are looked at again: Controller._wake_groups)."""
+    c = Controller(100)  # no consumers: acknowledged rows stay
+    c.register_tag("uid")
+    rows, _ = put(c, 6, ("x", "uid"), tags={"uid": [1, 1, 1, 2, 2, 2]})
+    c.seal("p")
+    one = c.take(req(bs=1, partition="p"))  # a member of group 1, taken apart
+    assert one.rows == [rows[0]]
+    g = req(bs=2, partition="p", group_by="uid")
+    got = c.take(g)
+    assert sorted(got.rows) == rows[3:]  # group 2 (the batch holds one group)
+    c.ack([got.lease])
+    assert c.take(g) is None  # group 1 waits for the member leased apart
+    c.ack([one.lease])
+    got = c.take(g)
+    assert sorted(got.rows) == rows[1:3]
+    c.ack([got.lease])
+    assert c.take(g) is END
+
+
 def test_grouped_filter_judges_a_short_last_group_when_its_partition_is_sealed():
     """A group smaller than the filter's group_size is judged once its partition is
     sealed (no more rows can join it), also when the seal comes after its rows."""

@@ -5,7 +5,7 @@ deadlines of leases and of admitted writes."""
 from __future__ import annotations
 
 import heapq
-from collections.abc import Iterable
+from collections.abc import Hashable, Iterable
 from typing import TYPE_CHECKING
 
 from ..config import Request
@@ -340,10 +340,19 @@ class Leases(ControllerBase):
                 self._remember(lid, "acked")
 
     def _lease_changed(self, lease: _Lease) -> None:
-        for p in {self.rows[r].part for r in lease.rows if r in self.rows}:
+        # per partition, the groups of the lease's rows: a sealed group's completeness
+        # (every member the task owes is ready) moved for those alone (see _wake_groups)
+        groups: dict[Partition, set[tuple[str, Hashable]]] = {}
+        for r in lease.rows:
+            row = self.rows.get(r)
+            if row is not None:
+                g = groups.setdefault(row.part, set())
+                if row.tags:
+                    g.update(row.tags.items())
+        for p, left in groups.items():
             if p.sealed or self.closed:  # remaining() moved: tails and ends may follow
                 self.changed.add(p.name)
-                self._wake_part(p.name)
+                self._wake_groups(p.name, left)
         if lease.dispatch is not None:
             disp = self._dispatchers.get(lease.dispatch[0])
             if disp is not None and not lease.claimed:
