@@ -16,6 +16,8 @@ import random
 import pytest
 import torch
 
+import streamrl
+from grpo_cancel import CountingReads, cancelled_grpo_puts
 from streamrl import filters
 from streamrl.errors import DuplicateField, LeaseExpired, RowsDropped
 
@@ -222,25 +224,7 @@ async def test_a_put_completing_many_groups_cancelled_at_any_await(make_queue, t
     await q.add_filter(filters.zero_variance("reward", group_by="uid", group_size=4))
     G, S = 6, 4
     steps = 14 if transport == "embedded" else 8
-    for k in range(steps):
-        uid = torch.arange(k * G, (k + 1) * G).repeat_interleave(S)
-        reward = torch.tensor([0., 1., 0., 1.]).repeat(G)
-        reward[:S] = 1.0  # the first group carries no signal
-        data = {"uid": uid, "reward": reward}
-        task = asyncio.ensure_future(q.put(data, partition="p"))
-        for _ in range(k):
-            await asyncio.sleep(0 if transport == "embedded" else 0.0005)
-        task.cancel()
-        try:
-            await task
-        except asyncio.CancelledError:
-            await q.put(data, partition="p")
-    await q.seal("p")
-    n = 0
-    async for mb in q.stream("t", ["uid", "reward"], 8, partition="p", group_by="uid",
-                             group_size=S, timeout=30):
-        n += len(mb)
-        await mb.ack()
+    n = await cancelled_grpo_puts(q, steps, G, S, 0 if transport == "embedded" else 0.0005)
     assert n == steps * (G - 1) * S
     st = await q.stats()
     # (a cancelled put whose groups were judged before the cancellation landed counts
@@ -248,6 +232,25 @@ async def test_a_put_completing_many_groups_cancelled_at_any_await(make_queue, t
     assert st.filtered_by.get("zero_variance", 0) >= steps * S
     assert st.put == st.rows + st.filtered + st.dropped_by.get("cancelled", 0)
     assert await _settled(q) == []
+
+
+async def test_a_put_cancelled_while_its_groups_are_read_for_filters_can_be_retried():
+    """Embedded, with storage reads that take a few turns of the event loop: a put that
+    completes several groups, cancelled after k turns for every k (so also while the
+    groups' filter jobs are read together, and while each is judged), then retried when
+    it did not complete: every group is judged once in the end, the signal-free ones
+    go, controller and storage agree."""
+    async with streamrl.StreamQueue(capacity=1024, num_shards=2, consumers=["t"]) as q:
+        await q.add_filter(filters.zero_variance("reward", group_by="uid", group_size=4))
+        reads = CountingReads(q, turns=3)
+        G, S, steps = 4, 4, 16
+        assert await cancelled_grpo_puts(q, steps, G, S) == steps * (G - 1) * S
+        assert len(reads.calls) < steps * G / 2  # (jobs were read together)
+        st = await q.stats()
+        assert st.filtered_by["zero_variance"] >= steps * S
+        assert st.put == st.consumed + st.filtered + st.dropped_by.get("cancelled", 0)
+        assert (st.rows, st.bytes) == (0, 0)
+        assert await q.audit() == []
 
 
 async def test_a_batch_loses_rows_whose_write_was_taken_back(make_queue):

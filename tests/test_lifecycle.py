@@ -12,6 +12,7 @@ import pytest
 import torch
 
 import streamrl
+from grpo_cancel import CountingReads, cancel_after_turns
 from streamrl import filters
 from streamrl.controller import imbalance
 from streamrl.errors import (DispatchError, FilterError, InvalidArgument, RowsDropped, SchemaError,
@@ -683,28 +684,6 @@ async def test_the_groups_of_one_put_are_judged_each_on_its_own_rows(make_queue)
     assert st.filtered == 3 * S and st.rows == 0 and st.bytes == 0
 
 
-class _CountingReads:
-    """Wraps an embedded queue's storage reads: counts them, and raises ``RowsDropped``
-    in place of the next ``fail`` of them."""
-
-    def __init__(self, q, fail=0, turns=0):
-        self.data = q.session.transport.control.data
-        self.inner = self.data.get
-        self.calls: list[int] = []  # parts (unit reads) of each call
-        self.fail = fail
-        self.turns = turns  # turns of the event loop each read takes first
-        self.data.get = self
-
-    async def __call__(self, parts):
-        self.calls.append(len(parts))
-        for _ in range(self.turns):
-            await asyncio.sleep(0)
-        if self.fail:
-            self.fail -= 1
-            raise RowsDropped("(a test: rows dropped as they were read)")
-        return await self.inner(parts)
-
-
 @pytest.mark.parametrize("fail", [0, 1])
 async def test_a_put_that_completes_many_groups_reads_them_once_per_unit(fail):
     """Embedded, seen from the storage side: the filter jobs of the groups one put
@@ -715,7 +694,7 @@ async def test_a_put_that_completes_many_groups_reads_them_once_per_unit(fail):
         judged: list = []
         await q.add_filter(_seen_filter(judged), fields=["uid", "reward"], group_by="uid",
                            group_size=4, name="signal")
-        reads = _CountingReads(q, fail)
+        reads = CountingReads(q, fail)
         G, S = 8, 4
         uid = torch.arange(G).repeat_interleave(S)
         reward = torch.rand(G * S)
@@ -731,45 +710,6 @@ async def test_a_put_that_completes_many_groups_reads_them_once_per_unit(fail):
         assert (st.rows, st.filtered) == ((G - 1) * S, S)
 
 
-async def test_a_put_cancelled_while_its_groups_are_read_for_filters_can_be_retried():
-    """Embedded, with storage reads that take a few turns of the event loop: a put that
-    completes several groups, cancelled after k turns for every k (so also while the
-    groups' filter jobs are read together, and while each is judged), then retried when
-    it did not complete: every group is judged once in the end, the signal-free ones
-    go, controller and storage agree."""
-    async with streamrl.StreamQueue(capacity=1024, num_shards=2, consumers=["t"]) as q:
-        await q.add_filter(filters.zero_variance("reward", group_by="uid", group_size=4))
-        reads = _CountingReads(q, turns=3)
-        G, S = 4, 4
-        steps = 16
-        for k in range(steps):
-            uid = torch.arange(k * G, (k + 1) * G).repeat_interleave(S)
-            reward = torch.tensor([0., 1., 0., 1.]).repeat(G)
-            reward[:S] = 1.0  # the first group carries no signal
-            data = {"uid": uid, "reward": reward}
-            task = asyncio.ensure_future(q.put(data, partition="p"))
-            for _ in range(k):
-                await asyncio.sleep(0)
-            task.cancel()
-            try:
-                await task
-            except asyncio.CancelledError:
-                await q.put(data, partition="p")
-        assert len(reads.calls) < steps * G / 2  # (jobs were read together)
-        await q.seal("p")
-        n = 0
-        async for mb in q.stream("t", ["uid", "reward"], 8, partition="p", group_by="uid",
-                                 group_size=S, timeout=30):
-            n += len(mb)
-            await mb.ack()
-        assert n == steps * (G - 1) * S
-        st = await q.stats()
-        assert st.filtered_by["zero_variance"] >= steps * S
-        assert st.put == st.consumed + st.filtered + st.dropped_by.get("cancelled", 0)
-        assert (st.rows, st.bytes) == (0, 0)
-        assert await q.audit() == []
-
-
 async def test_a_seal_cancelled_while_it_reads_for_its_filters_leaves_them_to_run():
     """Embedded, storage reads taking a few turns of the event loop: sealing a partition
     lets a grouped filter without ``group_size`` judge its groups (in the seal's call).
@@ -778,7 +718,7 @@ async def test_a_seal_cancelled_while_it_reads_for_its_filters_leaves_them_to_ru
     group is judged, none is stranded unjudged."""
     async with streamrl.StreamQueue(capacity=1024, num_shards=2, consumers=["t"]) as q:
         await q.add_filter(filters.zero_variance("reward", group_by="uid"))
-        _CountingReads(q, turns=3)
+        CountingReads(q, turns=3)
         G, S = 4, 4
         for k in range(12):
             part = f"p{k}"
@@ -786,13 +726,7 @@ async def test_a_seal_cancelled_while_it_reads_for_its_filters_leaves_them_to_ru
             reward = torch.tensor([0., 1., 2., 3.]).repeat_interleave(G)
             reward[uid == 0] = 1.0  # group 0 carries no signal
             await q.put({"uid": uid, "reward": reward}, partition=part)
-            task = asyncio.ensure_future(q.seal(part))
-            for _ in range(k):
-                await asyncio.sleep(0)
-            task.cancel()
-            try:
-                await task
-            except asyncio.CancelledError:
+            if not await cancel_after_turns(q.seal(part), k):
                 await q.seal(part)  # (it may not have begun; once sealed, it does nothing)
             n = 0
             async for mb in q.stream("t", ["uid", "reward"], 4, partition=part,

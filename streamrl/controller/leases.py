@@ -116,10 +116,7 @@ class Leases(ControllerBase):
                 pc, ph = part.counts.task(task), part.counts.hist(part.counts.delivery, task)
             have = row.fields
             if have is not lhave:  # (rows of one shape share it: see Row.fields)
-                lhave = have
-                lb = 0
-                for f in fields:
-                    lb += have.get(f, 0)
+                lhave, lb = have, _asked(have, fields)
             b = lb
             k += 1
             kb += b
@@ -183,10 +180,7 @@ class Leases(ControllerBase):
                 del row.leased[task]
                 have = row.fields
                 if have is not lhave:  # (rows of one shape share it: see Row.fields)
-                    lhave = have
-                    lb = 0
-                    for f in fields:
-                        lb += have.get(f, 0)
+                    lhave, lb = have, _asked(have, fields)
                 b = lb
                 row.acked |= bit
                 p = row.part
@@ -426,3 +420,11 @@ def _count_acks(p: Partition, task: str, k: int, kb: int) -> None:
     pc[4] += k
     pc[5] += kb
     p.acked[task] = p.acked.get(task, 0) + k
+
+
+def _asked(have: dict[str, int], fields: Iterable[str]) -> int:
+    """The bytes of ``fields`` in a row's record of field sizes ``have``."""
+    b = 0
+    for f in fields:
+        b += have.get(f, 0)
+    return b
