@@ -153,11 +153,17 @@ class Index(ControllerBase):
                     or self.sealed_all):
                 self.woken.add(sub.key)
             return
-        gk = (row.part.name, row.tags[sub.group_by])
+        self._check_complete(sub, self._bucket(sub, row))
+        self.woken.add(sub.key)
+
+    @staticmethod
+    def _bucket(sub: _Sub, row: Row) -> tuple:
+        """Put ``row`` in its group's bucket of grouped ``sub`` (and in ``avail``);
+        returns the group's key. Whether the group is whole is the caller's to check."""
+        gk = (row.part.name, row.tags[sub.group_by])  # type: ignore[index]
         sub.buckets.setdefault(gk, {})[row.id] = None
         sub.avail[row.id] = None
-        self._check_complete(sub, gk)
-        self.woken.add(sub.key)
+        return gk
 
     def _remove(self, sub: _Sub, row: Row) -> None:
         del sub.avail[row.id]
@@ -223,10 +229,7 @@ class Index(ControllerBase):
                             sub.avail[rid] = None
                             grew[sub] = grew.get(sub, False) or part.sealed
                         else:  # (_add, its check of the group deferred)
-                            gk = (part.name, row.tags[sub.group_by])
-                            sub.buckets.setdefault(gk, {})[rid] = None
-                            sub.avail[rid] = None
-                            gained[(sub, gk)] = None
+                            gained[(sub, self._bucket(sub, row))] = None
                 elif rid in sub.avail:
                     self._remove(sub, row)
         for sub, gk in gained:
@@ -272,14 +275,14 @@ class Index(ControllerBase):
 
     def _wake_groups(self, name: str, left: Collection[tuple[str, Hashable]]) -> None:
         """:meth:`_wake_part` after rows of sealed (or closed) partition ``name`` were
-        dropped, members of the groups ``left`` names (``(tag, value)``): only those
-        groups are looked at again. A group of a sealed partition is whole once every
-        member the task still owes is ready (see :meth:`_group_complete`), so a drop
-        changes that for the groups it took members from alone; a drop that settles the
-        partition's keys (the last write that could add a member) is
-        :meth:`_recheck_short`'s. :meth:`_wake_part` looks at every group: with many
-        groups held, a drain that dropped rows batch by batch paid for all of them each
-        time."""
+        dropped, acknowledged or given back, members of the groups ``left`` names
+        (``(tag, value)``): only those groups are looked at again. A group of a sealed
+        partition is whole once every member the task still owes is ready (see
+        :meth:`_group_complete`), so a drop or an ack changes that for the groups of
+        its rows alone; a drop that settles the partition's keys (the last write that
+        could add a member) is :meth:`_recheck_short`'s. :meth:`_wake_part` looks at
+        every group: with many groups held, a drain paid for all of them at every
+        batch."""
         for sub in self._candidates(name):
             if sub.group_by is not None:
                 for f, v in left:
