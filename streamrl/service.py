@@ -221,7 +221,8 @@ class ControllerService:
                     raise
                 if err is not None:
                     (quiet if job.id in self._quiet_jobs else errors).append(err)
-                self._quiet_jobs.discard(job.id)
+                if not self.ctl.job_live(job.id):  # (done: a job queued again stays quiet)
+                    self._quiet_jobs.discard(job.id)
         for e in quiet:
             log.error("streamrl: %s", e)
         if errors:

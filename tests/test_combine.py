@@ -509,6 +509,42 @@ async def test_a_writer_never_gets_the_filter_failure_of_staged_rows(caplog):
         assert (st.rows, st.filter_errors) == (0, 2) and "never" in caplog.text
 
 
+async def test_a_staged_rows_filter_job_run_again_still_fails_quietly(caplog):
+    """Embedded: the filter job of staged rows is read again when one of its rows was
+    dropped as it was read; its failure on the rows left is still logged, not raised
+    to the writer whose commit ran it (the job stays one of the staged rows' until it
+    is done)."""
+    import streamrl
+    from streamrl.errors import RowsDropped
+
+    async with streamrl.StreamQueue(capacity=64, consumers=["t"]) as q:
+        def picky(td):
+            raise ValueError("never")
+
+        await q.add_filter(picky, fields=["uid"], group_by="uid", group_size=3,
+                           name="picky")
+        await first_use(q)
+        for i in range(3):
+            await q.put(rewarded(i, 5, float(i)), partition="p")
+        svc = q.session.transport.control
+        inner = svc.data.get
+        raced: list = []
+
+        async def racing_get(parts):
+            if not raced:
+                (_, rows, _), = parts
+                raced.append(rows[0])
+                svc.ctl.drop([rows[0]])
+                raise RowsDropped("(a test: dropped as it was read)", [rows[0]])
+            return await inner(parts)
+
+        svc.data.get = racing_get
+        svc.flush()
+        await svc._after(raise_filter_errors=True)  # as a later writer's commit does
+        st = await q.stats()
+        assert raced and (st.rows, st.filter_errors) == (0, 2) and "never" in caplog.text
+
+
 async def test_a_one_row_put_whose_group_key_is_no_scalar_raises_and_leaves_nothing(make_queue):
     """Staged rows with a key, then a one-row put whose key is not one scalar: it is not
     staged, raises SchemaError and leaves nothing; the staged rows and the puts after it
