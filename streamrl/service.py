@@ -40,7 +40,7 @@ from .messages import (END, CommitResult, Delivery, DropReason, FilterJob, Filte
                        PutStatus, Request, WriteToken)
 from .checkpoint.cut import CheckpointCut, Hold
 from .errors import (CheckpointError, FilterError, InvalidArgument, LeaseExpired, QueueClosed,
-                     QueueFull, RowsDropped, SchemaError, StreamRLError, StreamTimeout)
+                     QueueFull, RowsDropped, RowsLost, SchemaError, StreamRLError, StreamTimeout)
 from .stats import Histogram, Stats, TaskStats, partition_stats
 from .transport.base import Column, DataPlane
 
@@ -957,8 +957,9 @@ class ControllerService:
         and set of fields (a call per job costs a Ray controller a round trip to a unit
         each: with groups of 8, most of what a filter costs it). Jobs whose rows are all
         gone, or a lone job, read nothing here (:meth:`_run_filter` reads for itself).
-        Rows dropped from storage meanwhile: nothing is read here either (each job reads
-        its own rows and judges the rest later, as alone)."""
+        Rows dropped from storage meanwhile, or lost with a unit: nothing is read here
+        either (each job reads its own rows and judges the rest later, as alone; a put
+        whose commit made the jobs is never failed by rows of others lost here)."""
         from .columns import assemble
 
         read: _FilterRead = {}
@@ -982,7 +983,7 @@ class ControllerService:
         keys = list(want)
         try:
             got = await self.data.get([(s, list(want[(s, fs)]), list(fs)) for s, fs in keys])
-        except RowsDropped:
+        except (RowsDropped, RowsLost):  # (each job reads alone, and sees what it lost)
             return {}
         for (s, fs), g in zip(keys, got):
             read[(s, fs)] = ({r: i for i, r in enumerate(want[(s, fs)])},
@@ -1029,13 +1030,16 @@ class ControllerService:
             if inspect.isawaitable(verdict):
                 verdict = await verdict
             keep = _verdict(verdict, len(order), job.filter)
-        except RowsDropped as e:
-            # rows dropped while they were read: the job runs again on the others (they
-            # are judged all the same, never let through unjudged); rows storage has no
-            # more leave the controller too
+        except (RowsDropped, RowsLost) as e:
+            # rows dropped while they were read, or lost with their unit: the job runs
+            # again on the others (they are judged all the same, never let through
+            # unjudged, nor dropped as if the filter had failed); rows storage has no
+            # more leave the controller too (lost ones as "lost", if the data plane has
+            # not told it already)
             gone = [r for r in set(e.rows).intersection(live) if r in self.ctl.rows]
             if gone:
-                self.ctl.drop(gone)
+                self.ctl.drop(gone, DropReason.LOST if isinstance(e, RowsLost)
+                              else DropReason.DROPPED)
             if any(r not in self.ctl.rows for r in live):  # (fewer each time: it ends)
                 self.ctl.filter_retry(job.id)
                 return None

@@ -15,8 +15,8 @@ import streamrl
 from grpo_cancel import CountingReads, cancel_after_turns
 from streamrl import filters
 from streamrl.controller import imbalance
-from streamrl.errors import (DispatchError, FilterError, InvalidArgument, RowsDropped, SchemaError,
-                             StreamTimeout)
+from streamrl.errors import (DispatchError, FilterError, InvalidArgument, RowsDropped, RowsLost,
+                             SchemaError, StreamTimeout)
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -803,3 +803,98 @@ async def test_a_group_whose_member_is_dropped_while_it_is_read_is_still_judged(
         assert judged == [[7, 7, 7]]  # the three rows left, judged (and rejected)
         st = await q.stats()
         assert (st.rows, st.filtered_by) == (0, {"reject": 3})
+
+
+def _losing_read(svc, shard: int, *, at_call: int = 0):
+    """Make the controller's storage reads lose unit ``shard`` at its ``at_call``-th read
+    that touches it: as the Ray data plane does, the controller learns the unit is gone
+    (``mark_lost``) and the read raises RowsLost naming the rows asked of it. Returns the
+    list of reads made (each a list of (shard, rows))."""
+    inner = svc.data.get
+    reads: list = []
+
+    async def get(parts):
+        reads.append([(s, list(r)) for s, r, _ in parts])
+        mine = [r for s, rows, _ in parts if s == shard for r in rows]
+        if mine and sum(1 for rd in reads if any(s == shard for s, _ in rd)) == at_call + 1:
+            svc.ctl.mark_lost(shard)
+            raise RowsLost(f"(a test: unit {shard} died during the read)", mine, shard)
+        return await inner(parts)
+
+    svc.data.get = get
+    return reads
+
+
+async def test_a_group_whose_unit_dies_while_it_is_read_is_judged_on_the_rows_left():
+    """A storage unit dies while a group's filter job reads it (RowsLost): its rows count
+    as lost, and the group's rows on the living units are judged by the filter all the
+    same, not dropped as if the filter had failed."""
+    async with streamrl.StreamQueue(capacity=64, num_shards=2, consumers=["t"]) as q:
+        judged: list = []
+
+        def reject_all(td):
+            judged.append(td["reward"].tolist())
+            return False
+
+        await q.add_filter(reject_all, fields=["uid", "reward"], group_by="uid",
+                           group_size=4, name="reject")
+        svc = q.session.transport.control
+        await q.put({"uid": torch.full((2,), 7), "reward": torch.tensor([0.0, 1.0])},
+                    partition="p")
+        await q.put({"uid": torch.full((2,), 7), "reward": torch.tensor([2.0, 3.0])},
+                    partition="p")
+        await q.seal("p")
+        with pytest.raises(streamrl.errors.EndOfStream):
+            await q.get("t", ["uid", "reward"], 1, partition="p", timeout=5)
+        assert judged == [[0.0, 1.0, 2.0, 3.0]]  # (all units up: the whole group)
+        # again, the second put's unit dying as the job reads it
+    async with streamrl.StreamQueue(capacity=64, num_shards=2, consumers=["t"]) as q:
+        judged.clear()
+        await q.add_filter(reject_all, fields=["uid", "reward"], group_by="uid",
+                           group_size=4, name="reject")
+        svc = q.session.transport.control
+        a = await q.put({"uid": torch.full((2,), 7), "reward": torch.tensor([0.0, 1.0])},
+                        partition="p")
+        lost_shard = 1 - a.shards[0]
+        _losing_read(svc, lost_shard)
+        # the put completing the group is not told of a unit that died under the filter
+        await q.put({"uid": torch.full((2,), 7), "reward": torch.tensor([2.0, 3.0])},
+                    partition="p")
+        await q.seal("p")
+        with pytest.raises(streamrl.errors.EndOfStream):  # (nothing let through)
+            await q.get("t", ["uid", "reward"], 1, partition="p", timeout=5)
+        assert judged == [[0.0, 1.0]]  # the rows left, judged (and rejected)
+        st = await q.stats()
+        assert st.rows == 0 and st.filter_errors == 0
+        assert st.dropped_by.get("lost") == 2 and st.filtered_by == {"reject": 2}
+
+
+async def test_a_unit_dying_during_a_shared_filter_read_does_not_fail_the_put():
+    """The filter jobs of one round are read together: a unit dying during that read
+    (RowsLost) does not reach the put that completed the groups (its rows are stored
+    and committed; a retry would duplicate them), and every group is still judged on
+    the rows it has left."""
+    async with streamrl.StreamQueue(capacity=64, num_shards=2, consumers=["t"]) as q:
+        judged: list = []
+
+        def keep_all(td):
+            judged.append(sorted(td["uid"].tolist()))
+            return True
+
+        await q.add_filter(keep_all, fields=["uid"], group_by="uid", group_size=2,
+                           name="keep")
+        svc = q.session.transport.control
+        # the first member of each of 3 groups on one unit, the second on the other
+        first = await q.put({"uid": torch.tensor([1, 2, 3])}, partition="p")
+        unit0 = first.shards[0]
+        reads = _losing_read(svc, 1 - unit0)
+        second = await q.put({"uid": torch.tensor([1, 2, 3])}, partition="p")
+        assert second.rows[0] not in svc.ctl.rows  # (lost)
+        assert len(reads[0]) == 2, "the jobs were read together, from both units"
+        await q.seal("p")
+        got = []
+        async for mb in q.stream("t", ["uid"], 1, partition="p", timeout=5):
+            got += (await mb.materialize())["uid"].tolist()
+        assert sorted(got) == [1, 2, 3] and sorted(judged) == [[1], [2], [3]]
+        st = await q.stats()
+        assert st.filter_errors == 0 and st.dropped_by.get("lost") == 3
