@@ -209,3 +209,30 @@ async def test_rows_lost_with_their_unit_are_counted_lost_not_consumed(make_queu
     assert st.dropped_by.get("lost", 0) == on_dead
     assert st.dropped_by.get("consumed", 0) == 8 - on_dead
     assert st.put == st.rows + st.dropped
+
+
+async def test_a_unit_dying_under_a_group_filter_loses_its_rows_not_the_group(make_queue):
+    """A group over two units, one of which dies before the group is whole: the filter
+    job (run in the controller) finds the dead unit as it reads the group; the rows it
+    held count as ``lost``, the rest of the group is judged by the filter (here: equal
+    rewards, rejected) rather than dropped as a filter error, and the put that made the
+    group whole is not failed for it (its rows were committed)."""
+    from streamrl import filters
+
+    q = make_queue(num_shards=2, consumers=["t"])
+    await q.add_filter(filters.zero_variance("reward", group_by="uid", group_size=4))
+    a = await q.put({"uid": torch.full((2,), 7), "reward": torch.ones(2)}, partition="p")
+    await _kill(q._transport._units[a.shards[0]])
+    with anyio.fail_after(60):  # (the next put goes to the other unit: round robin)
+        b = await q.put({"uid": torch.full((2,), 7), "reward": torch.ones(2)},
+                        partition="p")
+    assert b.shards[0] != a.shards[0]
+    with anyio.fail_after(60):
+        while True:  # (filters run in the background: stats are eventually consistent)
+            st = await q.stats()
+            if st.rows == 0:
+                break
+            await anyio.sleep(0.05)
+    assert st.dropped_by.get("lost") == 2 and st.filter_errors == 0
+    assert st.filtered_by == {"zero_variance": 2}
+    assert st.put == st.rows + st.dropped
