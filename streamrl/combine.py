@@ -37,7 +37,8 @@ leased to that unit ahead.
 
 Filters judge staged rows once they are flushed, as they judge any others (a row is held
 back from requests of a filter's fields until it is judged); their work runs in a task
-after the flush. One promise differs: a filter that fails on staged rows is logged and
+after the flush, and the puts that come meanwhile are staged as usual (the task runs
+once the producer yields). One promise differs: a filter that fails on staged rows is logged and
 counted (``stats().filter_errors``), not raised, as for the runs ``seal`` triggers: the
 puts that made those rows have returned (the GRPO pattern, one-row puts judged by a
 zero-variance filter per group, takes 0.32x the time it took when such puts went the
@@ -236,7 +237,9 @@ class CombiningService(ControllerService):
             self._loop = loop
         elif loop is not self._loop:
             return False
-        if not self._done_now():  # storage deletes or filter work pending: the usual way
+        # storage I/O or filter work pending: the usual way (which does it), except for
+        # filter jobs that a flush's task will run (see _jobs_in_hand)
+        if not self._done_now(jobs_ok=self._jobs_in_hand()):
             return False
         dead = ctl.dead_shards
         shard = self._turn % ctl.num_shards
@@ -334,10 +337,21 @@ class CombiningService(ControllerService):
             # a failure is logged (and counted), as for the runs seal causes, never raised
             # to a later writer that happens to run them
             self._quiet_jobs.update(j.id for j in ctl.filter_jobs[jobs:])
-            task = self._loop.create_task(self._after())  # type: ignore[union-attr]
-            self._tasks.add(task)
-            task.add_done_callback(self._tasks.discard)
+            if not self._jobs_in_hand():  # (one still to run does this work too)
+                task = self._loop.create_task(self._after())  # type: ignore[union-attr]
+                self._tasks.add(task)
+                task.add_done_callback(self._tasks.discard)
 
+    def _jobs_in_hand(self) -> bool:
+        """Whether a task started by a flush is still to run (or running) the filter
+        jobs queued now: a stage may open meanwhile. Such a task drains the controller's
+        outbox again after each of its awaits, so a job queued before it ends is run by
+        it; a put that went the usual way instead would run the jobs itself (the filter
+        work of a round landing on one put of ~64)."""
+        for t in self._tasks:
+            if not t.done():
+                return True
+        return False
 
     def _sync_ok(self) -> bool:
         try:

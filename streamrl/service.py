@@ -125,14 +125,16 @@ class ControllerService:
         self.ctl.filter_jobs.extend(jobs)
         self._wake(woken, changed, freed)
 
-    def _done_now(self) -> bool:
+    def _done_now(self, jobs_ok: bool = False) -> bool:
         """Do at once what :meth:`_after` would, when that is only waking waiters (no
         storage I/O, filter jobs, deferred releases or checkpoint hold): ``True``; else
         ``False`` and nothing is done (await :meth:`_after`). Saves the hot paths a
         coroutine per call. Storage deletes count as nothing to await where
-        :meth:`_delete_sync` does them at once (in-process storage units)."""
+        :meth:`_delete_sync` does them at once (in-process storage units).
+        ``jobs_ok``: filter jobs queued do not count (the caller knows a task that
+        will run them: see ``CombiningService._open``)."""
         ctl = self.ctl
-        if (ctl.filter_jobs or ctl.field_deletes or self._deferred
+        if ((ctl.filter_jobs and not jobs_ok) or ctl.field_deletes or self._deferred
                 or self._hold is not None or self._loop is None):
             return False
         if ctl.deletes:

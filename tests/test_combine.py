@@ -629,6 +629,48 @@ async def test_the_stage_flushes_when_full_and_at_the_end_of_the_iteration(make_
     assert xa.untyped_storage().data_ptr() == xb.untyped_storage().data_ptr()
 
 
+
+async def test_a_flush_that_queues_filter_jobs_leaves_them_to_its_task(make_queue, transport):
+    """A full stage is flushed inside a put, and its rows' commit queues filter jobs
+    (a group filter: groups of 8 whole): the flush starts a task that runs them. The
+    next one-row put is staged like any other, not sent the usual way to run those
+    jobs itself (which made one put in ~64 carry a whole round of filter work); the
+    task judges every group once the producer yields, and nothing is left behind."""
+    if transport != "embedded":
+        pytest.skip("write-combining is the embedded transport's")
+    judged: list = []
+
+    def keep_odd_groups(td):
+        judged.append(td["uid"][0].item())
+        return td["uid"][0].item() % 2 == 1
+
+    q = make_queue(capacity=1024, consumers=["t"])
+    await q.add_filter(keep_odd_groups, fields=["uid", "r"], group_by="uid", group_size=8,
+                       name="odd")
+    svc = q.session.transport.control
+    n = svc.max_rows
+    for i in range(n):  # without yielding: the last put fills the stage and flushes it
+        await q.put(rewarded(i, i // 8, float(i)), partition="p")
+    assert svc.staged == 0 and judged == [] and svc.ctl.filter_jobs
+    await q.put(rewarded(n, n // 8, float(n)), partition="p")
+    assert svc.staged == 1, "the put after the flush was not staged"
+    assert judged == [], "the put after the flush ran the filter jobs itself"
+    for i in range(n + 1, n + 8):
+        await q.put(rewarded(i, i // 8, float(i)), partition="p")
+    await q.seal("p")
+    got = []
+    async for mb in q.stream("t", ["uid", "r"], 8, partition="p", group_by="uid",
+                             group_size=8, timeout=10):
+        got += set((await mb.materialize())["uid"].tolist())
+    got.sort()
+    groups = (n + 8) // 8
+    assert sorted(judged) == list(range(groups))
+    assert got == [u for u in range(groups) if u % 2 == 1]
+    st = await _settled(q, lambda st: st.rows == 0)
+    rejected = 8 * sum(1 for u in range(groups) if u % 2 == 0)
+    assert (st.rows, st.filtered_by, st.filter_errors) == (0, {"odd": rejected}, 0)
+
+
 # ---------------------------------------------------------------- backends that write files
 
 
