@@ -337,10 +337,11 @@ class CombiningService(ControllerService):
             # a failure is logged (and counted), as for the runs seal causes, never raised
             # to a later writer that happens to run them
             self._quiet_jobs.update(j.id for j in ctl.filter_jobs[jobs:])
-            if not self._jobs_in_hand():  # (one still to run does this work too)
-                task = self._loop.create_task(self._after())  # type: ignore[union-attr]
-                self._tasks.add(task)
-                task.add_done_callback(self._tasks.discard)
+            # (a task a flush, even with one still running: that one may be awaiting a
+            # slow async filter, and this one runs the new jobs meanwhile)
+            task = self._loop.create_task(self._after())  # type: ignore[union-attr]
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
 
     def _jobs_in_hand(self) -> bool:
         """Whether a task started by a flush is still to run (or running) the filter

@@ -671,6 +671,46 @@ async def test_a_flush_that_queues_filter_jobs_leaves_them_to_its_task(make_queu
     assert (st.rows, st.filtered_by, st.filter_errors) == (0, {"odd": rejected}, 0)
 
 
+
+async def test_a_slow_async_filter_holds_up_neither_the_producer_nor_later_groups(
+        make_queue, transport):
+    """An async filter blocked on one group (a remote reward model that hangs): the
+    one-row puts that follow are still staged and return at once, and the groups of
+    later flushes are judged meanwhile (each flush's task runs the jobs it finds)."""
+    if transport != "embedded":
+        pytest.skip("write-combining is the embedded transport's")
+    gate = asyncio.Event()
+    judged: list = []
+
+    async def slow_on_group_0(td):
+        uid = td["uid"][0].item()
+        if uid == 0:
+            await gate.wait()
+        judged.append(uid)
+        return True
+
+    q = make_queue(capacity=1024, consumers=["t"])
+    await q.add_filter(slow_on_group_0, fields=["uid", "r"], group_by="uid", group_size=8,
+                       name="slow")
+    svc = q.session.transport.control
+    n = svc.max_rows
+    for i in range(n):  # 8 groups, flushed by the last put: their task starts
+        await q.put(rewarded(i, i // 8, float(i)), partition="p")
+    for _ in range(5):
+        await asyncio.sleep(0)
+    assert judged == []  # (the task is stuck on group 0; the rest of its round waits)
+    with anyio.fail_after(5):  # (the producer is not held up by the stuck filter)
+        for i in range(n, 2 * n):
+            await q.put(rewarded(i, i // 8, float(i)), partition="p")
+    assert svc.staged == 0
+    for _ in range(20):
+        await asyncio.sleep(0)
+    assert sorted(judged) == list(range(n // 8, 2 * n // 8)), judged
+    gate.set()
+    st = await _settled(q, lambda st: st.rows == 2 * n and len(judged) == 2 * n // 8)
+    assert sorted(judged) == list(range(2 * n // 8)) and st.filter_errors == 0
+
+
 # ---------------------------------------------------------------- backends that write files
 
 
