@@ -1033,15 +1033,21 @@ class ControllerService:
                 verdict = await verdict
             keep = _verdict(verdict, len(order), job.filter)
         except (RowsDropped, RowsLost) as e:
+            if not self.ctl.job_live(job.id):
+                # withdrawn meanwhile: the write of a field it reads was taken back (its
+                # writer was cancelled), which is why storage had it no more. The rows
+                # are alive: they are judged once the field is written again
+                return None
             # rows dropped while they were read, or lost with their unit: the job runs
             # again on the others (they are judged all the same, never let through
-            # unjudged, nor dropped as if the filter had failed); rows storage has no
-            # more leave the controller too (lost ones as "lost", if the data plane has
-            # not told it already)
-            gone = [r for r in set(e.rows).intersection(live) if r in self.ctl.rows]
-            if gone:
-                self.ctl.drop(gone, DropReason.LOST if isinstance(e, RowsLost)
-                              else DropReason.DROPPED)
+            # unjudged, nor dropped as if the filter had failed). Rows lost with their
+            # unit or holder leave the controller as "lost" (if the data plane has not
+            # told it already); rows a RowsDropped names are only ever dropped by the
+            # controller, which storage follows, never the other way round
+            if isinstance(e, RowsLost):
+                gone = [r for r in set(e.rows).intersection(live) if r in self.ctl.rows]
+                if gone:
+                    self.ctl.drop(gone, DropReason.LOST)
             if any(r not in self.ctl.rows for r in live):  # (fewer each time: it ends)
                 self.ctl.filter_retry(job.id)
                 return None

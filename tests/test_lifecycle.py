@@ -898,3 +898,49 @@ async def test_a_unit_dying_during_a_shared_filter_read_does_not_fail_the_put():
         assert sorted(got) == [1, 2, 3] and sorted(judged) == [[1], [2], [3]]
         st = await q.stats()
         assert st.filter_errors == 0 and st.dropped_by.get("lost") == 3
+
+
+async def test_a_write_taken_back_while_its_filter_job_reads_it_loses_no_row():
+    """A write of a filter's field is taken back (its writer was cancelled) while the
+    filter job it made reads it: the read finds the field gone (RowsDropped naming the
+    rows). The rows themselves are alive: they stay, unjudged, and are judged once the
+    field is written again. (Until stop 43 the controller dropped them, as rows storage
+    no longer had: samples lost, seen under load in the rdt chaos run.)"""
+    async with streamrl.StreamQueue(capacity=64, num_shards=1, consumers=["t"]) as q:
+        judged: list = []
+
+        def keep_all(td):
+            judged.append(td["reward"].tolist())
+            return True
+
+        await q.add_filter(keep_all, fields=["uid", "reward"], group_by="uid", group_size=2,
+                           name="keep")
+        svc = q.session.transport.control
+        rows = await q.put({"uid": torch.full((2,), 7)}, partition="p")
+        tokens: list = []
+        commit = svc.ctl.commit
+
+        def recording_commit(tok, *a, **kw):
+            tokens.append(tok)
+            return commit(tok, *a, **kw)
+
+        svc.ctl.commit = recording_commit
+        inner = svc.data.get
+        raced: list = []
+
+        async def racing_get(parts):
+            if not raced:  # (the writer's retract lands as the job reads the field)
+                raced.append(svc.ctl.retract(tokens[-1]))
+                raise RowsDropped("(a test: the field was taken back as it was read)",
+                                  [r for _, rs, _ in parts for r in rs])
+            return await inner(parts)
+
+        svc.data.get = racing_get
+        await q.put({"reward": torch.tensor([1.0, 2.0])}, rows=rows)
+        assert raced and judged == []
+        st = await q.stats()
+        assert (st.rows, st.dropped_by, st.filter_errors) == (2, {}, 0)
+        await q.put({"reward": torch.tensor([3.0, 4.0])}, rows=rows)  # written again
+        mb = await q.get("t", ["uid", "reward"], 2, partition="p", timeout=5)
+        assert (await mb.materialize())["reward"].tolist() == [3.0, 4.0]
+        assert judged == [[3.0, 4.0]]
