@@ -203,6 +203,28 @@ def controller_batched(total_rows: int, batch: int = 256, *, controller=Controll
     return total_rows / (clock() - t0)
 
 
+def controller_grouped(total_rows: int, batch: int = BATCH, size: int = GROUP) -> float:
+    """Rows per CPU-second through the bare controller on the GRPO pattern: puts of
+    ``batch`` rows with a group key (``uid``, ``size`` rows a group, values given with
+    the commit, as a producer's put sends them), a grouped subscription taking whole
+    groups (``batch`` rows a take), an ack that drops them."""
+    c = Controller(1 << 16, num_shards=4, consumers=["t"])
+    c.register_tag("uid")
+    req = Request("t", ("x", "uid"), batch, partition="p", group_by="uid", group_size=size)
+    c.take(req)  # the subscription exists (a consumer waits)
+    nb = {"x": [8] * batch, "uid": [8] * batch}
+    keys = [[k * (batch // size) + i // size for i in range(batch)]
+            for k in range(total_rows // batch)]
+    t0 = time.process_time()
+    for uids in keys:
+        tok = c.allocate("p", batch, ("x", "uid"), nbytes=16 * batch)
+        c.commit(tok, nb, {"uid": uids})
+        d = c.take(req)
+        c.ack([d.lease])
+        c.drain()
+    return total_rows / (time.process_time() - t0)
+
+
 def controller_one_row(total_rows: int) -> float:
     """Seconds of controller work per one-row put (allocate + commit) with a waiting
     subscription taking 64-row batches: what one controller core carries."""
@@ -530,6 +552,8 @@ async def main() -> None:
     res["pace"] = pace(b * 1e6)
     res["controller_batched_rows_per_s"] = med([controller_batched(256_000) for _ in range(a.reps)])
     res["controller_one_row_us"] = med([controller_one_row(a.rows) for _ in range(a.reps)]) * 1e6
+    res["controller_grouped_rows_per_cpu_s"] = med([controller_grouped(128_000)
+                                                    for _ in range(a.reps)])
     res["controller_sealed_drain_us"] = {
         (g, k): med([controller_sealed_drain(g, consumers=k) for _ in range(a.reps)]) * 1e6
         for k in (True, False) for g in (128, 2048)}
@@ -561,6 +585,9 @@ async def main() -> None:
     print(f"bare controller, one-row put with a waiting subscription: "
           f"{res['controller_one_row_us']:.1f} us/row, "
           f"{res['controller_one_row_us'] * scale:.1f} at the issue's pace")
+    print(f"bare controller, GRPO pattern ({BATCH}-row puts with a group key, whole groups "
+          f"of {GROUP} taken, acked): {res['controller_grouped_rows_per_cpu_s']:,.0f} rows "
+          "per CPU-second")
     d = res.pop("controller_sealed_drain_us")
     for k, how in ((True, "acks drop the rows"), (False, "no consumers: rows stay")):
         print(f"bare controller, draining a sealed partition by whole groups of {GROUP} "

@@ -511,6 +511,7 @@ class Admission(ControllerBase):
         tsum = sum(tmpl.values()) if tmpl else 0
         src = new = None  # (with uni: the last row's dict before and after)
         dsum = 0
+        fresh = list(tags.items()) if tags and tok.new_rows else None  # (tags of new rows)
         for i, rid in enumerate(tok.rows):
             row = rows.get(rid)
             if row is None:
@@ -543,8 +544,23 @@ class Admission(ControllerBase):
                 if uni is not None:
                     src, new, dsum = have, mine, delta
             if tags:
-                for f, vals in tags.items():
-                    self._set_tag(row, f, vals[i])
+                if fresh is not None and not row.tags:  # (_set_tag of a new row, inlined)
+                    mine_t = {}
+                    pg = row.part.groups
+                    for f, vals in fresh:
+                        v = vals[i]
+                        mine_t[f] = v
+                        byv = pg.get(f)
+                        if byv is None:
+                            byv = pg[f] = {}
+                        grp = byv.get(v)
+                        if grp is None:
+                            grp = byv[v] = {}
+                        grp[rid] = None
+                    row.tags = mine_t
+                else:
+                    for f, vals in tags.items():
+                        self._set_tag(row, f, vals[i])
             touched.append(row)
         self.bytes_held += added
         self.c_bytes_put += max(added, 0)

@@ -161,8 +161,12 @@ class Index(ControllerBase):
         """Put ``row`` in its group's bucket of grouped ``sub`` (and in ``avail``);
         returns the group's key. Whether the group is whole is the caller's to check."""
         gk = (row.part.name, row.tags[sub.group_by])  # type: ignore[index]
-        sub.buckets.setdefault(gk, {})[row.id] = None
-        sub.avail[row.id] = None
+        b = sub.buckets.get(gk)
+        if b is None:  # (not setdefault: that makes a dict each call)
+            b = sub.buckets[gk] = {}
+        rid = row.id
+        b[rid] = None
+        sub.avail[rid] = None
         return gk
 
     def _remove(self, sub: _Sub, row: Row) -> None:
@@ -177,6 +181,36 @@ class Index(ControllerBase):
                     sub.complete.pop(gk, None)
                 else:
                     self._check_complete(sub, gk)
+
+    def _remove_many(self, sub: _Sub, rows: list[Row]) -> None:
+        """:meth:`_remove` of those of ``rows`` that ``sub`` holds, each group they
+        leave checked once at the end (a take of whole groups empties their buckets:
+        no check at all), not once a row."""
+        avail = sub.avail
+        gb = sub.group_by
+        if gb is None:
+            for row in rows:
+                avail.pop(row.id, None)
+            return
+        buckets = sub.buckets
+        left: dict[tuple, None] = {}  # groups that lost members and still have some
+        for row in rows:
+            rid = row.id
+            if rid not in avail:
+                continue
+            del avail[rid]
+            gk = (row.part.name, row.tags.get(gb, _MISSING))
+            b = buckets.get(gk)
+            if b is not None:
+                b.pop(rid, None)
+                if b:
+                    left[gk] = None
+                else:
+                    del buckets[gk]
+                    sub.complete.pop(gk, None)
+                    left.pop(gk, None)
+        for gk in left:
+            self._check_complete(sub, gk)
 
     def _check_complete(self, sub: _Sub, gk: tuple) -> None:
         b = sub.buckets.get(gk)

@@ -55,7 +55,8 @@ class Leases(ControllerBase):
         rows = self.rows
         last = None
         plain: list[dict[int, None]] = []  # the task's ungrouped subscriptions' rows
-        grouped: list[_Sub] = []
+        grouped: list[list[Row]] = []  # per grouped subscription of the task, rows to remove
+        taken: dict[_Sub, list[Row]] = {}
         objs = [rows[rid] for rid in rids]
         for row in objs:  # (_unindex of the task, inlined: the hot loop of a take)
             rid = row.id
@@ -71,12 +72,13 @@ class Leases(ControllerBase):
                         if s.group_by is None:
                             plain.append(s.avail)
                         else:
-                            grouped.append(s)
+                            grouped.append(taken.setdefault(s, []))
             for avail in plain:
                 avail.pop(rid, None)
-            for s in grouped:
-                if rid in s.avail:
-                    self._remove(s, row)
+            for out in grouped:
+                out.append(row)
+        for s, out in taken.items():  # (whole groups, mostly: each group checked once)
+            self._remove_many(s, out)
         lease.claimed = False
         nbytes = self._claim(lease, objs) if claimed else None
         return self._delivery(lid, req, sub, rids, rank, dispatch, nbytes, objs=objs)

@@ -180,13 +180,18 @@ class Lifecycle(ControllerBase):
                 packed[acked] = packed.get(acked, 0) + 1
             if row.tags:
                 for f, v in row.tags.items():
-                    grp = p.groups.get(f, {}).get(v)
-                    if grp is not None:
-                        grp.pop(rid, None)
-                        if not grp:
-                            del p.groups[f][v]
+                    byv = p.groups.get(f)  # (not .get(f, {}): that makes a dict a row)
+                    if byv is not None:
+                        grp = byv.get(v)
+                        if grp is not None:
+                            grp.pop(rid, None)
+                            if not grp:
+                                del byv[v]
                     if p.sealed or self.closed:  # (see _wake_groups)
-                        left.setdefault(p, set()).add((f, v))
+                        lp = left.get(p)
+                        if lp is None:
+                            lp = left[p] = set()
+                        lp.add((f, v))
             for avail in plain:  # (_unindex, inlined)
                 if rid in avail:
                     del avail[rid]
