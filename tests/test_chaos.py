@@ -524,6 +524,7 @@ async def _run(q, rng: random.Random, n_groups: int = 120, one_row: bool = False
              if r in ledger.sid_of and ledger.sid_of[r] != s}
     assert not wrong, f"rows read back with another sample's data (row: put, read): {wrong}"
     ledger.resolve()
+    st_before = await q.stats()
     for task, acked in ledger.acked.items():
         rows = ledger.acked_rows[task]
         dup = {r for r in rows if rows.count(r) > 1}
@@ -536,6 +537,13 @@ async def _run(q, rng: random.Random, n_groups: int = 120, one_row: bool = False
         # (a retried sample comes again as new rows: its first rows, leased, were taken
         # back when their put was cancelled, which is why the late ack found none left)
         again = (set(acked) & ledger.vanished[task]) - ledger.retried
+        if again:  # (what to look at when it fails)
+            print(f"chaos: {task} acked again {sorted(again)}: rows acked",
+                  [(r, ledger.sid_of.get(r, ledger.seen.get(r))) for r in rows
+                   if ledger.sid_of.get(r, ledger.seen.get(r)) in again],
+                  "vanished rows", sorted(ledger.vanished_rows[task]),
+                  "rows put", {s_: r for r, s_ in ledger.sid_of.items() if s_ in again},
+                  "stats", st_before.dropped_by, flush=True)
         assert not again, (
             f"{task}: an expired lease's ack succeeded, yet its samples came again: "
             f"{sorted(again)[:10]}")

@@ -331,9 +331,9 @@ class Leases(ControllerBase):
         pins = self._pins
         for rid in out:
             del pins[rid]
-        for lid, _, _ in self._strip_pads(out):
+        for lid, lease, _ in self._strip_pads(out):
             if lid not in self.leases:
-                self._remember(lid, "acked")
+                self._remember(lid, _ended(lease))
 
     def _lease_changed(self, lease: _Lease) -> None:
         # per partition, the groups of the lease's rows: a sealed group's completeness
@@ -401,6 +401,12 @@ class Leases(ControllerBase):
                 self.release([lid], expired=True)
                 n += 1
         return n
+
+
+def _ended(lease: _Lease) -> str | list:
+    """How ``lease`` ended when its last row left (dropped): as acknowledged, unless a
+    retracted write took rows from it before (see ``retract``), which its ack names."""
+    return ["withdrawn", lease.withdrawn] if lease.withdrawn else "acked"
 
 
 def _count(pc: list[int], tot: list[int], k: int, kb: int, rk: int, rb: int) -> None:

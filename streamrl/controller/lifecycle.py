@@ -10,6 +10,7 @@ from ..errors import InvalidArgument
 from ..messages import DropReason
 from .base import ControllerBase
 from .state import _MISSING, Partition, Row, _consumers
+from .leases import _ended
 
 if TYPE_CHECKING:
     from .index import _Sub
@@ -205,7 +206,8 @@ class Lifecycle(ControllerBase):
                         lease.rows.remove(rid)
                         if not lease.rows:
                             del self.leases[lid]
-                            self._remember(lid, "acked")
+                            # (its ack still names rows a retract took from it)
+                            self._remember(lid, _ended(lease))
                             if lease.pads:
                                 ended.append(lease)
             if row.pending or row.judging:
