@@ -221,9 +221,11 @@ class ControllerModel(RuleBasedStateMachine):
         for lid in row.leased.values():
             task, rows = self.leases[lid]
             rows.remove(rid)
-            if not rows:  # (an emptied lease counts as acked)
+            if not rows:  # (an emptied lease counts as acked, unless a retract took
+                # rows from it before: its ack names them)
                 del self.leases[lid]
-                self.outcome[lid] = "acked"
+                self.outcome[lid] = "withdrawn" if self.lease_withdrawn.pop(lid, None) \
+                    else "acked"
                 # (a reserved share that lost every row of its own: its rank is told
                 # so when it asks, see _claim_share)
                 self.unclaimed.pop(lid, None)
@@ -236,7 +238,8 @@ class ControllerModel(RuleBasedStateMachine):
                     if lid in self.leases and not self.leases[lid][1] and not pads:
                         event("dp: a share of padding only ended: its rows were dropped")
                         del self.leases[lid]  # (as a lease whose last row is dropped)
-                        self.outcome[lid] = "acked"
+                        self.outcome[lid] = ("withdrawn" if self.lease_withdrawn.pop(lid, None)
+                                             else "acked")
                         self.lease_pads.pop(lid)
                         self.unclaimed.pop(lid, None)
         self._retire(row.part)
