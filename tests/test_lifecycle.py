@@ -769,20 +769,28 @@ def test_zero_variance_gives_the_torch_verdict_on_every_reward_it_judges_in_pyth
     assert checked > 4000
 
 
+async def _reject_groups_of_4(q, field: str) -> list:
+    """Add a filter "reject" that rejects every group of 4 rows (by ``uid``, reading
+    ``uid`` and ``reward``); returns the list of the ``field`` values of each group it
+    judged."""
+    judged: list = []
+
+    def reject_all(td):
+        judged.append(td[field].tolist())
+        return False
+
+    await q.add_filter(reject_all, fields=["uid", "reward"], group_by="uid", group_size=4,
+                       name="reject")
+    return judged
+
+
 async def test_a_group_whose_member_is_dropped_while_it_is_read_is_still_judged():
     """A row of a group is dropped while the group's filter job reads it (the storage
     read raises RowsDropped): the rest of the group is judged all the same -- by the
     filter, on the rows left -- never let through unjudged. Embedded, the race made
     with a storage read that drops the row first."""
     async with streamrl.StreamQueue(capacity=64, num_shards=1, consumers=["t"]) as q:
-        judged: list = []
-
-        def reject_all(td):
-            judged.append(td["uid"].tolist())
-            return False
-
-        await q.add_filter(reject_all, fields=["uid", "reward"], group_by="uid",
-                           group_size=4, name="reject")
+        judged = await _reject_groups_of_4(q, "uid")
         svc = q.session.transport.control
         inner = svc.data.get
         raced: list = []
@@ -830,15 +838,7 @@ async def test_a_group_whose_unit_dies_while_it_is_read_is_judged_on_the_rows_le
     as lost, and the group's rows on the living units are judged by the filter all the
     same, not dropped as if the filter had failed."""
     async with streamrl.StreamQueue(capacity=64, num_shards=2, consumers=["t"]) as q:
-        judged: list = []
-
-        def reject_all(td):
-            judged.append(td["reward"].tolist())
-            return False
-
-        await q.add_filter(reject_all, fields=["uid", "reward"], group_by="uid",
-                           group_size=4, name="reject")
-        svc = q.session.transport.control
+        judged = await _reject_groups_of_4(q, "reward")
         await q.put({"uid": torch.full((2,), 7), "reward": torch.tensor([0.0, 1.0])},
                     partition="p")
         await q.put({"uid": torch.full((2,), 7), "reward": torch.tensor([2.0, 3.0])},
@@ -849,9 +849,7 @@ async def test_a_group_whose_unit_dies_while_it_is_read_is_judged_on_the_rows_le
         assert judged == [[0.0, 1.0, 2.0, 3.0]]  # (all units up: the whole group)
         # again, the second put's unit dying as the job reads it
     async with streamrl.StreamQueue(capacity=64, num_shards=2, consumers=["t"]) as q:
-        judged.clear()
-        await q.add_filter(reject_all, fields=["uid", "reward"], group_by="uid",
-                           group_size=4, name="reject")
+        judged = await _reject_groups_of_4(q, "reward")
         svc = q.session.transport.control
         a = await q.put({"uid": torch.full((2,), 7), "reward": torch.tensor([0.0, 1.0])},
                         partition="p")
