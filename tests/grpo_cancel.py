@@ -1,5 +1,5 @@
-"""GRPO puts cancelled at every await, and storage reads seen from the test: shared by
-the cancellation and lifecycle tests of filter jobs read together."""
+"""GRPO puts cancelled at every await, and storage reads seen (or raced) from the test:
+shared by the cancellation, lifecycle and combine tests of filter jobs."""
 
 from __future__ import annotations
 
@@ -67,3 +67,23 @@ async def cancelled_grpo_puts(q, steps: int, groups: int, size: int, pause: floa
         n += len(mb)
         await mb.ack()
     return n
+
+
+def drop_as_read(svc) -> list[int]:
+    """Make the next storage read of controller service ``svc`` (embedded) race a drop:
+    the controller drops the read's first row as the read runs, and the read raises
+    ``RowsDropped`` naming it (a ``drop``, staleness or ``clear`` racing a filter job's
+    read). Returns the list that receives the row so dropped."""
+    inner = svc.data.get
+    raced: list[int] = []
+
+    async def racing_get(parts):
+        if not raced:
+            (_, rows, _), = parts
+            raced.append(rows[0])
+            svc.ctl.drop([rows[0]])  # (the controller drops it as the read runs)
+            raise RowsDropped("(a test: dropped as it was read)", [rows[0]])
+        return await inner(parts)
+
+    svc.data.get = racing_get
+    return raced

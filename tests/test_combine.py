@@ -485,6 +485,19 @@ async def test_a_filter_that_raises_on_staged_one_row_puts_is_logged(make_queue,
     assert await q.audit() == []
 
 
+async def _staged_group_of_a_failing_filter(q, size: int):
+    """A group filter "picky" (groups of ``size`` by ``uid``) that always raises, and one
+    group's one-row puts, staged (embedded); returns the queue's controller service."""
+    def picky(td):
+        raise ValueError("never")
+
+    await q.add_filter(picky, fields=["uid"], group_by="uid", group_size=size, name="picky")
+    await first_use(q)
+    for i in range(size):
+        await q.put(rewarded(i, 5, float(i)), partition="p")
+    return q.session.transport.control
+
+
 async def test_a_writer_never_gets_the_filter_failure_of_staged_rows(caplog):
     """Embedded: the filter jobs of staged rows run in the background after their flush;
     a writer whose commit drains them first (before that task ran) must not raise their
@@ -492,15 +505,7 @@ async def test_a_writer_never_gets_the_filter_failure_of_staged_rows(caplog):
     import streamrl
 
     async with streamrl.StreamQueue(capacity=64, consumers=["t"]) as q:
-        def picky(td):
-            raise ValueError("never")
-
-        await q.add_filter(picky, fields=["uid"], group_by="uid", group_size=2,
-                           name="picky")
-        await first_use(q)
-        for i in range(2):
-            await q.put(rewarded(i, 5, float(i)), partition="p")
-        svc = q.session.transport.control
+        svc = await _staged_group_of_a_failing_filter(q, 2)
         assert svc.staged == 2
         svc.flush()  # (the group's filter job is queued; its task has not run yet)
         assert svc.ctl.filter_jobs
@@ -515,30 +520,11 @@ async def test_a_staged_rows_filter_job_run_again_still_fails_quietly(caplog):
     to the writer whose commit ran it (the job stays one of the staged rows' until it
     is done)."""
     import streamrl
-    from streamrl.errors import RowsDropped
+    from grpo_cancel import drop_as_read
 
     async with streamrl.StreamQueue(capacity=64, consumers=["t"]) as q:
-        def picky(td):
-            raise ValueError("never")
-
-        await q.add_filter(picky, fields=["uid"], group_by="uid", group_size=3,
-                           name="picky")
-        await first_use(q)
-        for i in range(3):
-            await q.put(rewarded(i, 5, float(i)), partition="p")
-        svc = q.session.transport.control
-        inner = svc.data.get
-        raced: list = []
-
-        async def racing_get(parts):
-            if not raced:
-                (_, rows, _), = parts
-                raced.append(rows[0])
-                svc.ctl.drop([rows[0]])
-                raise RowsDropped("(a test: dropped as it was read)", [rows[0]])
-            return await inner(parts)
-
-        svc.data.get = racing_get
+        svc = await _staged_group_of_a_failing_filter(q, 3)
+        raced = drop_as_read(svc)
         svc.flush()
         await svc._after(raise_filter_errors=True)  # as a later writer's commit does
         st = await q.stats()

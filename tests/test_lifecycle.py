@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import streamrl
-from grpo_cancel import CountingReads, cancel_after_turns
+from grpo_cancel import CountingReads, cancel_after_turns, drop_as_read
 from streamrl import filters
 from streamrl.controller import imbalance
 from streamrl.errors import (DispatchError, FilterError, InvalidArgument, RowsDropped, RowsLost,
@@ -791,19 +791,7 @@ async def test_a_group_whose_member_is_dropped_while_it_is_read_is_still_judged(
     with a storage read that drops the row first."""
     async with streamrl.StreamQueue(capacity=64, num_shards=1, consumers=["t"]) as q:
         judged = await _reject_groups_of_4(q, "uid")
-        svc = q.session.transport.control
-        inner = svc.data.get
-        raced: list = []
-
-        async def racing_get(parts):
-            if not raced:
-                (_, rows, _), = parts
-                raced.append(rows[0])
-                svc.ctl.drop([rows[0]])  # (the controller drops it as the read runs)
-                raise RowsDropped("(a test: dropped as it was read)", [rows[0]])
-            return await inner(parts)
-
-        svc.data.get = racing_get
+        drop_as_read(q.session.transport.control)
         await q.put({"uid": torch.full((4,), 7), "reward": torch.arange(4.0)}, partition="p")
         await q.seal("p")
         with pytest.raises(streamrl.errors.EndOfStream):  # (nothing let through)
