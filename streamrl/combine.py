@@ -38,8 +38,8 @@ leased to that unit ahead.
 Filters judge staged rows once they are flushed, as they judge any others (a row is held
 back from requests of a filter's fields until it is judged); their work runs in a task
 after the flush, and the puts that come meanwhile are staged as usual (the task runs
-once the producer yields). One promise differs: a filter that fails on staged rows is logged and
-counted (``stats().filter_errors``), not raised, as for the runs ``seal`` triggers: the
+once the producer yields). One promise differs: a filter that fails on staged rows is
+logged and counted (``stats().filter_errors``), not raised, as for the runs ``seal`` triggers: the
 puts that made those rows have returned (the GRPO pattern, one-row puts judged by a
 zero-variance filter per group, takes 0.32x the time it took when such puts went the
 usual way: docs/benchmarks.md).

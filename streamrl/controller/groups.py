@@ -72,7 +72,13 @@ class Groups(ControllerBase):
             row.tags[f] = v
         else:  # (not the empty dict every row starts with: see Row.tags)
             row.tags = {f: v}
-        row.part.groups.setdefault(f, {}).setdefault(v, {})[row.id] = None
+        byv = row.part.groups.get(f)  # (not setdefault(f, {}): a dict made each call)
+        if byv is None:
+            byv = row.part.groups[f] = {}
+        grp = byv.get(v)
+        if grp is None:
+            grp = byv[v] = {}
+        grp[row.id] = None
 
     @staticmethod
     def _ungroup(row: Row, f: str, v: Hashable) -> None:

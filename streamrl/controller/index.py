@@ -170,28 +170,19 @@ class Index(ControllerBase):
         return gk
 
     def _remove(self, sub: _Sub, row: Row) -> None:
-        del sub.avail[row.id]
-        if sub.group_by is not None:
-            gk = (row.part.name, row.tags.get(sub.group_by, _MISSING))
-            b = sub.buckets.get(gk)
-            if b is not None:
-                b.pop(row.id, None)
-                if not b:
-                    del sub.buckets[gk]
-                    sub.complete.pop(gk, None)
-                else:
-                    self._check_complete(sub, gk)
+        """Take ``row`` (which ``sub`` holds) out of ``sub``."""
+        if sub.group_by is None:
+            del sub.avail[row.id]
+        else:
+            self._remove_many(sub, [row])
 
     def _remove_many(self, sub: _Sub, rows: list[Row]) -> None:
-        """:meth:`_remove` of those of ``rows`` that ``sub`` holds, each group they
+        """Take those of ``rows`` that grouped ``sub`` holds out of it, each group they
         leave checked once at the end (a take of whole groups empties their buckets:
         no check at all), not once a row."""
         avail = sub.avail
         gb = sub.group_by
-        if gb is None:
-            for row in rows:
-                avail.pop(row.id, None)
-            return
+        assert gb is not None  # (grouped only: see _remove)
         buckets = sub.buckets
         left: dict[tuple, None] = {}  # groups that lost members and still have some
         for row in rows:
