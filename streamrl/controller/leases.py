@@ -342,7 +342,9 @@ class Leases(ControllerBase):
         for r in lease.rows:
             row = self.rows.get(r)
             if row is not None:
-                g = groups.setdefault(row.part, set())
+                g = groups.get(row.part)
+                if g is None:  # (not setdefault: a set made for every row)
+                    g = groups[row.part] = set()
                 if row.tags:
                     g.update(row.tags.items())
         for p, left in groups.items():
