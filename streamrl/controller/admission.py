@@ -138,16 +138,11 @@ class Admission(ControllerBase):
         rows, prows = self.rows, p.rows
         if n == 1:  # (every one-row put)
             rid = ids[0]
-            row = Row(rid, p, shards[0], version, born)
-            row.pending = pending
-            row.writing = wmask
-            rows[rid] = prows[rid] = row
+            rows[rid] = prows[rid] = Row(rid, p, shards[0], version, born, None, 0, pending,
+                                         wmask)
         else:
             for rid, s in zip(ids, shards):
-                row = Row(rid, p, s, version, born)
-                row.pending = pending
-                row.writing = wmask
-                rows[rid] = prows[rid] = row
+                rows[rid] = prows[rid] = Row(rid, p, s, version, born, None, 0, pending, wmask)
         self.reserved_bytes += nbytes
         self.c_put += n
         p.put += n

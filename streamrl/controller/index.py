@@ -273,8 +273,7 @@ class Index(ControllerBase):
         for sub in self._candidates(p.name):
             if sub.group_by is None and sub.fields <= fields:
                 avail = sub.avail
-                for rid in ids:
-                    avail[rid] = None
+                avail.update(dict.fromkeys(ids))
                 if (len(avail) >= sub.wake_at or p.sealed or self.closed
                         or self.sealed_all):
                     self.woken.add(sub.key)

@@ -175,11 +175,17 @@ class Leases(ControllerBase):
             pins = self._pins
             lhave: dict | None = None  # the last row's fields, and the bytes asked of them
             lb = 0
+            sealed = False  # whether a row left is of a sealed partition (_lease_changed)
             for rid in lease.rows:
                 row = rows.get(rid)
-                if row is None or row.leased.get(task) != lid:
+                if row is None:
                     continue
-                del row.leased[task]
+                held = row.leased.pop(task, None)  # (one dict call: it is lid but rarely)
+                if held != lid:
+                    if held is not None:  # (another lease's row: left as it was)
+                        row.leased[task] = held
+                    sealed = sealed or row.part.sealed
+                    continue
                 have = row.fields
                 if have is not lhave:  # (rows of one shape share it: see Row.fields)
                     lhave, lb = have, _asked(have, fields)
@@ -193,6 +199,7 @@ class Leases(ControllerBase):
                     last = p
                     k = kb = 0
                     cmask = p.cmask
+                    sealed = sealed or p.sealed
                 k += 1
                 kb += b
                 if cmask and row.acked & cmask == cmask and not row.leased and (
@@ -206,7 +213,8 @@ class Leases(ControllerBase):
             self._drop_rows(done, DropReason.CONSUMED)
             if lease.pads:
                 self._unpin(lease)
-            self._lease_changed(lease)
+            if sealed or self.closed or lease.dispatch is not None:
+                self._lease_changed(lease)  # (nothing for it to do otherwise)
         if expired:
             raise LeaseExpired(
                 f"lease(s) {expired} expired or were released before ack; their rows were "

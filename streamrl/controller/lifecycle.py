@@ -155,6 +155,7 @@ class Lifecycle(ControllerBase):
         # -> rows dropped with it; counted when the run ends (see _end_run)
         k = kb = 0
         packed: dict[int, int] = {}
+        pa = pn = 0  # the run of rows of one acked mask (``pa``), counted into packed
         plain: list[dict[int, None]] = []  # the partition's ungrouped subscriptions' rows
         grouped: list = []
         dshard = -1  # the storage unit of the last row and its list of deletes
@@ -169,16 +170,23 @@ class Lifecycle(ControllerBase):
                 if last is not None:
                     freed += kb
                     gone += k
+                    if pn:
+                        packed[pa] = packed.get(pa, 0) + pn
                     self._end_run(last, reason, k, kb, packed, names)
-                last, k, kb, packed = p, 0, 0, {}
+                last, k, kb, packed, pn = p, 0, 0, {}, 0
                 cands = self._candidates(p.name)
                 plain = [s.avail for s in cands if s.group_by is None]
                 grouped = [s for s in cands if s.group_by is not None]
                 parts.add(p)
             del p.rows[rid]
             acked = row.acked
-            if acked:
-                packed[acked] = packed.get(acked, 0) + 1
+            if acked:  # (rows acked by the same tasks come in runs: counted per run)
+                if acked == pa:
+                    pn += 1
+                else:
+                    if pn:
+                        packed[pa] = packed.get(pa, 0) + pn
+                    pa, pn = acked, 1
             if row.tags:
                 for f, v in row.tags.items():
                     byv = p.groups.get(f)  # (not .get(f, {}): that makes a dict a row)
@@ -228,6 +236,8 @@ class Lifecycle(ControllerBase):
         if last is not None:
             freed += kb
             gone += k
+            if pn:
+                packed[pa] = packed.get(pa, 0) + pn
             self._end_run(last, reason, k, kb, packed, names)
         self.bytes_held -= freed
         self.c_bytes_freed += freed

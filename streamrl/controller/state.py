@@ -49,7 +49,8 @@ class Row:
     )
 
     def __init__(self, rid: int, part: "Partition", shard: int, version: int,
-                 born: float = 0.0, fields: dict[str, int] | None = None, nbytes: int = 0):
+                 born: float = 0.0, fields: dict[str, int] | None = None, nbytes: int = 0,
+                 pending: int = 0, writing: int = 0):
         self.id = rid
         self.born = born  # when it was admitted (the controller's clock)
         self.part = part
@@ -62,9 +63,9 @@ class Row:
         self.tags: dict[str, Hashable] = _NO_TAGS_D  # (shared until a tag is set: never changed)
         self.leased: dict[str, int] = {}  # task -> lease id
         self.acked = 0  # tasks that acknowledged it
-        self.pending = 0  # filters that have not judged it yet
+        self.pending = pending  # filters that have not judged it yet
         self.judging = 0  # filters judging it right now
-        self.writing = 0  # fields with a write in flight
+        self.writing = writing  # fields with a write in flight
         self.delivered = 0  # tasks it was ever handed to
 
 
