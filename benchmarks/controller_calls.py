@@ -19,6 +19,11 @@ only the controller's work is measured). Two floors are measured in the same run
 
 Reported: the controller's CPU time per row (``time.process_time()`` of the actor's
 process, every thread, over the timed window), per call for the floors, and rows/s.
+``bare_us_per_row``: the same calls on a bare controller in the driver (its state
+machine alone: no actor, no messages), measured before Ray starts, and
+``state_machine_share``, its share of the actor's CPU per row: what a faster state
+machine (issue 16's bare-controller target) could take off the controller of a Ray
+deployment at most.
 """
 
 from __future__ import annotations
@@ -33,6 +38,7 @@ sys.path.insert(0, HERE)
 from small_puts_ray import _init_ray, _proc_cpu  # noqa: E402 - (this folder, just added)
 
 UNITS = 4  # calls in flight (one per simulated storage unit)
+CAPACITY = 16384  # the queue's rows
 BATCH = 64
 
 
@@ -93,7 +99,10 @@ async def _controller_cases(ray, rows: int, per_call: tuple[int, ...]) -> dict:
     from streamrl.transport.ray.control import RayControl
 
     out: dict = {}
-    q = streamrl.StreamQueue(transport="ray", capacity=4096, num_shards=UNITS,
+    # (room for every unit's call in flight and the consumer's lag at 256 rows a call:
+    # a call answered BUSY, the queue full, is sent again and costs the controller a
+    # call more; ``busy_calls`` counts them)
+    q = streamrl.StreamQueue(transport="ray", capacity=CAPACITY, num_shards=UNITS,
                              consumers=["t"])
     try:
         await q.stats()
@@ -122,6 +131,7 @@ async def _controller_cases(ray, rows: int, per_call: tuple[int, ...]) -> dict:
             calls = rows // (UNITS * k)
             n = calls * UNITS * k
             got = 0
+            busy = 0
 
             async def consume():
                 nonlocal got
@@ -130,6 +140,7 @@ async def _controller_cases(ray, rows: int, per_call: tuple[int, ...]) -> dict:
                     got += len(mb)  # (acked when the next batch is asked for)
 
             async def unit(shard: int, start: int):
+                nonlocal busy
                 for c in range(calls):
                     ids = list(range(start + c * k, start + (c + 1) * k))
                     nbytes = {"tokens": [2048] * k, "reward": [4] * k}
@@ -138,6 +149,7 @@ async def _controller_cases(ray, rows: int, per_call: tuple[int, ...]) -> dict:
                                                 dtypes)
                         if ans.status.name != "BUSY":  # BUSY: the queue is full, again
                             break
+                        busy += 1
                         await asyncio.sleep(0.001)
                     assert ans.status.name == "OK", ans
 
@@ -155,7 +167,7 @@ async def _controller_cases(ray, rows: int, per_call: tuple[int, ...]) -> dict:
             out[f"put_rows_{k}"] = {"rows_per_call": k, "rows": n,
                                     "us_per_row": (c1 - c0) / n * 1e6,
                                     "us_per_call": (c1 - c0) / (n / k) * 1e6,
-                                    "rows_per_s": n / dt}
+                                    "rows_per_s": n / dt, "busy_calls": busy}
         st = await q.stats()
         out["left_rows"] = st.rows
     finally:
@@ -163,8 +175,34 @@ async def _controller_cases(ray, rows: int, per_call: tuple[int, ...]) -> dict:
     return out
 
 
+def _bare(rows: int, k: int) -> float:
+    """CPU per row (us) of the same controller calls on a bare :class:`Controller` in
+    this process (no actor, no messages): four units' ``k``-row ``put_rows``
+    (``admit_stored`` under ids leased up front), each followed by the takes of 64 rows
+    it allows and their acks, as the actor case's consumer does."""
+    from streamrl.controller import Controller
+    from streamrl.messages import Request
+
+    c = Controller(CAPACITY, num_shards=UNITS, consumers=["t"])
+    req = Request("t", ("tokens", "reward"), BATCH, partition="p")
+    calls = rows // (UNITS * k)
+    starts = [c.unit_ids(s, calls * k)[0] for s in range(UNITS)]
+    dtypes = {"tokens": "int64", "reward": "float32"}
+    t0 = time.process_time()
+    for i in range(calls):
+        for s in range(UNITS):
+            first = starts[s] + i * k
+            c.admit_stored("p", list(range(first, first + k)), s,
+                           {"tokens": [2048] * k, "reward": [4] * k}, dtypes=dtypes)
+            while (d := c.take(req)) is not None:
+                c.ack([d.lease])
+                c.drain()
+    return (time.process_time() - t0) / (calls * UNITS * k) * 1e6
+
+
 async def run(rows: int = 20_000, per_call: tuple[int, ...] = (1, 4, 16, 64)) -> dict:
     """Every case (see the module docstring); a dict of results and ratios."""
+    bare = {k: _bare(rows, k) for k in per_call}  # (before Ray starts: its processes take CPU)
     ray = _init_ray()
     try:
         out = await _controller_cases(ray, rows, per_call)
@@ -178,6 +216,10 @@ async def run(rows: int = 20_000, per_call: tuple[int, ...] = (1, 4, 16, 64)) ->
         "controller_us_per_row": {k: out[f"put_rows_{k}"]["us_per_row"] for k in per_call},
         "controller_per_row_over_echo": {k: out[f"put_rows_{k}"]["us_per_row"] / echo
                                          for k in per_call},
+        # the same calls' state-machine work alone, and its share of the actor's CPU
+        "bare_us_per_row": bare,
+        "state_machine_share": {k: bare[k] / out[f"put_rows_{k}"]["us_per_row"]
+                                for k in per_call},
         "target_us_per_row": 20.0,
     }
     return out
