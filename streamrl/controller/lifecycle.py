@@ -170,9 +170,7 @@ class Lifecycle(ControllerBase):
                 if last is not None:
                     freed += kb
                     gone += k
-                    if pn:
-                        packed[pa] = packed.get(pa, 0) + pn
-                    self._end_run(last, reason, k, kb, packed, names)
+                    self._end_run(last, reason, k, kb, packed, names, pa, pn)
                 last, k, kb, packed, pn = p, 0, 0, {}, 0
                 cands = self._candidates(p.name)
                 plain = [s.avail for s in cands if s.group_by is None]
@@ -236,9 +234,7 @@ class Lifecycle(ControllerBase):
         if last is not None:
             freed += kb
             gone += k
-            if pn:
-                packed[pa] = packed.get(pa, 0) + pn
-            self._end_run(last, reason, k, kb, packed, names)
+            self._end_run(last, reason, k, kb, packed, names, pa, pn)
         self.bytes_held -= freed
         self.c_bytes_freed += freed
         if reason is not None:
@@ -266,11 +262,15 @@ class Lifecycle(ControllerBase):
             self._maybe_retire(p)
 
     def _end_run(self, p: Partition, reason: str | None, k: int, kb: int,
-                 packed: dict[int, int], names: dict[int, list[str]]) -> None:
+                 packed: dict[int, int], names: dict[int, list[str]], pa: int = 0,
+                 pn: int = 0) -> None:
         """``k`` rows (``kb`` bytes) of partition ``p`` were dropped (``packed``: their
-        acked masks -> rows): count them in the partition."""
+        acked masks -> rows, and ``pn`` more of mask ``pa``, the run counted last):
+        count them in the partition."""
         if reason is not None and k:
             p.counts.drop(reason, k, kb)
+        if pn:
+            packed[pa] = packed.get(pa, 0) + pn
         if packed:
             self._unack(p, packed, names)
 
