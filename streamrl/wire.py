@@ -17,7 +17,11 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["WireTensor"]
+__all__ = ["WireTensor", "joined", "JOIN_MAX"]
+
+#: inline pieces of a read this small (bytes) are joined with their neighbours (see
+#: :func:`joined`)
+JOIN_MAX = 16 * 1024
 
 
 class WireTensor:
@@ -128,6 +132,49 @@ class WireTensor:
             return self.buf
         arr = arrays[self.ref] if self.buf is None else arrays.get(self.ref, self.buf)
         return arr[self.offset:self.offset + self.nbytes]
+
+
+def joined(pieces: list) -> list:
+    """The pieces of one field of a read, with each run of consecutive small inline
+    tensor pieces of one dtype and row shape joined into one (one copy of their bytes).
+
+    Rows of one-row puts are stored apart (a segment each), so a read of many of them is
+    one piece a row, and each piece costs the reply and the reader far more than its
+    bytes (its own buffer in the frame, its own tensor, its own slot in the final
+    ``torch.cat``): a batch of 64 such rows cost a reader about 2.5x the CPU of rows put
+    16 at a time. Pieces of more than :data:`JOIN_MAX` bytes, pieces by reference and
+    lists of objects stay as they are."""
+    if len(pieces) < 2:
+        return pieces
+    out: list = []
+    run: list[WireTensor] = []
+    for p in pieces:
+        if (type(p) is WireTensor and p.ref is None and p.buf is not None
+                and p.nbytes <= JOIN_MAX):
+            if run and (p.dtype != run[0].dtype or p.shape[1:] != run[0].shape[1:]):
+                _flush(run, out)
+            run.append(p)
+        else:
+            if run:
+                _flush(run, out)
+            out.append(p)
+    if run:
+        _flush(run, out)
+    return out
+
+
+def _flush(run: list[WireTensor], out: list) -> None:
+    """Append ``run`` to ``out`` as one piece, and empty it."""
+    first = run[0]
+    if len(run) == 1:
+        out.append(first)
+    else:
+        rows = 0
+        for p in run:
+            rows += p.shape[0]
+        out.append(WireTensor(first.dtype, first.itemsize, (rows,) + first.shape[1:],
+                              np.concatenate([p.buf for p in run])))
+    run.clear()
 
 
 def _unpickle(dtype: str, itemsize: int, shape: tuple[int, ...], buf: Any, ref: Any,

@@ -482,6 +482,27 @@ async def _used_zero(q) -> bool:
     return (await _arena(q))["used"] == 0
 
 
+async def test_rows_of_one_row_puts_are_read_back_as_one_piece_a_field(rq):
+    """One-row puts are stored apart (a segment each); a storage unit's read joins
+    consecutive small ones of one dtype and row shape, so a batch of them reaches the
+    reader as one piece a field, with every row's values in the batch's order."""
+    q = rq(num_shards=1)
+    for i in range(12):
+        await q.put({"tokens": torch.full((1, 6), i), "reward": torch.tensor([i / 2]),
+                     "chat": [f"turn {i}"]}, partition="p")
+    mb = await q.get("t", ["tokens", "reward", "chat"], 12, partition="p")
+    rows = list(mb.rows)
+    pieces, _, _ = await q._transport._units[0].read.remote(rows, ["tokens", "reward", "chat"])
+    assert [len(pieces[f]) for f in ("tokens", "reward", "chat")] == [1, 1, 1]
+    td = await mb.materialize()
+    order = td["tokens"][:, 0].tolist()
+    assert sorted(order) == list(range(12))
+    assert torch.equal(td["tokens"], torch.tensor(order)[:, None].expand(12, 6))
+    assert td["reward"].tolist() == [i / 2 for i in order]
+    assert td["chat"] == [f"turn {i}" for i in order]
+    await mb.ack()
+
+
 async def test_blocks_of_dead_processes_are_released_when_room_is_needed(rq):
     """A reader that dies holding views, or a producer that dies between reserving blocks
     and storing them, cannot call back: the unit releases their blocks when it next needs

@@ -403,6 +403,44 @@ def test_spill_of_arena_blocks_releases_them(tmp_path):
     u.close()
 
 
+def test_a_read_of_one_row_puts_comes_back_as_one_piece_a_field():
+    """Each one-row put is a piece of its own in a read; the storage unit actor joins
+    runs of small inline pieces of one dtype and row shape (one copy), keeping the rows,
+    their order and their bytes; pieces of another kind end a run and stay as they are."""
+    from streamrl.wire import JOIN_MAX, joined
+
+    u = StorageUnit(0)
+    rows = [torch.full((1, 4), i, dtype=torch.int64) for i in range(6)]
+    for i, r in enumerate(rows):
+        u.put([i], {"x": _wire(r), "o": [b"%d" % i]})
+    pieces = u.get(list(range(6)), ["x", "o"])
+    assert len(pieces["x"]) == 6  # (a segment a put)
+    (x,) = joined(pieces["x"])
+    assert x.shape == (6, 4) and x.dtype == "int64" and x.ref is None
+    assert _wire_bytes(x) == torch.cat(rows).numpy().tobytes()
+    assert joined(pieces["o"]) == pieces["o"]  # (objects: one list already)
+    # the order of a read is kept: rows 4, 1, 2 come back as one piece in that order
+    (y,) = joined(u.get([4, 1, 2], ["x"])["x"])
+    assert _wire_bytes(y) == torch.cat([rows[4], rows[1], rows[2]]).numpy().tobytes()
+
+    f32 = _wire(torch.ones(1, 4))  # another dtype
+    wide = _wire(torch.zeros(1, 5, dtype=torch.int64))  # another row shape
+    big = _wire(torch.zeros(1, JOIN_MAX // 8 + 1, dtype=torch.int64))  # past JOIN_MAX
+    # by reference (an arena block), with the unit's own view of it
+    ref = _wire(rows[0]).by_reference(object()).pinned(_wire(rows[0]).buf)
+    a, b = _wire(rows[0]), _wire(rows[1])
+    got = joined([a, b, wide, f32, _wire(torch.ones(2, 4)), big, big, a, ref, b, [b"o"], a, b])
+    assert [(p.shape, p.dtype) if isinstance(p, WireTensor) else p for p in got] == [
+        ((2, 4), "int64"), ((1, 5), "int64"), ((3, 4), "float32"), ((1, 2049), "int64"),
+        ((1, 2049), "int64"), ((1, 4), "int64"), ((1, 4), "int64"), ((1, 4), "int64"),
+        [b"o"], ((2, 4), "int64")]
+    assert got[1] is wide and got[3] is big and got[4] is big and got[5] is a
+    assert got[6] is ref and got[7] is b
+    assert got[2].buf.tobytes() == torch.ones(3, 4).numpy().tobytes()
+    assert got[9].buf.tobytes() == torch.cat(rows[:2]).numpy().tobytes()
+    assert joined([a]) == [a] and joined([]) == []
+
+
 # ---------------------------------------------------------------- state_dict
 
 

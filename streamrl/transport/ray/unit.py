@@ -27,7 +27,7 @@ import ray
 
 from ...arena import Arena, ShmRef
 from ...errors import TransportError
-from ...wire import WireTensor
+from ...wire import WireTensor, joined
 from ..rpc import Endpoint, RpcServer
 from .admit import ID_BLOCK, UnitAdmission
 from .calls import new_loop
@@ -234,8 +234,8 @@ class StorageActorImpl(UnitAdmission, UnitCheckpoint):
         with self.lock:
             pieces = self.unit.get(rows, fields)
             if pid is None:
-                return map_pieces(pieces, WireTensor.inlined), None, None
-            pieces = map_pieces(pieces, WireTensor.stripped)
+                return _joined(map_pieces(pieces, WireTensor.inlined)), None, None
+            pieces = _joined(map_pieces(pieces, WireTensor.stripped))
             refs = refs_in(pieces)
             if not refs:
                 return pieces, None, None
@@ -297,6 +297,11 @@ def _proc_memory() -> dict[str, int]:
     except OSError:  # not Linux
         pass
     return out
+
+
+def _joined(pieces: dict[str, list]) -> dict[str, list]:
+    """A read's pieces with small inline ones joined (see :func:`streamrl.wire.joined`)."""
+    return {f: joined(plist) for f, plist in pieces.items()}
 
 
 #: the storage unit as a Ray actor class (threaded; its socket channel has its own loop)
