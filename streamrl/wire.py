@@ -111,6 +111,9 @@ class WireTensor:
                           self.offset)
 
     def __getitem__(self, idx: Any) -> "WireTensor":
+        if (type(idx) is slice and not idx.start and idx.step is None
+                and idx.stop == self.shape[0]):
+            return self  # all of it (a one-row put's row, read): nothing to make
         if not isinstance(idx, slice):
             raise TypeError("WireTensor supports row slices only")
         start, stop, step = idx.indices(self.shape[0])

@@ -411,10 +411,15 @@ def test_a_read_of_one_row_puts_comes_back_as_one_piece_a_field():
 
     u = StorageUnit(0)
     rows = [torch.full((1, 4), i, dtype=torch.int64) for i in range(6)]
-    for i, r in enumerate(rows):
-        u.put([i], {"x": _wire(r), "o": [b"%d" % i]})
+    wires = [_wire(r) for r in rows]
+    for i, w in enumerate(wires):
+        u.put([i], {"x": w, "o": [b"%d" % i]})
     pieces = u.get(list(range(6)), ["x", "o"])
-    assert len(pieces["x"]) == 6  # (a segment a put)
+    # a segment a put, each read as it was put (all of a tensor: no slice made)
+    assert all(p is w for p, w in zip(pieces["x"], wires)) and len(pieces["x"]) == 6
+    two = _wire(torch.arange(8).view(2, 4))
+    assert two[0:2] is two and two[:2] is two and _wire_bytes(two[1:2]) == _wire_bytes(
+        _wire(torch.arange(4, 8).view(1, 4)))
     (x,) = joined(pieces["x"])
     assert x.shape == (6, 4) and x.dtype == "int64" and x.ref is None
     assert _wire_bytes(x) == torch.cat(rows).numpy().tobytes()
