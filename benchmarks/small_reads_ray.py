@@ -72,8 +72,8 @@ async def run(rows: int, reps: int, shards: int) -> dict:
             for name in got:  # (alternating, so that both see the same machine)
                 r = await _case(q, units, f"{name}-{rep}", rows, name == "one_row_puts")
                 got[name].append(r)
-                print(f"  {name} rep {rep}: " + ", ".join(f"{k} {v:.1f}" for k, v in r.items()),
-                      file=sys.stderr, flush=True)
+                line = ", ".join(f"{k} {v:.1f}" for k, v in r.items())
+                print(f"  {name} rep {rep}: {line}", file=sys.stderr, flush=True)
     finally:
         await q.close()
     out: dict = {"rows": rows, "shards": shards, "batch": BATCH}

@@ -145,8 +145,9 @@ def joined(pieces: list) -> list:
     one piece a row, and each piece costs the reply and the reader far more than its
     bytes (its own buffer in the frame, its own tensor, its own slot in the final
     ``torch.cat``): a batch of 64 such rows cost its reader and units together 2.7-3x
-    the CPU of rows put 16 at a time (see docs/benchmarks.md). Pieces of more than :data:`JOIN_MAX` bytes, pieces by reference and
-    lists of objects stay as they are."""
+    the CPU of rows put 16 at a time (see docs/benchmarks.md). Pieces of more than
+    :data:`JOIN_MAX` bytes, pieces by reference and lists of objects stay as they
+    are."""
     if len(pieces) < 2:
         return pieces
     out: list = []
