@@ -149,9 +149,11 @@ async def test_calls_fail_fast_once_the_server_is_gone():
         await asyncio.wait_for(c.call("add", 1), 5)
 
 
-def _chunked_frames(sizes_per_frame, cuts):
+def _chunked_frames(sizes_per_frame, cuts, whole=False):
     """Frames of arrays of the given sizes, fed to a receiving end in chunks of the
-    given sizes (as a socket might deliver them); what that end parsed."""
+    given sizes (as a socket might deliver them); what that end parsed. ``whole``: the
+    end hands over frames it holds whole in one step, as the channel's ends do (see
+    ``_Protocol._whole``); else every frame goes through the parser piece by piece."""
     import numpy as np
 
     from streamrl.transport.rpc import _frame, _frames, _Protocol
@@ -162,7 +164,11 @@ def _chunked_frames(sizes_per_frame, cuts):
     stream = b"".join(bytes(p) for i, arrs in enumerate(sent) for p in _frame(i, arrs))
     got: list = []
     end = _Protocol()
-    end.parse(_frames(lambda req_id, load: got.append((req_id, load()))))
+    on_frame = lambda req_id, load: got.append((req_id, load()))  # noqa: E731
+    if whole:
+        end.parse_frames(on_frame)
+    else:
+        end.parse(_frames(on_frame))
     pos, i = 0, 0
     while pos < len(stream):
         buf = end.get_buffer(-1)
@@ -179,12 +185,16 @@ def _chunked_frames(sizes_per_frame, cuts):
        st.lists(st.integers(1, 400_000), min_size=1, max_size=8))
 @example([[DIRECT - 1] * 5, [100] * 3], [400_000])  # a piece left at the stage's end
 @example([[DIRECT - 1] * 5], [7, 1000, 200_000])
-def test_frames_arrive_whole_however_the_stream_is_cut(sizes_per_frame, cuts):
+@example([[1, 100], [], [3]], [400_000])  # small frames, all in the stage at once
+@example([[100] * 3, [1]], [24, 10, 3000])  # a frame's header, then the rest of it
+@pytest.mark.parametrize("whole", [False, True])
+def test_frames_arrive_whole_however_the_stream_is_cut(whole, sizes_per_frame, cuts):
     """The receiving end gets every frame byte for byte whatever chunks the bytes come in:
-    small pieces through its staging buffer, big ones received in place."""
+    small pieces through its staging buffer, big ones received in place; with frames
+    held whole handed over in one step or not."""
     import numpy as np
 
-    sent, got = _chunked_frames(sizes_per_frame, cuts)
+    sent, got = _chunked_frames(sizes_per_frame, cuts, whole)
     assert [r for r, _ in got] == list(range(len(sent)))
     for arrs, (_, back) in zip(sent, got):
         assert len(back) == len(arrs)
@@ -208,6 +218,53 @@ def test_a_frame_of_small_buffers_is_one_piece_and_big_buffers_are_not_copied():
     assert np.shares_memory(np.frombuffer(pieces[1], dtype=np.uint8), big)
     _, got = _chunked_frames([[100, 3], [DIRECT + 3, 1]], [1 << 20])
     assert [len(a) for _, arrs in got for a in arrs] == [100, 3, DIRECT + 3, 1]
+
+
+def test_a_frame_held_whole_is_handed_over_without_the_parser():
+    """Frames of small pieces that arrive whole (a call's usual frame) are handed over
+    in one step, the parser untouched; a frame cut after its header, or with a big
+    piece, goes through the parser; and the two interleave in order."""
+    import numpy as np
+
+    from streamrl.transport.rpc import _frame, _Protocol
+
+    got: list = []
+    end = _Protocol()
+    end.parse_frames(lambda req_id, load: got.append((req_id, load())))
+    steps = 0
+    inner, first = end._parser, end._want  # (the parser, started: it wants a header)
+
+    def counted():
+        nonlocal steps
+        want = first
+        while True:
+            piece = yield want
+            steps += 1
+            want = inner.send(piece)
+
+    end.parse(counted())
+    arrs = [np.arange(256, dtype=np.int64), np.ones(1)]
+    frames = [b"".join(bytes(p) for p in _frame(i, arrs)) for i in range(3)]
+    big = b"".join(bytes(p) for p in _frame(3, [np.zeros(DIRECT, np.uint8)]))
+
+    def feed(data):
+        buf = end.get_buffer(-1)
+        buf[:len(data)] = data
+        end.buffer_updated(len(data))
+
+    feed(frames[0] + frames[1])
+    assert [r for r, _ in got] == [0, 1] and steps == 0
+    feed(frames[2][:30])  # the header and a little: the parser takes it from here
+    assert steps > 0 and len(got) == 2
+    feed(frames[2][30:])
+    assert [r for r, _ in got] == [0, 1, 2]
+    before = steps
+    feed(big)  # a big piece: the parser receives it in place
+    assert steps > before and [r for r, _ in got] == [0, 1, 2, 3]
+    feed(frames[0])
+    assert [r for r, _ in got] == [0, 1, 2, 3, 0]
+    assert all(np.array_equal(a, b) for a, b in zip(arrs, got[4][1]))
+    assert len(got[3][1][0]) == DIRECT
 
 
 def test_a_frames_big_buffers_share_one_aligned_allocation():

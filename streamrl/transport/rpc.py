@@ -50,6 +50,15 @@ __all__ = ["RpcServer", "RpcClient", "Endpoint", "ConnectFailed"]
 log = logging.getLogger("streamrl")
 
 _HDR = struct.Struct("<QQQ")  # frame header: request id, body length, number of buffers
+
+
+class _FrameStart(int):
+    """What the frame parser asks for at the start of a frame: a frame header's bytes
+    (an ``int`` like any other size; its own object, so that the receiving end can tell
+    it from a piece of that size inside a frame)."""
+
+
+_FRAME_START = _FrameStart(_HDR.size)
 _TOKEN_BYTES = 32
 _CONNECT_TIMEOUT = 10.0
 #: pieces of a frame this big or bigger are received into memory of their own
@@ -96,7 +105,7 @@ def _frames(on_frame: Callable[[int, Callable[[], Any]], None]) -> Generator[Any
     one allocation (which numpy backs with huge pages where the kernel allows: filling
     fresh memory costs a fifth as much here); the arrays unpickled from them view it."""
     while True:
-        req_id, n, nbuf = _HDR.unpack((yield _HDR.size))
+        req_id, n, nbuf = _HDR.unpack((yield _FRAME_START))
         sizes = struct.unpack(f"<{nbuf}Q", (yield 8 * nbuf)) if nbuf else ()
         body = yield n
         offsets, end = [], 0
@@ -117,11 +126,15 @@ def _frames(on_frame: Callable[[int, Callable[[], Any]], None]) -> Generator[Any
 class _Protocol(asyncio.BufferedProtocol):
     """One end of a connection. Receiving: cuts the byte stream into the pieces a parser
     generator asks for (see :func:`_frames`); small pieces through a staging buffer, big
-    ones received in place. Sending: :meth:`send` writes a frame's pieces as they are."""
+    ones received in place; a frame of small pieces that the stage holds whole is handed
+    over in one step (see :meth:`_whole`). Sending: :meth:`send` writes a frame's pieces
+    as they are."""
 
     def __init__(self) -> None:
         self.transport: asyncio.Transport | None = None
         self._parser: Generator[Any, Any, None] | None = None
+        #: the ``on_frame`` of the :func:`_frames` parser, once the stream is frames
+        self._on_frame: Callable[[int, Callable[[], Any]], None] | None = None
         self._want: Any = 0  # what the parser needs next (see _frames)
         self._stage = bytearray(_STAGE)
         self._view = memoryview(self._stage)
@@ -133,6 +146,12 @@ class _Protocol(asyncio.BufferedProtocol):
         """Feed the stream to ``parser`` from now on."""
         self._parser = parser
         self._want = next(parser)
+
+    def parse_frames(self, on_frame: Callable[[int, Callable[[], Any]], None]) -> None:
+        """The stream is frames from now on: ``on_frame`` is called for each (see
+        :func:`_frames`)."""
+        self._on_frame = on_frame
+        self.parse(_frames(on_frame))
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         # (a stream connection's transport is an asyncio.Transport)
@@ -182,6 +201,8 @@ class _Protocol(asyncio.BufferedProtocol):
         """Hand the parser every piece the stage holds; start receiving a big one in place."""
         while self._parser is not None and self._big is None:
             want, have = self._want, self._end - self._start
+            if want is _FRAME_START and have >= want and self._whole():
+                continue
             if not isinstance(want, int) or want >= DIRECT:
                 big = want if not isinstance(want, int) else np.empty(want, dtype=np.uint8)
                 want = len(big)
@@ -200,6 +221,37 @@ class _Protocol(asyncio.BufferedProtocol):
                 break
         if self._start == self._end:
             self._start = self._end = 0
+
+    def _whole(self) -> bool:
+        """Hand over the frame at the start of the stage in one step, if the stage holds
+        all of it and none of its pieces is big (a call's or a reply's usual frame):
+        one copy of its bytes, which the body and the buffers view, and no step of the
+        parser (which, waiting for the next frame's header, stays where it is).
+        ``False``: not so (the parser takes the frame piece by piece)."""
+        on_frame = self._on_frame
+        if on_frame is None:
+            return False
+        stage, end = self._stage, self._end
+        req_id, n, nbuf = _HDR.unpack_from(stage, self._start)
+        at = self._start + _HDR.size
+        sizes: tuple[int, ...] = ()
+        if nbuf:
+            if at + 8 * nbuf > end:
+                return False
+            sizes = struct.unpack_from(f"<{nbuf}Q", stage, at)
+            at += 8 * nbuf
+        total = n + sum(sizes)
+        if at + total > end or n >= DIRECT or (sizes and max(sizes) >= DIRECT):
+            return False
+        frame = memoryview(bytes(self._view[at:at + total]))
+        buffers = []
+        off = n
+        for k in sizes:
+            buffers.append(frame[off:off + k])
+            off += k
+        self._start = at + total
+        on_frame(req_id, functools.partial(pickle.loads, frame[:n], buffers=buffers))
+        return True
 
 
 class RpcServer:
@@ -299,6 +351,7 @@ class _Served(_Protocol):
         if not hmac.compare_digest(token, self.server.token):
             log.warning("streamrl: refused a connection with a wrong token")
             return
+        self._on_frame = self._call  # (frames from now on: see _whole)
         yield from _frames(self._call)
 
     def _call(self, req_id: int, load: Callable) -> None:
@@ -323,7 +376,7 @@ class _Connection(_Protocol):
         self.ids = itertools.count()
         self.waiting: dict[int, asyncio.Future] = {}
         self.broken: BaseException | None = None
-        self.parse(_frames(self._reply))
+        self.parse_frames(self._reply)
 
     def _reply(self, req_id: int, load: Callable) -> None:
         fut = self.waiting.pop(req_id, None)
@@ -432,7 +485,9 @@ class RpcClient:
     async def call(self, method: str, *args: Any, **kwargs: Any) -> Any:
         """Call ``method``; raises what it raised, :class:`ConnectFailed` (nothing was
         sent) or :class:`ConnectionError` (the connection broke: the call may have run)."""
-        conn = await self.connection()
+        conn = _ready(self._conns.get(asyncio.get_running_loop()))
+        if conn is None:  # (none yet, or it broke: opened, or opened again)
+            conn = await self.connection()
         try:
             return await conn.call(method, args, kwargs)
         except RuntimeError as e:  # uvloop: an operation on a transport whose handle closed
