@@ -9,9 +9,13 @@ awaits each put does):
 
 * ``rpc``: ``RpcClient.call("ping", payload)`` to an ``RpcServer`` whose ``ping``
   returns its argument; the payload is what a one-row put carries (int64 tokens[256]
-  and a float);
+  and a float). Both processes are on one machine, so on Linux the call goes over the
+  server's Unix socket, as the Ray transport's calls between the actors of a node do;
+* ``rpc_tcp``: the same by TCP (``streamrl.transport.rpc.LOCAL`` off in both
+  processes), as between machines;
 * ``raw``: 32 bytes sent and echoed over a blocking socket with ``TCP_NODELAY`` (no
-  event loop, no pickling): what the kernel and the wake-ups alone cost.
+  event loop, no pickling): what the kernel and the wake-ups alone cost;
+* ``raw_unix`` (Linux): the same over a Unix socket of the abstract namespace.
 
 Reported per case: wall time a round trip, and CPU time a round trip of each side
 (``time.process_time()`` of each process, every thread, over the timed calls). A
@@ -27,6 +31,7 @@ import json
 import multiprocessing as mp
 import socket
 import statistics
+import sys
 import time
 
 import numpy as np
@@ -46,8 +51,11 @@ def _run(coro):
     return uvloop.run(coro) if uvloop is not None else asyncio.run(coro)
 
 
-def _rpc_server(out: mp.Queue, ask: mp.Queue) -> None:
+def _rpc_server(out: mp.Queue, ask: mp.Queue, local: bool = True) -> None:
+    from streamrl.transport import rpc
     from streamrl.transport.rpc import RpcServer
+
+    rpc.LOCAL = rpc.LOCAL and local
 
     async def main():
         server = RpcServer(_Echo(), "127.0.0.1")
@@ -74,10 +82,13 @@ async def _rpc_client(endpoint, calls: int, payload) -> tuple[float, float]:
     return time.process_time() - t0, time.perf_counter() - w0
 
 
-def rpc_case(calls: int) -> dict:
+def rpc_case(calls: int, local: bool = True) -> dict:
+    from streamrl.transport import rpc
+
     payload = {"tokens": np.zeros(256, np.int64), "reward": 1.0}
     out, ask = mp.Queue(), mp.Queue()
-    p = mp.Process(target=_rpc_server, args=(out, ask), daemon=True)
+    was, rpc.LOCAL = rpc.LOCAL, rpc.LOCAL and local
+    p = mp.Process(target=_rpc_server, args=(out, ask, local), daemon=True)
     p.start()
     endpoint = out.get()
     ask.put("cpu")
@@ -87,17 +98,19 @@ def rpc_case(calls: int) -> dict:
     s1 = out.get()
     ask.put(None)
     p.join(10)
+    rpc.LOCAL = was
     return {"wall_us": wall / calls * 1e6, "client_cpu_us": cpu / calls * 1e6,
             "server_cpu_us": (s1 - s0) / calls * 1e6}
 
 
-def _raw_server(out: mp.Queue, calls: int) -> None:
-    ls = socket.socket()
-    ls.bind(("127.0.0.1", 0))
+def _raw_server(out: mp.Queue, calls: int, unix: str | None = None) -> None:
+    ls = socket.socket(socket.AF_UNIX) if unix else socket.socket()
+    ls.bind(unix or ("127.0.0.1", 0))
     ls.listen(1)
-    out.put(ls.getsockname()[1])
+    out.put(ls.getsockname() if unix else ls.getsockname()[1])
     c, _ = ls.accept()
-    c.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    if not unix:
+        c.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     for _ in range(500):
         c.sendall(c.recv(64))
     t0 = time.process_time()
@@ -106,12 +119,19 @@ def _raw_server(out: mp.Queue, calls: int) -> None:
     out.put(time.process_time() - t0)
 
 
-def raw_case(calls: int) -> dict:
+def raw_case(calls: int, unix: bool = False) -> dict:
+    import os
+
     out = mp.Queue()
-    p = mp.Process(target=_raw_server, args=(out, calls), daemon=True)
+    name = f"\0streamrl-rpc-floor-{os.getpid()}-{time.monotonic_ns()}" if unix else None
+    p = mp.Process(target=_raw_server, args=(out, calls, name), daemon=True)
     p.start()
-    c = socket.create_connection(("127.0.0.1", out.get()))
-    c.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    if unix:
+        c = socket.socket(socket.AF_UNIX)
+        c.connect(out.get())
+    else:
+        c = socket.create_connection(("127.0.0.1", out.get()))
+        c.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     msg = b"x" * 32
     for _ in range(500):
         c.sendall(msg)
@@ -133,21 +153,34 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
-    runs: dict[str, list[dict]] = {"rpc": [], "raw": []}
-    for _ in range(args.reps):  # (the two cases alternate)
-        runs["rpc"].append(rpc_case(args.calls))
-        runs["raw"].append(raw_case(args.calls))
-    result = {name: {k: statistics.median(r[k] for r in rs) for k in rs[0]}
-              for name, rs in runs.items()}
-    result["rpc_over_raw_cpu"] = (
-        (result["rpc"]["client_cpu_us"] + result["rpc"]["server_cpu_us"])
-        / (result["raw"]["client_cpu_us"] + result["raw"]["server_cpu_us"]))
-    for name in ("rpc", "raw"):
+    unix = sys.platform.startswith("linux")
+    cases = {"rpc": lambda: rpc_case(args.calls), "rpc_tcp": lambda: rpc_case(args.calls, False),
+             "raw": lambda: raw_case(args.calls)}
+    if unix:
+        cases["raw_unix"] = lambda: raw_case(args.calls, True)
+    runs: dict[str, list[dict]] = {name: [] for name in cases}
+    for _ in range(args.reps):  # (the cases alternate)
+        for name, case in cases.items():
+            runs[name].append(case())
+    result: dict = {name: {k: statistics.median(r[k] for r in rs) for k in rs[0]}
+                    for name, rs in runs.items()}
+
+    def cpu(name: str) -> float:
+        return result[name]["client_cpu_us"] + result[name]["server_cpu_us"]
+
+    for name in runs:
         r = result[name]
         print(f"{name}: {r['wall_us']:.1f} us wall a round trip; CPU client "
               f"{r['client_cpu_us']:.1f} us, server {r['server_cpu_us']:.1f} us "
               f"(medians of {args.reps})")
-    print(f"rpc / raw, CPU of both sides: {result['rpc_over_raw_cpu']:.2f}x")
+    result["rpc_tcp_over_raw_cpu"] = cpu("rpc_tcp") / cpu("raw")
+    result["rpc_over_rpc_tcp_cpu"] = cpu("rpc") / cpu("rpc_tcp")
+    print(f"rpc_tcp / raw, CPU of both sides: {result['rpc_tcp_over_raw_cpu']:.2f}x; "
+          f"rpc (same machine: {'Unix socket' if unix else 'TCP'}) / rpc_tcp: "
+          f"{result['rpc_over_rpc_tcp_cpu']:.2f}x")
+    if unix:
+        result["rpc_over_raw_unix_cpu"] = cpu("rpc") / cpu("raw_unix")
+        print(f"rpc / raw_unix, CPU of both sides: {result['rpc_over_raw_unix_cpu']:.2f}x")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"runs": runs, "median": result}, f, indent=2)

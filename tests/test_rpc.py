@@ -46,6 +46,31 @@ class Target:
         return "secret"
 
 
+@pytest.fixture(autouse=True, params=["local", "tcp"])
+def path(request, monkeypatch):
+    """Every test runs twice: with clients of the server's machine connecting by its Unix
+    socket (on Linux), and with every connection by TCP (as from another machine)."""
+    from streamrl.transport import rpc
+
+    if request.param == "tcp":
+        monkeypatch.setattr(rpc, "LOCAL", False)
+    return request.param
+
+
+def _family(client: RpcClient) -> int:
+    """The address family of the connection of ``client`` on this event loop."""
+    conn = rpc_ready(client)
+    return conn.transport.get_extra_info("socket").family
+
+
+def rpc_ready(client: RpcClient):
+    from streamrl.transport.rpc import _ready
+
+    conn = _ready(client._conns.get(asyncio.get_running_loop()))
+    assert conn is not None
+    return conn
+
+
 async def _serve():
     """A server of a fresh Target on this test's event loop."""
     target = Target()
@@ -117,6 +142,63 @@ async def test_a_wrong_token_gets_no_service():
     good = RpcClient((host, port, token))
     assert await good.call("add", 1) == 1
     good.close()
+
+
+async def test_a_client_on_the_servers_machine_connects_by_its_unix_socket(path):
+    """On Linux a client of the server's machine connects by the Unix socket of the
+    abstract namespace that the endpoint names (a lighter message for the kernel than
+    TCP loopback); with none to connect to, by TCP, and the calls are the same."""
+    import socket
+    import sys
+
+    from streamrl.transport import rpc
+
+    _, server, ep = await _serve()
+    c = RpcClient(ep)
+    assert await c.call("add", 1, 2) == 3
+    local = path == "local" and sys.platform.startswith("linux")
+    assert _family(c) == (socket.AF_UNIX if local else socket.AF_INET)
+    assert (server._local is not None) == local
+    if not local:
+        return
+    # the name is the endpoint's, and does not show the token
+    assert rpc.local_name(ep[2]).startswith("\0streamrl-rpc-")
+    assert ep[2].hex() not in rpc.local_name(ep[2])
+    assert rpc.local_name(ep[2]) != rpc.local_name(bytes(32))
+    # the Unix listener gone (as on a machine where it could not be made): TCP
+    server._local.close()
+    await server._local.wait_closed()
+    c2 = RpcClient(ep)
+    assert await c2.call("add", 2, 2) == 4
+    assert _family(c2) == socket.AF_INET
+    assert await c.call("add", 3, 3) == 6  # (the open connection lives on)
+    c.close()
+    c2.close()
+    server.close()
+
+
+async def test_a_wrong_token_on_the_unix_socket_gets_no_service(path):
+    """Whoever finds the Unix socket (any process of the machine can list the abstract
+    namespace) must still present the token: a wrong one is cut off, unserved."""
+    import socket
+    import sys
+
+    from streamrl.transport import rpc
+    from streamrl.transport.rpc import _frame
+
+    if path != "local" or not sys.platform.startswith("linux"):
+        pytest.skip("the Unix socket is Linux's, and this run connects by TCP")
+    target, server, ep = await _serve()
+    loop = asyncio.get_running_loop()
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.setblocking(False)
+    sock.connect(rpc.local_name(ep[2]))
+    await loop.sock_sendall(sock, bytes(32) + b"".join(
+        bytes(p) for p in _frame(0, ("hang", (), {}))))
+    assert await asyncio.wait_for(loop.sock_recv(sock, 64), 5) == b""  # closed, no reply
+    assert not target.started.is_set()
+    sock.close()
+    server.close()
 
 
 async def test_a_closed_connection_cancels_its_running_calls():
@@ -254,6 +336,8 @@ def test_a_frame_held_whole_is_handed_over_without_the_parser():
 
     feed(frames[0] + frames[1])
     assert [r for r, _ in got] == [0, 1] and steps == 0
+    # each array its own memory, aligned for its dtype (a tensor over it needs no copy)
+    assert all(a.ctypes.data % 8 == 0 for _, arrs in got for a in arrs)
     feed(frames[2][:30])  # the header and a little: the parser takes it from here
     assert steps > 0 and len(got) == 2
     feed(frames[2][30:])
