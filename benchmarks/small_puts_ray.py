@@ -53,6 +53,11 @@ E asyncio tasks a producer), the driver polling ``get_meta`` for 64 rows and cal
 ``get_data``. ``vs_tq``: each streamrl case's rate over TransferQueue's on the same
 case.
 
+``--bystanders K``: K more producer actors in every streamrl case, each connected (its
+warm-up put) but putting nothing while the case is timed: ``--producers 4
+--bystanders 12`` against ``--producers 4,16`` tells what sixteen producer processes
+cost this machine apart from the puts they make.
+
 ``--grpo grouped``: each sample also carries its group key (``uid``, 8 consecutive
 samples of a producer a group) and the driver takes whole groups (``group_by="uid"``);
 ``--grpo filtered``: a zero-variance filter judges each group first (the rewards all
@@ -179,7 +184,8 @@ def _proc_cpu(actor) -> "ray.ObjectRef":  # noqa: F821
 
 async def _streamrl_case(ray, producers: int, rows: int, shards: int,
                          episodes: int = 1, capacity: int = 4096,
-                         consumer: str = "stream", grpo: str = "none") -> dict:
+                         consumer: str = "stream", grpo: str = "none",
+                         bystanders: int = 0) -> dict:
     import streamrl
 
     Producer = ray.remote(num_cpus=0)(_Producer)
@@ -193,9 +199,11 @@ async def _streamrl_case(ray, producers: int, rows: int, shards: int,
         ctl = q._transport._controller
         units = q._transport._units
         ps = [Producer.remote() for _ in range(producers)]
+        idlers = [Producer.remote() for _ in range(bystanders)]
         await asyncio.gather(*[p.prepare.remote(i * per, per, grpo != "none")
-                               for i, p in enumerate(ps)])
-        await asyncio.gather(*[p.warm.remote(q, "warm") for p in ps])
+                               for i, p in enumerate(ps)],
+                             *[p.prepare.remote(0, 0, grpo != "none") for p in idlers])
+        await asyncio.gather(*[p.warm.remote(q, "warm") for p in ps + idlers])
         await q.clear("warm")
         # --grpo: the consumer takes whole groups of 8 (uid), and with "filtered" a
         # zero-variance filter judges each group first (all rewards differ: none dropped)
@@ -225,7 +233,7 @@ async def _streamrl_case(ray, producers: int, rows: int, shards: int,
                 got += td.batch_size[0]
             return time.perf_counter()
 
-        actors = [ctl, *units, *ps]
+        actors = [ctl, *units, *ps, *idlers]  # (bystanders count as producers)
         # each process's CPU rate while idle (Ray's own threads), taken off below
         idle0 = await asyncio.gather(*[_proc_cpu(a) for a in actors])
         ti = time.perf_counter()
@@ -248,11 +256,11 @@ async def _streamrl_case(ray, producers: int, rows: int, shards: int,
         used = [max(u - r * dt, 0.0) for u, r in zip(raw, idle)]
         k = 1 + len(units)
         st = await q.stats()
-        for p in ps:
+        for p in ps + idlers:
             ray.kill(p)
         return {
             "producers": producers, "episodes": episodes, "rows": n, "shards": shards,
-            "grpo": grpo,
+            "grpo": grpo, "bystanders": bystanders,
             "consumer": consumer, "seconds": dt,
             # put calls from the producers per row (warm-up puts included)
             "unit_calls_per_row": sum(r[1] for r in ran) / n,
@@ -337,7 +345,8 @@ def _init_ray():
 async def ray_cases(rows: int, tq: bool, producers: tuple[int, ...] = (4, 16),
                     shards: int = 4, tq_rows: int = 2000,
                     episodes: tuple[int, ...] = (1,), capacity: int = 4096,
-                    consumer: str = "stream", reps: int = 1, grpo: str = "none") -> dict:
+                    consumer: str = "stream", reps: int = 1, grpo: str = "none",
+                    bystanders: int = 0) -> dict:
     """The Ray small-put cases (see the module docstring): a dict of results per case,
     plus ratios against the issue's targets. With ``reps`` > 1 each case runs that many
     times, the producer counts alternating in order (4, 16, 16, 4, ...); a case's entry
@@ -351,7 +360,7 @@ async def ray_cases(rows: int, tq: bool, producers: tuple[int, ...] = (4, 16),
             for r in range(reps):
                 for p in (producers if r % 2 == 0 else producers[::-1]):
                     got = await _streamrl_case(ray, p, rows, shards, e, capacity, consumer,
-                                               grpo)
+                                               grpo, bystanders)
                     got["controller_us_at_issue_pace"] = (
                         got["cpu_us_per_row"]["controller"] * pace["scale_to_issue"])
                     runs[p].append(got)
@@ -439,12 +448,16 @@ def main() -> None:
                     help="each sample carries its group key (uid, 8 a group) and the "
                     "driver takes whole groups; 'filtered': a zero-variance filter "
                     "judges each group first")
+    ap.add_argument("--bystanders", type=int, default=0,
+                    help="this many more producer actors in every streamrl case, connected "
+                    "(one warm-up put each) but putting nothing while it is timed: what "
+                    "the processes alone cost the others (their CPU counts as producers')")
     ap.add_argument("--json", default=None)
     a = ap.parse_args()
     res = asyncio.run(ray_cases(a.rows, a.tq, tuple(int(x) for x in a.producers.split(",")),
                                 a.shards, a.tq_rows,
                                 tuple(int(x) for x in a.episodes.split(",")), a.capacity,
-                                a.consumer, a.reps, a.grpo))
+                                a.consumer, a.reps, a.grpo, a.bystanders))
     print(json.dumps(res, indent=2))
     if a.json:
         with open(a.json, "w") as f:
