@@ -177,6 +177,31 @@ async def test_a_client_on_the_servers_machine_connects_by_its_unix_socket(path)
     server.close()
 
 
+async def test_a_call_cancelled_while_its_connection_opens_leaves_one_connection(path):
+    """A call cancelled at any step of opening its connection (the Unix socket's or
+    TCP's) raises at once; the opening goes on, and the next call uses that connection:
+    one connection a client, none left half open."""
+    _, server, ep = await _serve()
+    for steps in range(6):
+        c = RpcClient(ep)
+        call = asyncio.ensure_future(c.call("add", 1))
+        for _ in range(steps):
+            await asyncio.sleep(0)
+        call.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await call
+        assert await asyncio.wait_for(c.call("add", 2), 5) == 2
+        assert await asyncio.wait_for(c.call("add", 3), 5) == 3
+        assert len(server._conns) == 1
+        c.close()
+        for _ in range(100):  # (a closed connection leaves the server's set)
+            if not server._conns:
+                break
+            await asyncio.sleep(0.01)
+        assert not server._conns
+    server.close()
+
+
 async def test_a_wrong_token_on_the_unix_socket_gets_no_service(path):
     """Whoever finds the Unix socket (any process of the machine can list the abstract
     namespace) must still present the token: a wrong one is cut off, unserved."""
