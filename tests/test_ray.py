@@ -1084,3 +1084,39 @@ async def test_controller_and_unit_actors_start_without_torch(rq):
         m for m in ("torch", "tensordict") if m in __import__("sys").modules)
     for actor in [t._controller, *t._units]:
         assert await actor.__ray_call__.remote(heavy) == []
+
+
+def _families(rpc) -> list:
+    """The address families of an RpcClient's open connections (one per event loop)."""
+    from streamrl.transport.rpc import _ready
+
+    return [c.transport.get_extra_info("socket").family
+            for c in (_ready(f) for f in list(rpc._conns.values())) if c is not None]
+
+
+async def test_calls_between_processes_of_one_machine_go_over_unix_sockets(rq):
+    """On Linux, every call between the driver and the actors, and from a storage unit
+    to the controller, goes over the actors' Unix sockets when they share a machine (a
+    lighter message than TCP loopback); nothing is lost on the way."""
+    import socket
+    import sys
+
+    if not sys.platform.startswith("linux"):
+        pytest.skip("the abstract Unix socket namespace is Linux's")
+    q = rq(num_shards=2, consumers=["t"])
+    for i in range(4):  # one-row puts: each a call to a unit, and from it to the controller
+        await q.put({"x": torch.full((1, 3), i)}, partition="p")
+    mb = await q.get("t", ["x"], batch_size=4, partition="p", timeout=30)
+    assert sorted((await mb.materialize())["x"][:, 0].tolist()) == [0, 1, 2, 3]
+    await mb.ack()
+    t = q._transport
+    clients = [t._control.rpc, *t._data.rpcs]
+    assert all(_families(c) == [socket.AF_UNIX] for c in clients), [
+        _families(c) for c in clients]
+
+    def unit_to_controller(unit) -> list:
+        return _families(unit._controller.rpc)
+
+    got = await asyncio.gather(*[u.__ray_call__.remote(unit_to_controller) for u in t._units])
+    assert [f for fams in got for f in fams] and all(
+        f == socket.AF_UNIX for fams in got for f in fams), got
