@@ -17,6 +17,7 @@ class Target:
     def __init__(self):
         self.started = asyncio.Event()
         self.cancelled: list = []
+        self.marks: list = []  # (value, whether it ran in a task)
 
     def add(self, a, b=0):
         return a + b
@@ -44,6 +45,15 @@ class Target:
 
     def _private(self):
         return "secret"
+
+    def mark(self, x):
+        self.marks.append((x, asyncio.current_task() is not None))
+        return x
+
+    async def mark_async(self, x):
+        self.marks.append((x, True))  # (before its first await)
+        await asyncio.sleep(0)
+        return x
 
 
 @pytest.fixture(autouse=True, params=["local", "tcp"])
@@ -93,6 +103,23 @@ async def test_calls_return_results_and_raise_the_remote_error():
     with pytest.raises(AttributeError):
         await c.call("_private")
     c.close()
+
+
+async def test_a_plain_method_is_answered_at_once_and_never_overtakes_an_earlier_call():
+    """A call of a plain (not async) method is made as its frame arrives, no task, when
+    its connection has no earlier call still to run; behind one that is, it runs after
+    it, as a task: calls of a connection start in the order they were sent."""
+    target, server, ep = await _serve()
+    c = RpcClient(ep)
+    assert await c.call("mark", 1) == 1
+    assert target.marks == [(1, False)]  # at once, in no task
+    target.marks.clear()
+    assert c.notify("mark_async", 2) and c.notify("mark", 3) and c.notify("mark", 4)
+    assert await c.call("mark_async", 5) == 5
+    assert [x for x, _ in target.marks] == [2, 3, 4, 5]  # in the order sent
+    assert target.marks[1][1]  # (3 came behind 2's task: a task of its own)
+    c.close()
+    server.close()
 
 
 async def test_big_arrays_travel_out_of_band_byte_for_byte():

@@ -48,7 +48,7 @@ import secrets
 import socket
 import struct
 import sys
-from collections.abc import Callable, Generator
+from collections.abc import Callable, Coroutine, Generator
 from typing import Any
 
 import numpy as np
@@ -279,7 +279,10 @@ class _Protocol(asyncio.BufferedProtocol):
 
 class RpcServer:
     """Serve the public methods (sync or async) of ``target`` on ``host``. Calls run
-    concurrently, each as a task of the server's event loop; a call still running when
+    concurrently: a call is made as its frame arrives when no earlier call of its
+    connection is still to run (a plain method's answer goes at once: no task, no turn
+    of the event loop; 40-43 -> 34.5 µs of the server's CPU a round trip here), else as
+    a task after them; what is left to await runs as a task. A call still running when
     its client's connection closes is cancelled."""
 
     def __init__(self, target: Any, host: str):
@@ -345,6 +348,16 @@ class RpcServer:
             reply = (True, res)
         except Exception as e:  # the caller gets it (a call that cannot be unpickled too)
             reply = (False, e)
+        self._reply(conn, req_id, method, reply)
+
+    async def _finish(self, conn: _Served, req_id: int, method: str, aw: Any) -> None:
+        try:
+            reply = (True, await aw)
+        except Exception as e:  # noqa: BLE001 - the caller gets it
+            reply = (False, e)
+        self._reply(conn, req_id, method, reply)
+
+    def _reply(self, conn: _Served, req_id: int, method: str, reply: tuple) -> None:
         try:
             data = _frame(req_id, reply)
         except Exception as e:  # an unpicklable result or error
@@ -391,7 +404,27 @@ class _Served(_Protocol):
         yield from _frames(self._call)
 
     def _call(self, req_id: int, load: Callable) -> None:
-        task = asyncio.ensure_future(self.server._run(self, req_id, load))
+        server = self.server
+        if self.running:  # an earlier call of this connection is still to run: as a
+            # task, after it (a plain method called now would overtake it)
+            self._track(req_id, server._run(self, req_id, load))
+            return
+        method = "?"
+        try:
+            method, args, kwargs = load()
+            fn = server._method(method)
+            res = fn(*args, **kwargs)  # (a plain method runs now; else a coroutine)
+        except Exception as e:  # the caller gets it (a call that cannot be unpickled too)
+            server._reply(self, req_id, method, (False, e))
+            return
+        if inspect.isawaitable(res):
+            self._track(req_id, server._finish(self, req_id, method, res))
+        else:
+            server._reply(self, req_id, method, (True, res))
+
+    def _track(self, req_id: int, coro: Coroutine) -> None:
+        """Run call ``req_id`` as ``coro``, a task this connection cancels if it closes."""
+        task = asyncio.ensure_future(coro)
         self.running[req_id] = task
         task.add_done_callback(lambda _t: self.running.pop(req_id, None))
 
