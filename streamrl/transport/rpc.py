@@ -338,17 +338,25 @@ class RpcServer:
             if c.transport is not None:  # (set before the connection is listed)
                 c.transport.abort()
 
-    async def _run(self, conn: _Served, req_id: int, load: Callable) -> None:
+    def _begin(self, conn: _Served, req_id: int, load: Callable) -> tuple[str, Any] | None:
+        """Make call ``req_id`` (unpickled by ``load``): ``None`` once its answer is sent
+        (a plain method's, or an error), else its method and what is left to await."""
         method = "?"
         try:
             method, args, kwargs = load()
             res = self._method(method)(*args, **kwargs)
-            if inspect.isawaitable(res):
-                res = await res
-            reply = (True, res)
         except Exception as e:  # the caller gets it (a call that cannot be unpickled too)
-            reply = (False, e)
-        self._reply(conn, req_id, method, reply)
+            self._reply(conn, req_id, method, (False, e))
+            return None
+        if inspect.isawaitable(res):
+            return method, res
+        self._reply(conn, req_id, method, (True, res))
+        return None
+
+    async def _run(self, conn: _Served, req_id: int, load: Callable) -> None:
+        left = self._begin(conn, req_id, load)
+        if left is not None:
+            await self._finish(conn, req_id, *left)
 
     async def _finish(self, conn: _Served, req_id: int, method: str, aw: Any) -> None:
         try:
@@ -409,18 +417,9 @@ class _Served(_Protocol):
             # task, after it (a plain method called now would overtake it)
             self._track(req_id, server._run(self, req_id, load))
             return
-        method = "?"
-        try:
-            method, args, kwargs = load()
-            fn = server._method(method)
-            res = fn(*args, **kwargs)  # (a plain method runs now; else a coroutine)
-        except Exception as e:  # the caller gets it (a call that cannot be unpickled too)
-            server._reply(self, req_id, method, (False, e))
-            return
-        if inspect.isawaitable(res):
-            self._track(req_id, server._finish(self, req_id, method, res))
-        else:
-            server._reply(self, req_id, method, (True, res))
+        left = server._begin(self, req_id, load)  # (a plain method runs now)
+        if left is not None:
+            self._track(req_id, server._finish(self, req_id, *left))
 
     def _track(self, req_id: int, coro: Coroutine) -> None:
         """Run call ``req_id`` as ``coro``, a task this connection cancels if it closes."""
