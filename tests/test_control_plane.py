@@ -319,7 +319,7 @@ async def test_put_rows_cancelled_after_the_commit_takes_the_rows_back():
     with pytest.raises(asyncio.CancelledError):
         await put
     assert not svc.ctl.rows and svc.ctl.c_dropped.get("cancelled") == 1
-    assert not data.units[0].row_fields  # both rows deleted from the unit
+    assert data.units[0].stats() == (0, 0)  # both rows deleted from the unit
     await svc.seal("p")
     assert await svc.take(Request("t", ("x",), 1, partition="p"), 1.0) is None
 

@@ -557,7 +557,7 @@ def test_spill_holds_what_memory_holds(tmp_path_factory, ops, budget):
     units = [ref, u]
     next_row, write = 0, 0
     for kind, n, size, field in ops:
-        held = sorted(ref.row_fields)
+        held = sorted(ref.inventory())
         write += 1
         if kind in ("put", "ragged", "obj"):
             # new rows, or (when there are some) a field of existing rows
@@ -588,12 +588,13 @@ def test_spill_holds_what_memory_holds(tmp_path_factory, ops, budget):
         use = u.usage()
         assert use["memory"] + use["disk"] == u.stats()[1]
         assert use["memory_tensors"] <= budget and u._space.used == use["disk"]
+        inv = ref.inventory()
         for f in list(ref.columns):
-            rows = sorted(r for r in ref.columns[f])
+            rows = sorted(r for r, fs in inv.items() if f in fs)
             a = rows_of(ref.get(rows, [f])[f])
             b = rows_of(u.get(rows, [f])[f])
             assert all(same(x, y) for x, y in zip(a, b)) and len(a) == len(b)
-    rows = sorted(ref.row_fields)
+    rows = sorted(ref.inventory())
     assert u.delete(rows) == ref.delete(rows)
     assert u.stats() == (0, 0) and u.usage()["file"] == 0 and not u.segments
     assert u._mem == 0 and not u._lru and not u._origin
@@ -659,3 +660,121 @@ def test_wire_tensors_keep_their_bytes_through_pickle(make):
         assert len(bufs) == 1  # the bytes went out of band, not into the pickle
     ref = pickle.loads(pickle.dumps(w.by_reference(("unit", 3))))
     assert ref.buf is None and ref.ref == ("unit", 3)
+
+
+# ------------------------------ differential: runs == entries per row, whatever happens
+
+class _PerRow(StorageUnit):
+    runs = False  # (every put kept as entries per row: the reference)
+
+
+#: (kind, a, b, flag): puts, reads and deletes of runs most often; then rows put out of
+#: order or one at a time or as objects (never a run), writes of a field to some rows,
+#: undone writes, checkpoints
+_run_op = st.tuples(
+    st.sampled_from(["put"] * 3 + ["read"] * 3 + ["delete"] * 3
+                    + ["odd", "write", "undo", "state"]),
+    st.integers(0, 40), st.integers(1, 12), st.booleans())
+
+
+def _outcome(fn):
+    try:
+        return "ok", fn()
+    except (RowsDropped, UnknownField) as e:
+        return type(e).__name__, getattr(e, "rows", None)
+
+
+@settings(max_examples=int(os.environ.get('N_EX', 300)), deadline=None)
+@given(st.lists(_run_op, min_size=1, max_size=60))
+def test_runs_hold_what_entries_per_row_hold(ops):
+    """A unit that keeps puts of new rows as runs, against one that keeps an entry per
+    row: random puts (runs and not), writes of fields to some rows, reads and deletes
+    of consecutive ids (inside a run, across runs, over rows deleted or never put) and
+    of ids out of order, undone writes and checkpoints; after every step both hold the
+    same rows, fields, bytes and data, and read, delete and raise alike; the tensors
+    they let go of are the same."""
+    rel_runs, rel_rows = [], []
+    u, ref = StorageUnit(0, rel_runs.append), _PerRow(0, rel_rows.append)
+    next_row, write = 0, 0
+    for kind, a, b, flag in ops:
+        write += 1
+        held = sorted(ref.inventory())
+        if kind == "put":
+            n = 1 + a % 9
+            rows = list(range(next_row, next_row + n))
+            next_row += n + (b == 3)  # (an id no put used: deleted before its data came)
+            cols = {"x": torch.randn(n, 3)}
+            if flag:
+                cols["y"] = torch.arange(n * 2, dtype=torch.int64).view(n, 2)
+            for x in (u, ref):
+                x.put(rows, dict(cols), write)
+        elif kind == "odd":
+            n = 1 + a % 4
+            rows = list(range(next_row, next_row + n))[::-1]
+            next_row += n
+            col = [{"v": i} for i in rows] if flag else torch.randn(len(rows), 3)
+            for x in (u, ref):
+                x.put(rows, {"x": col}, write)
+        elif kind == "write":
+            rows = held[a % max(len(held), 1):][:b % 6 + 1]
+            if not rows:
+                continue
+            col = torch.full((len(rows), 2), float(write), dtype=torch.float32)
+            for x in (u, ref):
+                x.put(rows, {"y" if flag else "z": col}, write)
+        elif kind == "read":
+            start = held[a % len(held)] - (a % 3 == 0) if held else a
+            rows = list(range(start, start + (b if a % 2 else 1 + b % 3)))
+            fields = ["x", "y"] if flag else ["x"]
+            got, want = _outcome(lambda: u.get(rows, fields)), _outcome(lambda: ref.get(rows, fields))
+            assert got[0] == want[0] and (got[0] != "ok" or got[1].keys() == want[1].keys())
+            if got[0] == "ok":
+                for f in fields:
+                    ga, wa = rows_of(got[1][f]), rows_of(want[1][f])
+                    assert len(ga) == len(wa) and all(same(x, y) for x, y in zip(ga, wa))
+            else:
+                assert got[1] == want[1]
+        elif kind == "delete":
+            start = held[a % len(held)] - (a % 5 == 0) if held else a
+            k = 1 if b % 2 else b if a % 4 == 1 else 1 + b % 3  # (mostly a part of a run)
+            rows = list(range(start, start + k)) if flag else [
+                r for r in held if r % 3 == a % 3][:b]
+            assert u.delete(rows) == ref.delete(rows)
+        elif kind == "undo":
+            rows = held[a % max(len(held), 1):][:b % 6 + 1]
+            w = write - b % 6
+            assert u.delete_fields(rows, ["y"], w) == ref.delete_fields(rows, ["y"], w)
+        else:
+            fresh = StorageUnit(0)
+            fresh.load_state_dict(u.state_dict() if flag else ref.state_dict())
+            assert fresh.inventory() == ref.inventory() and fresh.stats() == ref.stats()
+        assert u.inventory() == ref.inventory() and u.stats() == ref.stats()
+        assert u.fields_of(held[:3]) == ref.fields_of(held[:3])
+        assert sorted(map(id, rel_runs)) == sorted(map(id, rel_rows))
+    rows = sorted(ref.inventory())
+    assert u.delete(rows) == ref.delete(rows)
+    assert u.stats() == (0, 0) and not u.segments and not u.columns and not u._starts
+    assert sorted(map(id, rel_runs)) == sorted(map(id, rel_rows))
+
+
+def test_a_run_is_read_and_deleted_without_entries_per_row():
+    """A put of new rows with consecutive ids leaves no entry per row; reads and deletes
+    of consecutive rows of it (a part, then the rest) keep it so, and free its tensor
+    once; a write to one of its rows turns the run into entries per row."""
+    released = []
+    u = StorageUnit(0, released.append)
+    x = torch.arange(12.0).view(4, 3)
+    u.put([10, 11, 12, 13], {"x": x, "y": torch.arange(4)})
+    assert not u.row_fields and not u.columns["x"] and u.stats() == (4, 4 * 12 + 4 * 8)
+    (piece,) = u.get([11, 12], ["x"])["x"]
+    assert piece.data_ptr() == x[1].data_ptr() and piece.shape == (2, 3)  # a view
+    assert u.delete([11]) == (1, 20) and u.delete([10]) == (1, 20)  # (parts of it)
+    assert not u.row_fields and released == [] and u.stats() == (2, 40)
+    with pytest.raises(RowsDropped):
+        u.get([11, 12], ["x"])
+    assert u.delete([10, 11]) == (0, 0)  # (deleted already: nothing held)
+    assert u.inventory() == {12: ["x", "y"], 13: ["x", "y"]}
+    u.put([13], {"z": torch.ones(1, 2)})  # a field of one of its rows: entries per row
+    assert u.row_fields == {12: 2, 13: 3} and not u._starts
+    assert u.delete([12, 13]) == (2, 2 * 20 + 8) and len(released) == 3
+    assert u.stats() == (0, 0) and not u.columns

@@ -15,6 +15,7 @@ the last row that references it is deleted (and no reader holds a view).
 
 from __future__ import annotations
 
+import bisect
 import sys
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -124,6 +125,21 @@ class _Segment:
         self.write = write  # the write that stored it (0: unknown)
 
 
+class _Run:
+    """Rows ``first .. first + n - 1``, stored by one put of new rows whose fields are all
+    tensors: field ``f`` of row ``first + i`` is the entry ``bases[f] + i``. The rows of
+    a run have no other entry; ``dead``: the offsets of its rows deleted since."""
+
+    __slots__ = ("first", "n", "bases", "live", "dead")
+
+    def __init__(self, first: int, n: int, bases: dict[str, int]):
+        self.first = first
+        self.n = n
+        self.bases = bases
+        self.live = n
+        self.dead: set[int] | None = None
+
+
 class StorageUnit(StorageBackend):
     """One shard of row data, in memory (the ``"memory"`` backend).
 
@@ -131,6 +147,13 @@ class StorageUnit(StorageBackend):
     consecutive ints, so a run of rows is found by comparing integers, and the cyclic
     garbage collector has nothing per row to scan. A segment (the tensor that was put) is
     released when its last row is deleted.
+
+    A put of new rows with consecutive ids whose fields are all tensors (what the
+    embedded queue's combined one-row puts and most batched puts are) is kept as one
+    record, a *run*, with no entry per row: a read or a delete of consecutive rows held
+    in runs costs per run, not per row. Anything else that touches a run's rows (a
+    write of a field to some of them, a read or a delete of rows not consecutive, a
+    checkpoint) first turns it into entries per row (:attr:`runs`).
 
     Args:
         index: the unit's number among the queue's shards (for messages).
@@ -150,6 +173,10 @@ class StorageUnit(StorageBackend):
     name = "memory"
     caps = StorageCaps(zero_copy_reads=True)
 
+    #: whether puts of new rows are kept as runs (see above); a subclass that needs an
+    #: entry per row (the spill backend) turns it off
+    runs = True
+
     def __init__(self, index: int = 0, on_release: Callable[[Any], None] | None = None):
         self.index = index
         self.on_release = on_release  # called with a tensor once no row refers to it
@@ -157,7 +184,11 @@ class StorageUnit(StorageBackend):
         self.columns: dict[str, dict[int, int | _Obj]] = {}
         self.segments: dict[int, _Segment] = {}
         self._next_seg = 1
-        self.row_fields: dict[int, int] = {}  # row -> number of fields held
+        self.row_fields: dict[int, int] = {}  # row -> number of fields held (not in a run)
+        self._by_first: dict[int, _Run] = {}  # first row -> run
+        self._starts: list[int] = []  # the runs' first rows, sorted
+        self._run_rows = 0  # rows held in runs
+        self._run_fields: dict[str, int] = {}  # field -> runs that hold it
         self.nbytes = 0
         # rows deleted before any of their data arrived (a write aborted while its data
         # was on its way): their late data is dropped (row ids are never reused)
@@ -198,6 +229,118 @@ class StorageUnit(StorageBackend):
                 del self.segments[sid]
                 self._dead(sid, seg)
 
+    # ------------------------------------------------------------------ runs
+
+    def _run_of(self, r: int) -> _Run | None:
+        """The run whose ids cover row ``r`` (held or deleted), if any."""
+        starts = self._starts
+        i = bisect.bisect_right(starts, r) - 1
+        if i < 0:
+            return None
+        run = self._by_first[starts[i]]
+        return run if r < run.first + run.n else None
+
+    def _span(self, rows: Sequence[int]) -> list[tuple[_Run, int, int]] | None:
+        """``rows`` as pieces ``(run, offset, k)`` when they are consecutive ids (in
+        increasing order) all held in runs, else ``None``."""
+        if not _consecutive(rows):
+            return None
+        out = []
+        r = rows[0]
+        end = r + len(rows)
+        while r < end:
+            run = self._run_of(r)
+            if run is None:
+                return None
+            off = r - run.first
+            k = min(run.first + run.n, end) - r
+            if run.dead is not None and not run.dead.isdisjoint(range(off, off + k)):
+                return None
+            out.append((run, off, k))
+            r += k
+        return out
+
+    def _add_run(self, rows: Sequence[int], columns: Mapping[str, Column], write: int) -> bool:
+        """Store a put of new rows as a run, if it is one (see :attr:`runs`)."""
+        if not _consecutive(rows):
+            return False
+        n = len(rows)
+        first = rows[0]
+        starts = self._starts
+        i = bisect.bisect_right(starts, first + n - 1)
+        if i:
+            last = self._by_first[starts[i - 1]]
+            if last.first + last.n > first:
+                return False  # (ids of a run: held, or deleted and not to be reused)
+        bases = {}
+        for name, col in columns.items():
+            base = self._segment(col, n, write, name, rows)
+            self.nbytes += self.segments[base >> _OFF_BITS].row_bytes * n
+            bases[name] = base
+            if name not in self.columns:
+                self.columns[name] = {}  # (the fields' order, as entries per row keep it)
+            self._run_fields[name] = self._run_fields.get(name, 0) + 1
+        self._by_first[first] = _Run(first, n, bases)
+        starts.insert(i, first)
+        self._run_rows += n
+        return True
+
+    def _drop_run(self, run: _Run) -> None:
+        del self._by_first[run.first]
+        del self._starts[bisect.bisect_left(self._starts, run.first)]
+        for name in run.bases:
+            left = self._run_fields[name] - 1
+            if left:
+                self._run_fields[name] = left
+            else:
+                del self._run_fields[name]
+                if not self.columns.get(name, True):
+                    del self.columns[name]
+
+    def _explode(self, rows: Sequence[int] | None = None) -> None:
+        """Turn the runs that cover any of ``rows`` (``None``: every run) into entries
+        per row, for the operations that work on those."""
+        if not self._starts:
+            return
+        if rows is None:
+            hit = list(self._by_first.values())
+        else:
+            found: dict[int, _Run] = {}
+            for r in rows:
+                run = self._run_of(r)
+                if run is not None:
+                    found[run.first] = run
+            hit = list(found.values())
+        for run in hit:
+            first, dead = run.first, run.dead
+            offs = range(run.n) if dead is None else [i for i in range(run.n) if i not in dead]
+            for name, base in run.bases.items():
+                self.columns.setdefault(name, {}).update((first + i, base + i) for i in offs)
+            k = len(run.bases)
+            self.row_fields.update((first + i, k) for i in offs)
+            self._run_rows -= run.live
+            self._drop_run(run)
+
+    def _delete_span(self, span: list[tuple[_Run, int, int]]) -> None:
+        segments = self.segments
+        for run, off, k in span:
+            for base in run.bases.values():
+                sid = (base + off) >> _OFF_BITS
+                seg = segments[sid]
+                self.nbytes -= seg.row_bytes * k
+                seg.live -= k
+                if not seg.live:
+                    del segments[sid]
+                    self._dead(sid, seg)
+            run.live -= k
+            self._run_rows -= k
+            if not run.live:
+                self._drop_run(run)
+            elif run.dead is None:
+                run.dead = set(range(off, off + k))
+            else:
+                run.dead.update(range(off, off + k))
+
     def forgotten(self, rows: Sequence[int], write: int = 0) -> bool:
         """Whether the data of a write is to be dropped on arrival: ``rows`` (new rows)
         were deleted before it came, or the write (by id) was aborted."""
@@ -214,6 +357,12 @@ class StorageUnit(StorageBackend):
             return
         n = len(rows)
         row_fields = self.row_fields
+        if n > 1 and columns and self.runs and (
+                not row_fields or row_fields.keys().isdisjoint(rows)) and all(
+                _is_tensor(c) for c in columns.values()) and self._add_run(rows, columns, write):
+            return
+        if self._starts:
+            self._explode(rows)
         if n > 1 and row_fields.keys().isdisjoint(rows) and all(
                 _is_tensor(c) for c in columns.values()):
             fresh = dict.fromkeys(rows, len(columns))
@@ -268,12 +417,32 @@ class StorageUnit(StorageBackend):
             RowsDropped: a row is not held here (dropped, or never written).
             UnknownField: a held row lacks one of ``fields``.
         """
+        if self._starts and rows:
+            span = self._span(rows)
+            if span is not None:  # (consecutive rows of runs: a slice a run and field)
+                out: dict[str, list[Column]] = {}
+                segments = self.segments
+                for f in fields:
+                    pieces = []
+                    for run, off, k in span:
+                        base = run.bases.get(f)
+                        if base is None:
+                            break
+                        e = base + off
+                        pieces.append(self._rows(segments[e >> _OFF_BITS], e & _OFF_MASK, k))
+                    else:
+                        out[f] = pieces
+                        continue
+                    break  # (a field a run lacks: the usual way raises UnknownField)
+                else:
+                    return out
+            self._explode(rows)
         missing = [r for r in rows if r not in self.row_fields]
         if missing:
             raise RowsDropped(
                 f"rows {rows_preview(missing)} are not held by storage unit {self.index}: they "
                 "were dropped (drop, clear, a filter, staleness or consumer-set cleanup)", missing)
-        out: dict[str, list[Column]] = {}
+        out = {}
         for f in fields:
             store = self.columns.get(f)
             if store is None:
@@ -323,6 +492,12 @@ class StorageUnit(StorageBackend):
     def delete(self, rows: Sequence[int]) -> tuple[int, int]:
         """Forget ``rows`` (rows not held are skipped). Returns (rows, bytes) freed."""
         before = self.nbytes
+        if self._starts and rows:
+            span = self._span(rows)
+            if span is not None:  # (consecutive rows of runs)
+                self._delete_span(span)
+                return len(rows), before - self.nbytes
+            self._explode(rows)
         n = 0
         freed = 0
         stores = list(self.columns.values())
@@ -366,7 +541,7 @@ class StorageUnit(StorageBackend):
         self.nbytes -= freed
         for sid in emptied:
             self._dead(sid, segments.pop(sid))
-        for f in [f for f, st in self.columns.items() if not st]:
+        for f in [f for f, st in self.columns.items() if not st and f not in self._run_fields]:
             del self.columns[f]
         while len(self._gone) > _GONE_MAX:
             self._gone.popitem(last=False)
@@ -383,6 +558,7 @@ class StorageUnit(StorageBackend):
             self._aborted[write] = None
             while len(self._aborted) > _GONE_MAX:
                 self._aborted.popitem(last=False)
+        self._explode(rows)
         before = self.nbytes
         for f in fields:
             store = self.columns.get(f)
@@ -396,7 +572,7 @@ class StorageUnit(StorageBackend):
                 self.nbytes -= self._entry_bytes(e)
                 self._release(e)
                 self.row_fields[r] -= 1
-            if not store:
+            if not store and f not in self._run_fields:
                 del self.columns[f]
         return before - self.nbytes
 
@@ -406,15 +582,33 @@ class StorageUnit(StorageBackend):
         for f, store in self.columns.items():
             for r in store:
                 out[r].append(f)
+        for first in self._starts:
+            run = self._by_first[first]
+            fields = [f for f in self.columns if f in run.bases]  # (in the columns' order)
+            dead = run.dead or ()
+            for i in range(run.n):
+                if i not in dead:
+                    out[first + i] = list(fields)
         return out
 
     def fields_of(self, rows: Sequence[int]) -> list[str]:
         """Fields held for every one of ``rows``."""
+        if self._starts:
+            have: set[str] | None = None
+            for r in rows:
+                run = self._run_of(r)
+                if run is not None and (run.dead is None or r - run.first not in run.dead):
+                    fs = set(run.bases)
+                else:
+                    fs = {f for f, st in self.columns.items() if r in st}
+                have = fs if have is None else have & fs
+            if have is not None:
+                return sorted(have)
         return sorted(f for f, st in self.columns.items() if all(r in st for r in rows))
 
     def stats(self) -> tuple[int, int]:
         """(rows, bytes) held now."""
-        return len(self.row_fields), self.nbytes
+        return len(self.row_fields) + self._run_rows, self.nbytes
 
     # ------------------------------------------------------------------ state
 
@@ -438,6 +632,7 @@ class StorageUnit(StorageBackend):
             >>> [(c.field, c.rows) for c in st["chunks"]]
             [('x', [1, 2]), ('chat', [1, 2])]
         """
+        self._explode()  # (chunks are made from the entries per row)
         return {"format": STATE_FORMAT, "backend": self.name, "index": self.index,
                 "rows": sorted(self.row_fields),
                 "fields": {f: len(st) for f, st in self.columns.items()},
@@ -483,7 +678,20 @@ class StorageUnit(StorageBackend):
         for c in load_chunks(self, state):
             self.put(c.rows, {c.field: c.data})
         for r in state.get("rows", ()):
-            self.row_fields.setdefault(r, 0)  # rows held with no field
+            if self._run_of(r) is None:
+                self.row_fields.setdefault(r, 0)  # rows held with no field
+
+
+def _consecutive(rows: Sequence[int]) -> bool:
+    """Whether ``rows`` (not empty) are consecutive ids in increasing order."""
+    n = len(rows)
+    first = rows[0]
+    if rows[-1] - first != n - 1:
+        return False
+    if n > 2:
+        seq = rows if type(rows) is list else list(rows)
+        return seq == list(range(first, first + n))
+    return True
 
 
 def create(index: int = 0, *, on_release: Callable[[Any], None] | None = None) -> StorageUnit:

@@ -209,6 +209,7 @@ class SpillUnit(StorageUnit):
 
     name = "spill"
     caps = StorageCaps(zero_copy_reads=False, spills=True, persistent=False)
+    runs = False  # (spilling works on entries per row)
 
     def __init__(self, index: int = 0, on_release: Callable[[Any], None] | None = None, *,
                  memory_bytes: int = DEFAULT_MEMORY_BYTES, dir: str | os.PathLike | None = None):
