@@ -56,7 +56,9 @@ case.
 ``--bystanders K``: K more producer actors in every streamrl case, each connected (its
 warm-up put) but putting nothing while the case is timed: ``--producers 4
 --bystanders 12`` against ``--producers 4,16`` tells what sixteen producer processes
-cost this machine apart from the puts they make.
+cost this machine apart from the puts they make. ``--bare-bystanders``: the
+bystanders never touch the queue (plain idle Ray actors): what Ray's processes alone
+cost.
 
 ``--grpo grouped``: each sample also carries its group key (``uid``, 8 consecutive
 samples of a producer a group) and the driver takes whole groups (``group_by="uid"``);
@@ -185,7 +187,7 @@ def _proc_cpu(actor) -> "ray.ObjectRef":  # noqa: F821
 async def _streamrl_case(ray, producers: int, rows: int, shards: int,
                          episodes: int = 1, capacity: int = 4096,
                          consumer: str = "stream", grpo: str = "none",
-                         bystanders: int = 0) -> dict:
+                         bystanders: int = 0, bare: bool = False) -> dict:
     import streamrl
 
     Producer = ray.remote(num_cpus=0)(_Producer)
@@ -203,7 +205,7 @@ async def _streamrl_case(ray, producers: int, rows: int, shards: int,
         await asyncio.gather(*[p.prepare.remote(i * per, per, grpo != "none")
                                for i, p in enumerate(ps)],
                              *[p.prepare.remote(0, 0, grpo != "none") for p in idlers])
-        await asyncio.gather(*[p.warm.remote(q, "warm") for p in ps + idlers])
+        await asyncio.gather(*[p.warm.remote(q, "warm") for p in ps + ([] if bare else idlers)])
         await q.clear("warm")
         # --grpo: the consumer takes whole groups of 8 (uid), and with "filtered" a
         # zero-variance filter judges each group first (all rewards differ: none dropped)
@@ -260,7 +262,7 @@ async def _streamrl_case(ray, producers: int, rows: int, shards: int,
             ray.kill(p)
         return {
             "producers": producers, "episodes": episodes, "rows": n, "shards": shards,
-            "grpo": grpo, "bystanders": bystanders,
+            "grpo": grpo, "bystanders": bystanders, "bare_bystanders": bare,
             "consumer": consumer, "seconds": dt,
             # put calls from the producers per row (warm-up puts included)
             "unit_calls_per_row": sum(r[1] for r in ran) / n,
@@ -346,7 +348,7 @@ async def ray_cases(rows: int, tq: bool, producers: tuple[int, ...] = (4, 16),
                     shards: int = 4, tq_rows: int = 2000,
                     episodes: tuple[int, ...] = (1,), capacity: int = 4096,
                     consumer: str = "stream", reps: int = 1, grpo: str = "none",
-                    bystanders: int = 0) -> dict:
+                    bystanders: int = 0, bare: bool = False) -> dict:
     """The Ray small-put cases (see the module docstring): a dict of results per case,
     plus ratios against the issue's targets. With ``reps`` > 1 each case runs that many
     times, the producer counts alternating in order (4, 16, 16, 4, ...); a case's entry
@@ -360,7 +362,7 @@ async def ray_cases(rows: int, tq: bool, producers: tuple[int, ...] = (4, 16),
             for r in range(reps):
                 for p in (producers if r % 2 == 0 else producers[::-1]):
                     got = await _streamrl_case(ray, p, rows, shards, e, capacity, consumer,
-                                               grpo, bystanders)
+                                               grpo, bystanders, bare)
                     got["controller_us_at_issue_pace"] = (
                         got["cpu_us_per_row"]["controller"] * pace["scale_to_issue"])
                     runs[p].append(got)
@@ -452,12 +454,14 @@ def main() -> None:
                     help="this many more producer actors in every streamrl case, connected "
                     "(one warm-up put each) but putting nothing while it is timed: what "
                     "the processes alone cost the others (their CPU counts as producers')")
+    ap.add_argument("--bare-bystanders", action="store_true",
+                    help="the bystanders never touch the queue (plain idle Ray actors)")
     ap.add_argument("--json", default=None)
     a = ap.parse_args()
     res = asyncio.run(ray_cases(a.rows, a.tq, tuple(int(x) for x in a.producers.split(",")),
                                 a.shards, a.tq_rows,
                                 tuple(int(x) for x in a.episodes.split(",")), a.capacity,
-                                a.consumer, a.reps, a.grpo, a.bystanders))
+                                a.consumer, a.reps, a.grpo, a.bystanders, a.bare_bystanders))
     print(json.dumps(res, indent=2))
     if a.json:
         with open(a.json, "w") as f:
