@@ -774,6 +774,14 @@ def test_a_run_is_read_and_deleted_without_entries_per_row():
         u.get([11, 12], ["x"])
     assert u.delete([10, 11]) == (0, 0)  # (deleted already: nothing held)
     assert u.inventory() == {12: ["x", "y"], 13: ["x", "y"]}
+    # rows of runs out of order, or twice: read and deleted as entries per row would be
+    v = StorageUnit(0)
+    v.put([0, 1, 2], {"x": torch.arange(3.0).view(3, 1)})
+    v.put([5, 6], {"x": torch.arange(5.0, 7.0).view(2, 1)})
+    assert [float(t) for p in v.get([6, 0, 0, 1], ["x"])["x"] for t in p] == [6, 0, 0, 1]
+    assert [float(t) for p in v.get([1, 2, 5], ["x"])["x"] for t in p] == [1, 2, 5]
+    assert v.delete([2, 2, 5]) == (2, 8) and v.stats() == (3, 12)
+    assert v.inventory() == {0: ["x"], 1: ["x"], 6: ["x"]}
     u.put([13], {"z": torch.ones(1, 2)})  # a field of one of its rows: entries per row
     assert u.row_fields == {12: 2, 13: 3} and not u._starts
     assert u.delete([12, 13]) == (2, 2 * 20 + 8) and len(released) == 3

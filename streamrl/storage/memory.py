@@ -241,23 +241,35 @@ class StorageUnit(StorageBackend):
         return run if r < run.first + run.n else None
 
     def _span(self, rows: Sequence[int]) -> list[tuple[_Run, int, int]] | None:
-        """``rows`` as pieces ``(run, offset, k)`` when they are consecutive ids (in
-        increasing order) all held in runs, else ``None``."""
-        if not _consecutive(rows):
-            return None
+        """``rows`` as pieces ``(run, offset, k)`` when they are ids in increasing order
+        all held in runs (consecutive ids of one run make one piece), else ``None``."""
+        if type(rows) is not list:
+            rows = list(rows)
         out = []
-        r = rows[0]
-        end = r + len(rows)
-        while r < end:
-            run = self._run_of(r)
+        n = len(rows)
+        i = 0
+        prev = -1
+        run_of = self._run_of
+        while i < n:
+            r = rows[i]
+            if r <= prev:
+                return None  # (out of order, or twice)
+            run = run_of(r)
             if run is None:
                 return None
             off = r - run.first
-            k = min(run.first + run.n, end) - r
+            k = min(run.n - off, n - i)  # (the most this piece can be)
+            if k > 1 and (rows[i + k - 1] - r != k - 1 or (
+                    k > 2 and rows[i:i + k] != list(range(r, r + k)))):
+                j = 1  # (the piece ends before: where the ids stop following on)
+                while rows[i + j] == r + j:
+                    j += 1
+                k = j
             if run.dead is not None and not run.dead.isdisjoint(range(off, off + k)):
                 return None
             out.append((run, off, k))
-            r += k
+            i += k
+            prev = r + k - 1
         return out
 
     def _add_run(self, rows: Sequence[int], columns: Mapping[str, Column], write: int) -> bool:
