@@ -668,11 +668,12 @@ class _PerRow(StorageUnit):
     runs = False  # (every put kept as entries per row: the reference)
 
 
-#: (kind, a, b, flag): puts, reads and deletes of runs most often; then rows put out of
-#: order or one at a time or as objects (never a run), writes of a field to some rows,
-#: undone writes, checkpoints
+#: (kind, a, b, flag): puts, reads and deletes of runs most often, and writes of a field
+#: to the rows of one or two earlier puts (a later stage's field: new, or replacing one);
+#: then rows put out of order or one at a time or as objects (never a run), writes of a
+#: field to some rows, undone writes, checkpoints
 _run_op = st.tuples(
-    st.sampled_from(["put"] * 3 + ["read"] * 3 + ["delete"] * 3
+    st.sampled_from(["put"] * 3 + ["read"] * 3 + ["delete"] * 3 + ["stage"] * 2
                     + ["odd", "write", "undo", "state"]),
     st.integers(0, 40), st.integers(1, 12), st.booleans())
 
@@ -696,12 +697,26 @@ def test_runs_hold_what_entries_per_row_hold(ops):
     rel_runs, rel_rows = [], []
     u, ref = StorageUnit(0, rel_runs.append), _PerRow(0, rel_rows.append)
     next_row, write = 0, 0
+    puts: list[tuple[int, int]] = []  # (first row, rows) of each put of new rows
     for kind, a, b, flag in ops:
         write += 1
         held = sorted(ref.inventory())
-        if kind == "put":
+        if kind == "stage":
+            if not puts:
+                continue
+            i = a % len(puts)
+            first, n = puts[i]
+            if b % 2 and i + 1 < len(puts) and puts[i + 1][0] == first + n:
+                n += puts[i + 1][1]  # (the rows of two puts, one after the other)
+            rows = list(range(first, first + n))
+            col = torch.full((n, 3), float(write)) if flag else torch.arange(
+                float(n)).view(n, 1) + write
+            for x in (u, ref):
+                x.put(rows, {"x" if flag else "w": col}, write)
+        elif kind == "put":
             n = 1 + a % 9
             rows = list(range(next_row, next_row + n))
+            puts.append((next_row, n))
             next_row += n + (b == 3)  # (an id no put used: deleted before its data came)
             cols = {"x": torch.randn(n, 3)}
             if flag:
@@ -725,7 +740,7 @@ def test_runs_hold_what_entries_per_row_hold(ops):
         elif kind == "read":
             start = held[a % len(held)] - (a % 3 == 0) if held else a
             rows = list(range(start, start + (b if a % 2 else 1 + b % 3)))
-            fields = ["x", "y"] if flag else ["x"]
+            fields = ["x", "y"] if flag else ["x", "w"] if a % 3 == 0 else ["x"]
             got, want = _outcome(lambda: u.get(rows, fields)), _outcome(lambda: ref.get(rows, fields))
             assert got[0] == want[0] and (got[0] != "ok" or got[1].keys() == want[1].keys())
             if got[0] == "ok":
@@ -782,6 +797,19 @@ def test_a_run_is_read_and_deleted_without_entries_per_row():
     assert [float(t) for p in v.get([1, 2, 5], ["x"])["x"] for t in p] == [1, 2, 5]
     assert v.delete([2, 2, 5]) == (2, 8) and v.stats() == (3, 12)
     assert v.inventory() == {0: ["x"], 1: ["x"], 6: ["x"]}
+    # a later stage's field of the rows of two puts (whole runs): kept in the runs, one
+    # tensor for both; written again, the first tensor is released
+    w = StorageUnit(0, released.append)
+    w.put([0, 1, 2], {"x": torch.zeros(3, 1)})
+    w.put([3, 4], {"x": torch.zeros(2, 1)})
+    r1 = torch.arange(5.0).view(5, 1)
+    w.put([0, 1, 2, 3, 4], {"r": r1})
+    assert not w.row_fields and w.stats() == (5, 5 * 8)
+    assert [float(t) for p in w.get([2, 3, 4], ["r"])["r"] for t in p] == [2, 3, 4]
+    w.put([0, 1, 2, 3, 4], {"r": r1 + 10})
+    assert any(t is r1 for t in released) and w.stats() == (5, 5 * 8)
+    assert [float(t) for p in w.get([1, 2, 3], ["r"])["r"] for t in p] == [11, 12, 13]
+    del released[:]
     u.put([13], {"z": torch.ones(1, 2)})  # a field of one of its rows: entries per row
     assert u.row_fields == {12: 2, 13: 3} and not u._starts
     assert u.delete([12, 13]) == (2, 2 * 20 + 8) and len(released) == 3

@@ -297,6 +297,44 @@ class StorageUnit(StorageBackend):
         self._run_rows += n
         return True
 
+    def _write_runs(self, rows: Sequence[int], columns: Mapping[str, Column],
+                    write: int) -> bool:
+        """Store fields of existing rows that are whole runs (a later stage's field of the
+        rows of one put: a response, a reward), if they are: each run refers to the new
+        tensor's rows as it does to those it was put with (a field a run holds already
+        is replaced, as an entry per row would be). ``False``: not so (nothing done)."""
+        if not columns or not all(_is_tensor(c) for c in columns.values()):
+            return False
+        span = self._span(rows)
+        if span is None:
+            return False
+        for run, off, k in span:
+            if off or k != run.n or run.dead is not None:
+                return False  # (a part of a run: entries per row)
+        n = len(rows)
+        segments = self.segments
+        for name, col in columns.items():
+            base = self._segment(col, n, write, name, rows)
+            self.nbytes += segments[base >> _OFF_BITS].row_bytes * n
+            if name not in self.columns:
+                self.columns[name] = {}
+            at = 0
+            for run, _, k in span:
+                old = run.bases.get(name)
+                if old is None:
+                    self._run_fields[name] = self._run_fields.get(name, 0) + 1
+                else:  # (replaced: the old tensor's rows are released)
+                    sid = old >> _OFF_BITS
+                    seg = segments[sid]
+                    self.nbytes -= seg.row_bytes * k
+                    seg.live -= k
+                    if not seg.live:
+                        del segments[sid]
+                        self._dead(sid, seg)
+                run.bases[name] = base + at
+                at += k
+        return True
+
     def _drop_run(self, run: _Run) -> None:
         del self._by_first[run.first]
         del self._starts[bisect.bisect_left(self._starts, run.first)]
@@ -374,6 +412,8 @@ class StorageUnit(StorageBackend):
                 _is_tensor(c) for c in columns.values()) and self._add_run(rows, columns, write):
             return
         if self._starts:
+            if self._write_runs(rows, columns, write):
+                return
             self._explode(rows)
         if n > 1 and row_fields.keys().isdisjoint(rows) and all(
                 _is_tensor(c) for c in columns.values()):
