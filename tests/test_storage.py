@@ -686,14 +686,25 @@ def _outcome(fn):
 
 
 @settings(max_examples=int(os.environ.get('N_EX', 300)), deadline=None)
-@given(st.lists(_run_op, min_size=1, max_size=60))
-def test_runs_hold_what_entries_per_row_hold(ops):
+@given(st.lists(_run_op, min_size=1, max_size=60), st.sampled_from([2, 8]))
+def test_runs_hold_what_entries_per_row_hold(ops, min_split):
     """A unit that keeps puts of new rows as runs, against one that keeps an entry per
     row: random puts (runs and not), writes of fields to some rows, reads and deletes
     of consecutive ids (inside a run, across runs, over rows deleted or never put) and
     of ids out of order, undone writes and checkpoints; after every step both hold the
     same rows, fields, bytes and data, and read, delete and raise alike; the tensors
-    they let go of are the same."""
+    they let go of are the same. ``min_split``: the fewest rows of a run a write splits
+    off (2: runs split often)."""
+    from streamrl.storage import memory
+
+    was, memory._MIN_SPLIT = memory._MIN_SPLIT, min_split
+    try:
+        _runs_against_rows(ops)
+    finally:
+        memory._MIN_SPLIT = was
+
+
+def _runs_against_rows(ops):
     rel_runs, rel_rows = [], []
     u, ref = StorageUnit(0, rel_runs.append), _PerRow(0, rel_rows.append)
     next_row, write = 0, 0
@@ -706,15 +717,21 @@ def test_runs_hold_what_entries_per_row_hold(ops):
                 continue
             i = a % len(puts)
             first, n = puts[i]
-            if b % 2 and i + 1 < len(puts) and puts[i + 1][0] == first + n:
+            if b % 4 == 1 and i + 1 < len(puts) and puts[i + 1][0] == first + n:
                 n += puts[i + 1][1]  # (the rows of two puts, one after the other)
+            elif b % 4 == 2 and n > 1:  # (its last rows)
+                cut = 1 + a % (n - 1)
+                first, n = first + cut, n - cut
+            elif b % 4 == 3 and n > 1:  # (rows from inside it)
+                cut = a % n
+                first, n = first + cut, max(1, min(n - cut, 1 + b % 11))
             rows = list(range(first, first + n))
             col = torch.full((n, 3), float(write)) if flag else torch.arange(
                 float(n)).view(n, 1) + write
             for x in (u, ref):
                 x.put(rows, {"x" if flag else "w": col}, write)
         elif kind == "put":
-            n = 1 + a % 9
+            n = 1 + a % 9 if b < 9 else 8 + a % 24
             rows = list(range(next_row, next_row + n))
             puts.append((next_row, n))
             next_row += n + (b == 3)  # (an id no put used: deleted before its data came)
@@ -810,6 +827,21 @@ def test_a_run_is_read_and_deleted_without_entries_per_row():
     assert any(t is r1 for t in released) and w.stats() == (5, 5 * 8)
     assert [float(t) for p in w.get([1, 2, 3], ["r"])["r"] for t in p] == [11, 12, 13]
     del released[:]
+    # a field written to a part of a run (8 rows or more) splits it, its deleted rows
+    # staying deleted on either side
+    v = StorageUnit(0)
+    v.put(list(range(32)), {"x": torch.arange(32.0).view(32, 1)})
+    assert v.delete([3]) == (1, 4) and v.delete([20]) == (1, 4)
+    v.put(list(range(8, 16)), {"r": torch.ones(8, 1)})
+    assert v._starts == [0, 8, 16] and not v.row_fields and v.stats() == (30, 30 * 4 + 8 * 4)
+    assert sorted(v.inventory()) == [r for r in range(32) if r not in (3, 20)]
+    assert [float(t) for p in v.get([16, 17, 18, 19], ["x"])["x"] for t in p] == [16, 17, 18, 19]
+    assert v.delete(list(range(21, 32))) == (11, 44) and v._starts == [0, 8, 16]
+    for gone in ([3], [20], [19, 20]):  # (a read that fails: entries per row from here)
+        with pytest.raises(RowsDropped):
+            v.get(gone, ["x"])
+    assert v.delete(list(range(16, 21))) == (4, 16) and v._starts == [8]
+    assert v.delete(list(range(8))) == (7, 28) and v.stats() == (8, 8 * 8)
     u.put([13], {"z": torch.ones(1, 2)})  # a field of one of its rows: entries per row
     assert u.row_fields == {12: 2, 13: 3} and not u._starts
     assert u.delete([12, 13]) == (2, 2 * 20 + 8) and len(released) == 3

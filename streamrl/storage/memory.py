@@ -109,6 +109,10 @@ class _Obj:
 
 _GONE_MAX = 1 << 16  # deleted-before-stored rows remembered (late data is seconds late at most)
 
+#: a write of a field to some rows of a run splits it when each part is this many rows
+#: or more (else the run becomes entries per row: a run a row would cost more)
+_MIN_SPLIT = 8
+
 _OFF_BITS = 32  # a tensor entry is the int (segment id << 32) | row offset in the segment
 _OFF_MASK = (1 << _OFF_BITS) - 1
 
@@ -309,8 +313,17 @@ class StorageUnit(StorageBackend):
         if span is None:
             return False
         for run, off, k in span:
-            if off or k != run.n or run.dead is not None:
-                return False  # (a part of a run: entries per row)
+            if (off or k != run.n) and (k < _MIN_SPLIT or (
+                    off and off < _MIN_SPLIT) or (run.n - off - k and run.n - off - k < _MIN_SPLIT)):
+                return False  # (a few rows of a run: entries per row)
+        whole = []
+        for run, off, k in span:  # (a part of a run is split off as a run of its own)
+            if off:
+                run = self._split(run, off)
+            if k != run.n:
+                self._split(run, k)
+            whole.append((run, 0, k))
+        span = whole
         n = len(rows)
         segments = self.segments
         for name, col in columns.items():
@@ -334,6 +347,27 @@ class StorageUnit(StorageBackend):
                 run.bases[name] = base + at
                 at += k
         return True
+
+    def _split(self, run: _Run, at: int) -> _Run:
+        """Cut ``run`` before its offset ``at`` (0 < at < its length): it keeps its first
+        ``at`` rows; returns the run of the others."""
+        rest = _Run(run.first + at, run.n - at, {f: b + at for f, b in run.bases.items()})
+        dead = run.dead
+        if dead is not None:
+            mine = {i for i in dead if i < at}
+            theirs = {i - at for i in dead if i >= at}
+            run.dead = mine or None
+            rest.dead = theirs or None
+            rest.live = rest.n - len(theirs)
+            run.live = at - len(mine)
+        else:
+            run.live = at
+        run.n = at
+        for f in rest.bases:
+            self._run_fields[f] += 1
+        self._by_first[rest.first] = rest
+        self._starts.insert(bisect.bisect_right(self._starts, run.first), rest.first)
+        return rest
 
     def _drop_run(self, run: _Run) -> None:
         del self._by_first[run.first]
@@ -362,12 +396,17 @@ class StorageUnit(StorageBackend):
                     found[run.first] = run
             hit = list(found.values())
         for run in hit:
-            first, dead = run.first, run.dead
-            offs = range(run.n) if dead is None else [i for i in range(run.n) if i not in dead]
-            for name, base in run.bases.items():
-                self.columns.setdefault(name, {}).update((first + i, base + i) for i in offs)
-            k = len(run.bases)
-            self.row_fields.update((first + i, k) for i in offs)
+            first, n, dead = run.first, run.n, run.dead
+            if dead is None:
+                ids: Sequence[int] = range(first, first + n)
+                for name, base in run.bases.items():
+                    self.columns.setdefault(name, {}).update(zip(ids, range(base, base + n)))
+            else:
+                offs = [i for i in range(n) if i not in dead]
+                ids = [first + i for i in offs]
+                for name, base in run.bases.items():
+                    self.columns.setdefault(name, {}).update(zip(ids, [base + i for i in offs]))
+            self.row_fields.update(dict.fromkeys(ids, len(run.bases)))
             self._run_rows -= run.live
             self._drop_run(run)
 
