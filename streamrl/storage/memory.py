@@ -154,10 +154,12 @@ class StorageUnit(StorageBackend):
 
     A put of new rows with consecutive ids whose fields are all tensors (what the
     embedded queue's combined one-row puts and most batched puts are) is kept as one
-    record, a *run*, with no entry per row: a read or a delete of consecutive rows held
-    in runs costs per run, not per row. Anything else that touches a run's rows (a
-    write of a field to some of them, a read or a delete of rows not consecutive, a
-    checkpoint) first turns it into entries per row (:attr:`runs`).
+    record, a *run*, with no entry per row: a read or a delete of rows of runs (in
+    increasing order) costs per run, not per row. A field written later to whole runs
+    is kept in them, one written to a part of a run (``_MIN_SPLIT`` rows or more on each
+    side) splits it. Anything else that touches a run's rows (a write to a few of them,
+    rows out of order or twice, an undone write, a checkpoint) first turns it into
+    entries per row (:attr:`runs`).
 
     Args:
         index: the unit's number among the queue's shards (for messages).
