@@ -339,13 +339,7 @@ class StorageUnit(StorageBackend):
                 if old is None:
                     self._run_fields[name] = self._run_fields.get(name, 0) + 1
                 else:  # (replaced: the old tensor's rows are released)
-                    sid = old >> _OFF_BITS
-                    seg = segments[sid]
-                    self.nbytes -= seg.row_bytes * k
-                    seg.live -= k
-                    if not seg.live:
-                        del segments[sid]
-                        self._dead(sid, seg)
+                    self._release_rows(old, k)
                 run.bases[name] = base + at
                 at += k
         return True
@@ -412,17 +406,20 @@ class StorageUnit(StorageBackend):
             self._run_rows -= run.live
             self._drop_run(run)
 
+    def _release_rows(self, e: int, k: int) -> None:
+        """``k`` rows of a segment from its entry ``e`` on are not referred to any more."""
+        sid = e >> _OFF_BITS
+        seg = self.segments[sid]
+        self.nbytes -= seg.row_bytes * k
+        seg.live -= k
+        if not seg.live:
+            del self.segments[sid]
+            self._dead(sid, seg)
+
     def _delete_span(self, span: list[tuple[_Run, int, int]]) -> None:
-        segments = self.segments
         for run, off, k in span:
             for base in run.bases.values():
-                sid = (base + off) >> _OFF_BITS
-                seg = segments[sid]
-                self.nbytes -= seg.row_bytes * k
-                seg.live -= k
-                if not seg.live:
-                    del segments[sid]
-                    self._dead(sid, seg)
+                self._release_rows(base + off, k)
             run.live -= k
             self._run_rows -= k
             if not run.live:
