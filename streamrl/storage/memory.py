@@ -211,6 +211,12 @@ class StorageUnit(StorageBackend):
         self.segments[sid] = _Segment(t, per, n, write)
         return sid << _OFF_BITS
 
+    def _stored(self, t: Any, n: int, write: int, field: str, rows: Sequence[int]) -> int:
+        """:meth:`_segment`, its bytes counted as held."""
+        base = self._segment(t, n, write, field, rows)
+        self.nbytes += self.segments[base >> _OFF_BITS].row_bytes * n
+        return base
+
     def _rows(self, seg: _Segment, off: int, k: int) -> Any:
         """Rows ``off:off + k`` of a segment's tensor (subclasses keep them elsewhere)."""
         return seg.tensor[off:off + k]
@@ -292,12 +298,8 @@ class StorageUnit(StorageBackend):
                 return False  # (ids of a run: held, or deleted and not to be reused)
         bases = {}
         for name, col in columns.items():
-            base = self._segment(col, n, write, name, rows)
-            self.nbytes += self.segments[base >> _OFF_BITS].row_bytes * n
-            bases[name] = base
-            if name not in self.columns:
-                self.columns[name] = {}  # (the fields' order, as entries per row keep it)
-            self._run_fields[name] = self._run_fields.get(name, 0) + 1
+            bases[name] = self._stored(col, n, write, name, rows)
+            self._run_field(name)
         self._by_first[first] = _Run(first, n, bases)
         starts.insert(i, first)
         self._run_rows += n
@@ -327,17 +329,13 @@ class StorageUnit(StorageBackend):
             whole.append((run, 0, k))
         span = whole
         n = len(rows)
-        segments = self.segments
         for name, col in columns.items():
-            base = self._segment(col, n, write, name, rows)
-            self.nbytes += segments[base >> _OFF_BITS].row_bytes * n
-            if name not in self.columns:
-                self.columns[name] = {}
+            base = self._stored(col, n, write, name, rows)
             at = 0
             for run, _, k in span:
                 old = run.bases.get(name)
                 if old is None:
-                    self._run_fields[name] = self._run_fields.get(name, 0) + 1
+                    self._run_field(name)
                 else:  # (replaced: the old tensor's rows are released)
                     self._release_rows(old, k)
                 run.bases[name] = base + at
@@ -360,10 +358,17 @@ class StorageUnit(StorageBackend):
             run.live = at
         run.n = at
         for f in rest.bases:
-            self._run_fields[f] += 1
+            self._run_field(f)
         self._by_first[rest.first] = rest
         self._starts.insert(bisect.bisect_right(self._starts, run.first), rest.first)
         return rest
+
+    def _run_field(self, name: str) -> None:
+        """One more run holds field ``name`` (listed among the columns, in the order
+        entries per row would list it)."""
+        if name not in self.columns:
+            self.columns[name] = {}
+        self._run_fields[name] = self._run_fields.get(name, 0) + 1
 
     def _drop_run(self, run: _Run) -> None:
         del self._by_first[run.first]
@@ -461,16 +466,14 @@ class StorageUnit(StorageBackend):
                 # common case): each field's rows are consecutive entries of one new
                 # segment
                 for name, col in columns.items():
-                    base = self._segment(col, n, write, name, rows)
-                    self.nbytes += self.segments[base >> _OFF_BITS].row_bytes * n
+                    base = self._stored(col, n, write, name, rows)
                     self.columns.setdefault(name, {}).update(zip(rows, range(base, base + n)))
                 row_fields.update(fresh)
                 return
         for name, col in columns.items():
             store = self.columns.setdefault(name, {})
             if _is_tensor(col):
-                base = self._segment(col, n, write, name, rows)
-                self.nbytes += self.segments[base >> _OFF_BITS].row_bytes * n
+                base = self._stored(col, n, write, name, rows)
                 if n == 1:  # (every one-row put)
                     r = rows[0]
                     old = store.get(r)
