@@ -310,9 +310,8 @@ class StorageUnit(StorageBackend):
         """Store fields of existing rows that are whole runs (a later stage's field of the
         rows of one put: a response, a reward), if they are: each run refers to the new
         tensor's rows as it does to those it was put with (a field a run holds already
-        is replaced, as an entry per row would be). ``False``: not so (nothing done)."""
-        if not columns or not all(_is_tensor(c) for c in columns.values()):
-            return False
+        is replaced, as an entry per row would be). ``False``: not so (nothing done).
+        ``columns``: tensors (at least one)."""
         span = self._span(rows)
         if span is None:
             return False
@@ -450,16 +449,18 @@ class StorageUnit(StorageBackend):
             return
         n = len(rows)
         row_fields = self.row_fields
-        if n > 1 and columns and self.runs and (
-                not row_fields or row_fields.keys().isdisjoint(rows)) and all(
-                _is_tensor(c) for c in columns.values()) and self._add_run(rows, columns, write):
+        # every field a tensor (asked only where it matters: not of a one-row put alone)
+        tensors = (n > 1 or bool(self._starts)) and all(
+            _is_tensor(c) for c in columns.values())
+        if n > 1 and columns and tensors and self.runs and (
+                not row_fields or row_fields.keys().isdisjoint(rows)) and self._add_run(
+                rows, columns, write):
             return
         if self._starts:
-            if self._write_runs(rows, columns, write):
+            if columns and tensors and self._write_runs(rows, columns, write):
                 return
             self._explode(rows)
-        if n > 1 and row_fields.keys().isdisjoint(rows) and all(
-                _is_tensor(c) for c in columns.values()):
+        if n > 1 and tensors and row_fields.keys().isdisjoint(rows):
             fresh = dict.fromkeys(rows, len(columns))
             if len(fresh) == n:
                 # new rows (each once), every field a tensor (rows of one shape, the
