@@ -27,7 +27,8 @@ RDT = "ray" in TRANSPORTS
 
 @pytest.fixture(scope="session")
 def ray_session():
-    """One local Ray for the whole test session (small: this machine has 2 cores)."""
+    """One local Ray for the whole test session of this process (each pytest-xdist worker
+    starts its own; small: this machine has 2 cores)."""
     import ray
 
     if not ray.is_initialized():
@@ -121,6 +122,27 @@ def pytest_generate_tests(metafunc):
     metafunc.parametrize("transport", params, indirect=True)
 
 
+def pytest_collection_modifyitems(config, items):
+    """``@pytest.mark.on_ray(name=value, ...)``: on the Ray transports ("ray", "rdt" and
+    their spill deployments), run the test only with these values of its other
+    parameters; every value still runs on the embedded ones. For parameters that choose
+    between code paths of the client, which is the same on every transport: each Ray
+    test starts its actor processes (about a second here), so one value there shows the
+    transport's part. The other combinations are deselected (counted as such)."""
+    keep, drop = [], []
+    for item in items:
+        mark = item.get_closest_marker("on_ray")
+        params = getattr(getattr(item, "callspec", None), "params", {})
+        if (mark is not None and str(params.get("transport", "")).split("-")[0] in ("ray", "rdt")
+                and any(params.get(k) != v for k, v in mark.kwargs.items())):
+            drop.append(item)
+            continue
+        keep.append(item)
+    if drop:
+        config.hook.pytest_deselected(items=drop)
+        items[:] = keep
+
+
 @pytest.fixture
 def transport(request):
     """The transport name: the parametrised ``"<transport>"`` or ``"<transport>-spill"``
@@ -144,15 +166,26 @@ def storage(request, tmp_path):
     return "memory"
 
 
+#: On Ray every storage unit is one more actor process to start, and starting processes
+#: is most of a Ray test's time on this 2-core machine (a queue with two units: ~1.1 s,
+#: ~1.9 CPU-seconds; with one: ~0.7 s). So a Ray queue of ``make_queue`` has one unit
+#: unless the test asks for more, except in the data-path tests (RDT_SUITE: reads,
+#: writes and drops spread over several units), which keep two.
+SHARDED_ON_RAY = RDT_SUITE
+
+
 @pytest.fixture
-async def make_queue(transport, storage):
+async def make_queue(request, transport, storage):
     """make_queue(**kwargs) -> StreamQueue on the parametrised transport and storage;
-    every queue is closed and shut down after the test."""
+    every queue is closed and shut down after the test. ``num_shards`` defaults to 2
+    (1 on Ray outside SHARDED_ON_RAY)."""
     made: list[streamrl.StreamQueue] = []
+    shards = 1 if transport in ("ray", "rdt") and (
+        request.node.originalname not in SHARDED_ON_RAY) else 2
 
     def make(**kw) -> streamrl.StreamQueue:
         kw.setdefault("capacity", 1024)
-        kw.setdefault("num_shards", 2)
+        kw.setdefault("num_shards", shards)
         kw.setdefault("storage", storage)
         if transport == "rdt":
             kw.setdefault("rdt_hold_anywhere", True)

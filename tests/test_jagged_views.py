@@ -12,6 +12,10 @@ compared row by row; the regular fields are compared against a plain TensorDict 
 the same way. The rule checked for the jagged field: the column is a dense tensor when
 the picked rows all have one shape (also for zero rows: a ``[0, 0, *rest]`` tensor) and a
 jagged nested tensor otherwise -- the same whether read from the cache or fetched.
+
+On the Ray transports the tests run with the 2-d field only (``on_ray``, see
+tests/conftest.py): the 1-d one takes the same wire path, and each Ray test starts its
+actor processes.
 """
 
 from __future__ import annotations
@@ -140,6 +144,7 @@ VIEWS = {
 
 
 @pytest.mark.parametrize("kind", ["1d", "2d"])
+@pytest.mark.on_ray(kind="2d")
 @pytest.mark.parametrize("shards", [1, 2, 3])
 @pytest.mark.parametrize("warm", ["cold", "warm"])
 async def test_views_of_a_jagged_field(make_queue, kind, shards, warm):
@@ -164,6 +169,7 @@ async def test_views_of_a_jagged_field(make_queue, kind, shards, warm):
 
 
 @pytest.mark.parametrize("kind", ["1d", "2d"])
+@pytest.mark.on_ray(kind="2d")
 @pytest.mark.parametrize("warm", ["cold", "warm"])
 async def test_int_index_gives_the_single_row(make_queue, kind, warm):
     q = make_queue(num_shards=3)
@@ -187,6 +193,7 @@ async def test_int_index_gives_the_single_row(make_queue, kind, warm):
 
 
 @pytest.mark.parametrize("kind", ["1d", "2d"])
+@pytest.mark.on_ray(kind="2d")
 async def test_column_views_of_a_jagged_field(make_queue, kind):
     q = make_queue(num_shards=2)
     src, jag, txt = await fill(q, kind)
@@ -208,6 +215,7 @@ async def test_column_views_of_a_jagged_field(make_queue, kind):
 
 
 @pytest.mark.parametrize("kind", ["1d", "2d"])
+@pytest.mark.on_ray(kind="2d")
 @pytest.mark.parametrize("warm", ["cold", "warm"])
 async def test_concat_of_two_batches_with_a_jagged_field(make_queue, kind, warm):
     q = make_queue(num_shards=3)
@@ -236,6 +244,7 @@ async def test_concat_of_two_batches_with_a_jagged_field(make_queue, kind, warm)
 
 
 @pytest.mark.parametrize("kind", ["1d", "2d"])
+@pytest.mark.on_ray(kind="2d")
 async def test_empty_views_of_a_jagged_field(make_queue, kind):
     q = make_queue(num_shards=2)
     src, jag, txt = await fill(q, kind)
@@ -255,6 +264,7 @@ async def test_empty_views_of_a_jagged_field(make_queue, kind):
 
 
 @pytest.mark.parametrize("kind", ["1d", "2d"])
+@pytest.mark.on_ray(kind="2d")
 async def test_batch_from_put_materializes_a_jagged_field_like_a_fetched_one(make_queue, kind):
     """The batch returned by ``put`` caches what was put (a list of rows): reading it back
     gives the same column a fetch would, a jagged tensor, and views of it work."""
@@ -271,6 +281,7 @@ async def test_batch_from_put_materializes_a_jagged_field_like_a_fetched_one(mak
 
 
 @pytest.mark.parametrize("kind", ["1d", "2d"])
+@pytest.mark.on_ray(kind="2d")
 async def test_a_materialized_jagged_field_can_be_written_back(make_queue, kind):
     """A jagged nested tensor given to put/write is taken as its rows (like a list of
     per-row tensors), also when the target rows are spread over storage units."""

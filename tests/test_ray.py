@@ -267,21 +267,44 @@ asyncio.run(main())
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("address", ["", None])
-def test_a_ray_queue_starts_ray_as_ray_would(tmp_path, transport, address):
+def test_a_ray_queue_starts_ray_as_ray_would(tmp_path, transport):
     """Ray not initialised: the queue starts a local Ray the way ``ray.init()`` does,
-    whether RAY_ADDRESS is unset or empty (Ray treats both alike), listening on loopback
-    only (``init_ray``)."""
+    listening on loopback only (``init_ray``). A script of its own (it starts a Ray)."""
     script = tmp_path / "auto.py"
     script.write_text(AUTO_INIT)
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
     env["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
-    if address is not None:
-        env["RAY_ADDRESS"] = address
     out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
                          timeout=180, env=env)
     assert "AUTO-OK [0, 1, 2]" in out.stdout, out.stdout[-2000:] + out.stderr[-3000:]
     assert "NODES ['127.0.0.1']" in out.stdout, out.stdout[-2000:]
+
+
+@pytest.mark.parametrize("address", ["", None])
+def test_init_ray_starts_a_loopback_ray_when_ray_address_is_unset_or_empty(
+        monkeypatch, address, transport):
+    """Ray treats an empty RAY_ADDRESS as an unset one: with either (and no ``ray start``
+    on this machine), ``init_ray`` starts a new local Ray on 127.0.0.1, not one that
+    joins. The call it makes, recorded (the script test above starts a real one); a
+    RAY_ADDRESS that names a cluster is joined as ``ray.init()`` would."""
+    from streamrl.transport.ray import transport as ray_transport
+
+    calls: list[dict] = []
+    monkeypatch.setattr(ray_transport.ray, "init", lambda **kw: calls.append(kw))
+    # no `ray start` on this machine, whatever other tests left (a simulated cluster
+    # writes the file a `ray start` writes, which ray.init() would then join)
+    monkeypatch.setattr("ray._private.services.find_bootstrap_address",
+                        lambda temp_dir=None: None)
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    if address is not None:
+        monkeypatch.setenv("RAY_ADDRESS", address)
+    ray_transport.init_ray(log_to_driver=False)
+    assert calls == [{"address": "local", "_node_ip_address": "127.0.0.1",
+                      "ignore_reinit_error": True, "include_dashboard": False,
+                      "log_to_driver": False}]
+    monkeypatch.setenv("RAY_ADDRESS", "127.0.0.1:6399")
+    ray_transport.init_ray()
+    assert calls[1] == {"ignore_reinit_error": True, "include_dashboard": False}
 
 
 @ray.remote(num_cpus=0)

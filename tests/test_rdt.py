@@ -772,6 +772,11 @@ async def test_a_queue_of_held_fields_is_checkpointed_and_restored_on_any_transp
         await r.shutdown()
 
 
+@pytest.mark.skipif(os.environ.get("STREAMRL_RDT_BYPASS", "") not in ("1", "strict"),
+                    reason="a report, not a check (~17 s): STREAMRL_RDT_BYPASS=1 runs it, "
+                    "=strict also fails it when the naive design came out right; the design "
+                    "as built is checked by test_concurrent_puts_and_reads_between_async_"
+                    "actors_arrive_intact")
 async def test_the_stress_test_goes_wrong_when_transfers_bypass_the_serialising_thread(
         ray_session, record_property):
     """The serialising transfer thread is what keeps concurrent transfers apart. The
@@ -781,8 +786,9 @@ async def test_the_stress_test_goes_wrong_when_transfers_bypass_the_serialising_
     a thread of its own, and readers ask holders directly, unordered). What the naive run
     did is reported (printed, and recorded as the test's ``bypassed`` property), not
     asserted: gloo's failures under concurrency depend on timing (see docs/rdt.md for
-    what runs here showed). ``STREAMRL_RDT_BYPASS_STRICT=1`` makes a naive run that
-    came out right fail the test."""
+    what runs here showed). It runs with ``STREAMRL_RDT_BYPASS=1`` only (being a report,
+    it is not in the default run); ``STREAMRL_RDT_BYPASS=strict`` also makes a naive run
+    that came out right fail the test."""
     from streamrl.transport.rdt import create_group
 
     producers, consumer = [Producer.remote() for _ in range(4)], Consumer.remote()
@@ -800,7 +806,7 @@ async def test_the_stress_test_goes_wrong_when_transfers_bypass_the_serialising_
             ray.kill(a)
     print(f"stress test with the serialising thread bypassed: {outcome}")
     record_property("bypassed", outcome)
-    if os.environ.get("STREAMRL_RDT_BYPASS_STRICT") == "1":
+    if os.environ.get("STREAMRL_RDT_BYPASS") == "strict":
         assert not outcome.startswith("right"), outcome
 
 

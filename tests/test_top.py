@@ -37,7 +37,8 @@ def _top(*args: str) -> list[str]:
 
 
 async def _live_queue(make_queue):
-    q = make_queue(name="topq", capacity=128, capacity_bytes=4096, consumers=["train"])
+    q = make_queue(name="topq", capacity=128, capacity_bytes=4096, consumers=["train"],
+                   num_shards=2)  # (the view has a row per storage unit)
     await q.add_filter(lambda td: td["x"] % 5 != 0, fields=["x"], name="no5")
     # 20 rows of 8 + 16 bytes; the filter drops 4 of them
     await q.put({"x": torch.arange(20), "y": torch.zeros(20, 4)}, partition="step-0")
