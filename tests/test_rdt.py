@@ -730,6 +730,7 @@ async def test_groups_that_cannot_be_made_leave_nothing_and_a_destroyed_group_fa
             got, errors = await consumer.run.remote(q, "b", 2, 3, ["x", "uid"])
             assert errors == [] and got == second
             st = await wait_for(lambda: _has(q, "socket", rows * (W * 4 + 8)))
+            assert st is not None, (await q.stats()).bytes_by_path  # (what it came to)
             assert st.bytes_by_path["rdt"] == rows * (W * 4 + 8)  # none by RDT any more
             assert not st.dropped_by.get("lost")
     finally:
