@@ -23,6 +23,8 @@ except ImportError:
     pass
 #: the RDT transport runs the tests of RDT_SUITE (where Ray runs)
 RDT = "ray" in TRANSPORTS
+#: the transports that start Ray actors (their spill deployments too: "ray-spill")
+RAY_TRANSPORTS = ("ray", "rdt")
 
 
 @pytest.fixture(scope="session")
@@ -133,7 +135,7 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         mark = item.get_closest_marker("on_ray")
         params = getattr(getattr(item, "callspec", None), "params", {})
-        if (mark is not None and str(params.get("transport", "")).split("-")[0] in ("ray", "rdt")
+        if (mark is not None and str(params.get("transport", "")).split("-")[0] in RAY_TRANSPORTS
                 and any(params.get(k) != v for k, v in mark.kwargs.items())):
             drop.append(item)
             continue
@@ -148,7 +150,7 @@ def transport(request):
     """The transport name: the parametrised ``"<transport>"`` or ``"<transport>-spill"``
     (see SPILL_SUITE) without its storage part."""
     name = request.param.split("-")[0]
-    if name in ("ray", "rdt"):
+    if name in RAY_TRANSPORTS:
         request.getfixturevalue("ray_session")
     if name == "hop" and not _hop_loaded:
         from recipes._docs import load_recipe
@@ -180,7 +182,7 @@ async def make_queue(request, transport, storage):
     every queue is closed and shut down after the test. ``num_shards`` defaults to 2
     (1 on Ray outside SHARDED_ON_RAY)."""
     made: list[streamrl.StreamQueue] = []
-    shards = 1 if transport in ("ray", "rdt") and (
+    shards = 1 if transport in RAY_TRANSPORTS and (
         request.node.originalname not in SHARDED_ON_RAY) else 2
 
     def make(**kw) -> streamrl.StreamQueue:

@@ -18,8 +18,8 @@ batches, a row bound and a byte bound. It checks the promises of docs/reliabilit
 
 CI runs a short seed set per transport (printing each transport's elapsed time);
 ``STREAMRL_CHAOS_SECONDS=1800 python -m pytest -n 0 -s tests/test_chaos.py`` runs seeds
-until that many seconds have passed, printing each (each
-seed's queue is closed and shut down before the next). A failure prints its seed:
+until that many seconds have passed and prints each (each seed's queue is closed and shut
+down before the next; ``-n 0 -s``: in one process, its output shown). A failure prints its seed:
 ``STREAMRL_CHAOS_SEED=<seed>`` replays it (timing differs between runs, so a replay is
 likely, not certain, to fail the same way).
 """
