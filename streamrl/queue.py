@@ -6,11 +6,12 @@ import asyncio
 import itertools
 import math
 import os
+import sys
 import warnings
 import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import anyio
 import numpy as np
@@ -40,6 +41,7 @@ if TYPE_CHECKING:
 
     from .checkpoint.client import CheckpointInfo, Periodic
     from .metrics import MetricsServer
+    from .transport.embedded import LocalDataPlane
 
 __all__ = ["StreamQueue", "Stream", "DEFAULT_PARTITION"]
 
@@ -189,16 +191,19 @@ class StreamQueue:
         self._tags_any: frozenset[str] = frozenset()
         self._transport: Transport = transport
         # the storage units, when they are in this process and stored to synchronously
-        # (the embedded transport): a one-row put stores into its unit directly
-        from .transport.embedded import LocalDataPlane
-
-        from .combine import CombiningService
-
+        # (the embedded transport): a one-row put stores into its unit directly. (Its
+        # modules are looked up, not imported: a transport made of them imported them,
+        # and a queue of another transport, such as a Ray producer's, never loads them
+        # nor the controller's state machine they import.)
+        embedded = sys.modules.get("streamrl.transport.embedded")
+        combine = sys.modules.get("streamrl.combine")
         data = transport.data
-        self._units = data.units if type(data) is LocalDataPlane else None
+        self._units = (cast("LocalDataPlane", data).units if embedded is not None
+                       and type(data) is embedded.LocalDataPlane else None)
         # the stage that combines one-row puts (the embedded transport): see combine.py
         control = transport.control
-        self._stage = control if isinstance(control, CombiningService) else None
+        self._stage = (control if combine is not None
+                       and isinstance(control, combine.CombiningService) else None)
         # a small put of new rows is one call to a unit, which has the controller admit
         # it (Ray; see DataPlane.put_rows)
         self._unit_puts = data.caps.unit_admitted_puts

@@ -64,6 +64,44 @@ class SyncConsumer:
         return seen
 
 
+@ray.remote(num_cpus=0)
+class ModuleProbe:
+    """Says which of streamrl's modules its process has loaded."""
+
+    def loaded(self):
+        return sorted(m for m in sys.modules if m.startswith("streamrl"))
+
+    async def put(self, q):
+        await q.put({"x": torch.zeros(1, 4)}, partition="p")
+        return self.loaded()
+
+
+#: what a producer's process has no use for: the controller's state machine and service
+#: (they run in the controller actor) and the embedded transport
+_NOT_A_PRODUCERS = ("streamrl.controller", "streamrl.service",
+                    "streamrl.transport.ray.actor_service", "streamrl.combine",
+                    "streamrl.transport.embedded")
+
+
+async def test_a_producer_process_loads_neither_the_controller_nor_the_embedded_transport(rq):
+    """An actor given the queue puts rows without importing the controller's state machine,
+    its service or the embedded transport (Ray loads the module of each actor class whose
+    handle the queue carries: those modules import them only inside the actors). Each
+    such import costs every producer process of an agentic run its start-up time. (A
+    runtime_env of its own gives the probe a fresh worker process.)"""
+    q = rq()
+    probe = ModuleProbe.options(
+        runtime_env={"env_vars": {"STREAMRL_FRESH_WORKER": "modules"}}).remote()
+    try:
+        assert await probe.loaded.remote() == []
+        loaded = await probe.put.remote(q)
+        assert "streamrl.transport.ray.data" in loaded  # (it did use the queue)
+        assert [m for m in _NOT_A_PRODUCERS if m in loaded] == []
+    finally:
+        ray.kill(probe)
+    assert (await q.stats()).rows == 1
+
+
 @pytest.mark.parametrize("direct_calls", [True, False], ids=["socket-calls", "ray-calls"])
 async def test_actors_produce_and_consume_byte_for_byte(rq, direct_calls):
     q = rq(num_shards=3, direct_calls=direct_calls)

@@ -245,3 +245,27 @@ def test_the_config_docstring_lists_the_ray_transport_options():
     assert set(named) - {"ray", "rdt"} == set(RAY_OPTIONS) | set(RDT_OPTIONS)
     with pytest.raises(InvalidArgument, match=", ".join(RAY_OPTIONS)):
         streamrl.StreamQueue(transport="ray", nope=1)
+
+
+
+def test_the_ray_transport_package_names_load_on_first_use():
+    """streamrl.transport.ray imports none of its modules itself (a process loads what it
+    uses: see tests/test_ray.py::test_a_producer_process_loads_neither_the_controller_nor_the_embedded_transport);
+    every public name still resolves, to its module's object, and the actor classes a
+    transport starts are named by "module:name" until create() imports them."""
+    pytest.importorskip("ray")
+    import streamrl.transport.ray as pkg
+    from streamrl.transport.ray import controller, transport, unit
+    from streamrl.transport.ray.transport import _actor_class
+    from streamrl.transport.rdt.transport import RdtTransport
+    from streamrl.transport.rdt.unit import RdtStorageActor
+
+    for name in pkg.__all__:
+        assert getattr(pkg, name) is not None, name
+    assert pkg.RayTransport is transport.RayTransport and "RayTransport" in dir(pkg)
+    with pytest.raises(AttributeError, match="no attribute 'nope'"):
+        pkg.nope  # noqa: B018
+    assert _actor_class(transport.RayTransport.storage_actor) is unit.StorageActor
+    assert _actor_class(transport.RayTransport.controller_actor) is controller.ControllerActor
+    assert _actor_class(RdtTransport.storage_actor) is RdtStorageActor
+    assert _actor_class(RdtStorageActor) is RdtStorageActor

@@ -49,21 +49,59 @@ Direct Transport):
 * :mod:`.checkpoint` -- checkpoints: each unit writes and loads its own files, the
   client fans the calls out;
 * :mod:`.controller` -- the controller actor, serving the control plane;
+* :mod:`.actor_service` -- the service it runs (imported in the actor only: Ray imports
+  :mod:`.controller` in every process that deserializes the actor's handle);
 * :mod:`.control` -- :class:`RayControl`, the control-plane client;
 * :mod:`.transport` -- :class:`RayTransport` and the registered factory :func:`create`.
+
+The package imports none of them itself (its names load on first use): a process
+imports what it uses.
 """
 
 from __future__ import annotations
 
-from .calls import UNDO_TIMEOUT, Endpoints
-from .control import RayControl, pickle_by_value
-from .controller import ActorService, ControllerActor, ControllerActorImpl
-from .data import FAST_MAX, RayDataPlane
-from .transport import RAY_OPTIONS, RayTransport, _clients, create, init_ray
-from .unit import ID_BLOCK, StorageActor, StorageActorImpl
-from .wire import SHM_MIN
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from .calls import UNDO_TIMEOUT, Endpoints
+    from .control import RayControl, pickle_by_value
+    from .actor_service import ActorService
+    from .controller import ControllerActor, ControllerActorImpl
+    from .data import FAST_MAX, RayDataPlane
+    from .transport import RAY_OPTIONS, RayTransport, _clients, create, init_ray
+    from .unit import ID_BLOCK, StorageActor, StorageActorImpl
+    from .wire import SHM_MIN
+
+#: where each public name lives (imported on first use: a producer given a queue's
+#: handle loads the clients, never the controller's state machine; docs/benchmarks.md,
+#: "A producer process loads neither the controller nor the embedded transport")
+_WHERE = {
+    "UNDO_TIMEOUT": "calls", "Endpoints": "calls",
+    "RayControl": "control", "pickle_by_value": "control",
+    "ActorService": "actor_service", "ControllerActor": "controller",
+    "ControllerActorImpl": "controller",
+    "FAST_MAX": "data", "RayDataPlane": "data",
+    "RAY_OPTIONS": "transport", "RayTransport": "transport", "_clients": "transport",
+    "create": "transport", "init_ray": "transport",
+    "ID_BLOCK": "unit", "StorageActor": "unit", "StorageActorImpl": "unit",
+    "SHM_MIN": "wire",
+}
 
 __all__ = ["RayTransport", "ControllerActor", "StorageActor", "create", "RayControl",
            "RayDataPlane", "ControllerActorImpl", "StorageActorImpl", "ActorService",
-           "SHM_MIN", "FAST_MAX", "ID_BLOCK", "RAY_OPTIONS", "UNDO_TIMEOUT", "Endpoints", "pickle_by_value",
-           "init_ray"]
+           "SHM_MIN", "FAST_MAX", "ID_BLOCK", "RAY_OPTIONS", "UNDO_TIMEOUT", "Endpoints",
+           "pickle_by_value", "init_ray"]
+
+
+def __getattr__(name: str) -> Any:
+    mod = _WHERE.get(name)
+    if mod is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f".{mod}", __name__), name)
+    globals()[name] = value  # (looked up once)
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_WHERE))

@@ -18,7 +18,7 @@ The actor's own methods, which are not controller calls: :meth:`~ControllerActor
 :meth:`~ControllerActorImpl.handles`, :meth:`~ControllerActorImpl.cancellable`,
 :meth:`~ControllerActorImpl.cancel`, :meth:`~ControllerActorImpl.ping`,
 :meth:`~ControllerActorImpl.event_loop` and :meth:`~ControllerActorImpl.serve_metrics`. Its service adds each storage unit's arena bytes to
-``stats`` (:class:`ActorService`).
+``stats`` (:class:`.actor_service.ActorService`).
 """
 
 from __future__ import annotations
@@ -33,21 +33,19 @@ import ray
 
 from ...config import QueueConfig
 from ...control import CANCELLABLE, CONTROL_METHODS, forwarders
-from ...controller import Controller
 from ...errors import InvalidArgument
 from ...messages import PutAnswer, PutStatus
-from ...service import ControllerService
-from ...stats import Stats
 from ..rpc import RpcServer
 from .calls import Endpoints, spawn
 from .data import DataPlaneFactory, RayDataPlane
 
 if TYPE_CHECKING:
     from ...metrics import MetricsServer
+    from .actor_service import ActorService
 
 log = logging.getLogger("streamrl")
 
-__all__ = ["ActorService", "ControllerActorImpl", "ControllerActor", "serve_control_plane"]
+__all__ = ["ControllerActorImpl", "ControllerActor", "serve_control_plane"]
 
 #: calls a client may cancel, kept for their undo once done (oldest forgotten first)
 _RECENT = 4096
@@ -89,33 +87,6 @@ TO_WIRE: dict[str, Callable[[Any], Any]] = {"put_rows": PutAnswer.to_wire,
                                            "put_rows_wait": PutAnswer.to_wire}
 
 
-class ActorService(ControllerService):
-    """The controller service inside the actor: its ``stats`` also say how much shared
-    memory each storage unit's arena holds and how much of it readers still view."""
-
-    data: RayDataPlane
-
-    def __init__(self, *args: Any, **kwargs: Any):
-        super().__init__(*args, **kwargs)
-        #: bytes the queue's clients moved, per path (see :meth:`add_moved`)
-        self.bytes_by_path: dict[str, int] = {}
-
-    def add_moved(self, by_path: dict[str, int]) -> bool:
-        """Add bytes some client moved, per path (``stats().bytes_by_path``)."""
-        for path, n in by_path.items():
-            self.bytes_by_path[path] = self.bytes_by_path.get(path, 0) + int(n)
-        return True
-
-    async def stats(self, with_units: bool = True) -> Stats:
-        st = await super().stats(with_units)
-        st.bytes_by_path = dict(self.bytes_by_path)
-        if with_units:
-            arenas = await self.data.arena_stats()
-            st.unit_shared_bytes = [a.get("size", 0) for a in arenas]
-            st.unit_pinned_bytes = [a.get("pinned", 0) for a in arenas]
-        return st
-
-
 class ControllerActorImpl:
     """The controller service as an async actor (see the module docstring).
 
@@ -129,9 +100,14 @@ class ControllerActorImpl:
 
     def __init__(self, config: QueueConfig, units: list,
                  data_plane: DataPlaneFactory = RayDataPlane):
+        # (imported here, not by the module: a process that only holds this actor's handle
+        # loads the module, as Ray does to deserialize one, and needs neither)
+        from ...controller import Controller
+        from .actor_service import ActorService
+
         self._units = units
         self._data = data_plane(units, on_lost=self._lost)
-        self._svc = ActorService(Controller.from_config(config), self._data)
+        self._svc: ActorService = ActorService(Controller.from_config(config), self._data)
         self._data.report_moved = self._svc.add_moved  # what the filters' reads move
         self._inflight: dict[str, asyncio.Task] = {}  # calls a client may cancel, running
         self._recent: OrderedDict[str, tuple | None] = OrderedDict()  # their undo, once done

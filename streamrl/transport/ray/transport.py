@@ -13,6 +13,7 @@ process attached to a queue uses the same one.
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Mapping, Sequence
 from typing import Any, Self
 
@@ -23,9 +24,7 @@ from ...errors import InvalidArgument, TransportError
 from ..base import Transport
 from .calls import Endpoints, post
 from .control import RayControl
-from .controller import ControllerActor
 from .data import DataPlaneFactory, RayDataPlane
-from .unit import StorageActor
 
 __all__ = ["RayTransport", "create", "RAY_OPTIONS"]
 
@@ -63,9 +62,11 @@ class RayTransport(Transport):
     #: the control-plane client (the controller actor as a ControlPlane)
     # (its methods are generated: the type checker sees the protocol's, abstract)
     control_plane: type[RayControl] = RayControl  # type: ignore[type-abstract]
-    #: the actor classes :meth:`create` starts
-    controller_actor: Any = ControllerActor
-    storage_actor: Any = StorageActor
+    #: the actor classes :meth:`create` starts, or ``"module:name"`` of one (imported by
+    #: :meth:`create`: a process that only uses a queue, such as a producer given its
+    #: handle, never imports the controller's or the storage unit's modules)
+    controller_actor: Any = "streamrl.transport.ray.controller:ControllerActor"
+    storage_actor: Any = "streamrl.transport.ray.unit:StorageActor"
 
     def __init__(self, controller: Any, units: list, *, owner: bool,
                  endpoints: Endpoints | None = None,
@@ -156,16 +157,17 @@ class RayTransport(Transport):
         if detached:
             common["lifetime"] = "detached"
         units = []
+        storage_actor = _actor_class(cls.storage_actor)
         for i, opts in enumerate(per_unit):
             o = {"scheduling_strategy": "SPREAD", **common, **opts}
             if name:
                 o.setdefault("name", f"{name}.unit{i}")
-            units.append(cls.storage_actor.options(**o).remote(i, config.storage, arena))
+            units.append(storage_actor.options(**o).remote(i, config.storage, arena))
         copts = {**common, **(controller_options or {})}
         if name:
             copts.setdefault("name", name)
         data_plane = data_plane or cls.data_plane
-        controller = cls.controller_actor.options(**copts).remote(
+        controller = _actor_class(cls.controller_actor).options(**copts).remote(
             config.replace(options={}), units, data_plane)
         # either call also surfaces start-up errors here
         endpoints = None
@@ -309,3 +311,12 @@ def _arena_options(reserve: Any, ahead: Any, capacity_bytes: int | None,
                 f"{name} must be a number of bytes per storage unit (>= 0)"
                 + (" or True" if name == "arena_reserve" else "") + f", got {v!r}")
     return {"reserve": reserve, "ahead": ahead, "limit": limit}
+
+
+def _actor_class(spec: Any) -> Any:
+    """An actor class of :class:`RayTransport` (see ``controller_actor``): ``spec`` itself,
+    or the object a ``"module:name"`` string names."""
+    if isinstance(spec, str):
+        mod, _, name = spec.partition(":")
+        return getattr(importlib.import_module(mod), name)
+    return spec

@@ -13,7 +13,6 @@ from ...config import QueueConfig
 from ...errors import InvalidArgument
 from ..ray.transport import RayTransport
 from .data import RdtPlaneSpec
-from .unit import RdtStorageActor
 
 __all__ = ["RdtTransport", "create", "rdt_options"]
 
@@ -28,7 +27,7 @@ class RdtTransport(RayTransport):
     :mod:`streamrl.transport.rdt`)."""
 
     name = "rdt"
-    storage_actor: Any = RdtStorageActor
+    storage_actor: Any = "streamrl.transport.rdt.unit:RdtStorageActor"
 
     async def shutdown(self) -> None:
         """As the Ray transport's, after the storage units had the holders free what their
