@@ -31,6 +31,7 @@ import os
 import statistics
 import subprocess
 import sys
+from typing import Any
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -55,14 +56,19 @@ print(json.dumps({"wall_s": time.perf_counter() - t0, "cpu_s": ru.ru_utime + ru.
 """
 
 
-def run(mode: str, tree: str | None) -> dict:
+def _child(code: str, tree: str | None, timeout: float) -> Any:
+    """Run ``code`` in a new Python process that imports streamrl from ``tree`` (this
+    repository's by default); returns the JSON of its last line of output."""
     env = dict(os.environ)
     root = tree if tree is not None else os.path.dirname(HERE)
     env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
-    code = f"import json\nMODE = {mode!r}\n" + _CHILD
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                         env=env, cwd=root, timeout=600, check=True)
+                         env=env, cwd=root, timeout=timeout, check=True)
     return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def run(mode: str, tree: str | None) -> dict:
+    return _child(f"import json\nMODE = {mode!r}\n" + _CHILD, tree, 600)
 
 
 _RAY_CHILD = r"""
@@ -107,13 +113,7 @@ ray.shutdown()
 
 
 def run_ray(tree: str | None, producers: int) -> list:
-    env = dict(os.environ)
-    root = tree if tree is not None else os.path.dirname(HERE)
-    env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
-    code = f"PRODUCERS = {producers}\n" + _RAY_CHILD
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                         env=env, cwd=root, timeout=900, check=True)
-    return json.loads(out.stdout.strip().splitlines()[-1])
+    return _child(f"PRODUCERS = {producers}\n" + _RAY_CHILD, tree, 900)
 
 
 def main_ray(reps: int, producers: int, against: str | None) -> None:

@@ -10,10 +10,9 @@ queue (Ray storage-unit and controller actors) do not import torch.
 
 from __future__ import annotations
 
-import importlib
 from typing import TYPE_CHECKING
 
-from . import errors
+from . import _lazy, errors
 
 __version__ = "0.1.0"
 
@@ -37,18 +36,7 @@ _EXPORTS = {
 __all__ = sorted(_EXPORTS) + ["errors", "__version__"]
 
 
-def __getattr__(name: str):
-    if name not in _EXPORTS:
-        raise AttributeError(f"module 'streamrl' has no attribute {name!r}")
-    mod = _EXPORTS[name]
-    value = (importlib.import_module(f".{name}", __name__) if mod is None
-             else getattr(importlib.import_module(f".{mod}", __name__), name))
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return __all__
+__getattr__, __dir__ = _lazy.exports(__name__, _EXPORTS, globals())
 
 
 if TYPE_CHECKING:  # for type checkers and IDEs

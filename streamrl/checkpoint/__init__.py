@@ -19,7 +19,7 @@ without torch).
 
 from __future__ import annotations
 
-import importlib
+from .. import _lazy
 
 __all__ = ["CheckpointInfo", "open_checkpoint", "FORMAT", "FORMAT_VERSION"]
 
@@ -27,10 +27,4 @@ _EXPORTS = {"CheckpointInfo": "client", "open_checkpoint": "client", "FORMAT": "
             "FORMAT_VERSION": "client"}
 
 
-def __getattr__(name: str):
-    mod = _EXPORTS.get(name)
-    if mod is None:
-        raise AttributeError(f"module 'streamrl.checkpoint' has no attribute {name!r}")
-    value = getattr(importlib.import_module(f".{mod}", __name__), name)
-    globals()[name] = value
-    return value
+__getattr__, __dir__ = _lazy.exports(__name__, _EXPORTS, globals())

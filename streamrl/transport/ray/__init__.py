@@ -60,8 +60,9 @@ imports what it uses.
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from ... import _lazy
 
 if TYPE_CHECKING:
     from .calls import UNDO_TIMEOUT, Endpoints
@@ -94,14 +95,4 @@ __all__ = ["RayTransport", "ControllerActor", "StorageActor", "create", "RayCont
            "pickle_by_value", "init_ray"]
 
 
-def __getattr__(name: str) -> Any:
-    mod = _WHERE.get(name)
-    if mod is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(f".{mod}", __name__), name)
-    globals()[name] = value  # (looked up once)
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(_WHERE))
+__getattr__, __dir__ = _lazy.exports(__name__, _WHERE, globals())
