@@ -1,7 +1,7 @@
 """A package's public names loaded on first use (PEP 562), so that a process imports
 only the modules whose names it uses: Ray's storage-unit and controller actors import
 ``streamrl`` without torch, and a producer given a Ray queue's handle loads neither the
-controller's state machine nor the storage unit's."""
+controller's state machine nor its service."""
 
 from __future__ import annotations
 

@@ -21,10 +21,9 @@ from __future__ import annotations
 
 from .. import _lazy
 
-__all__ = ["CheckpointInfo", "open_checkpoint", "FORMAT", "FORMAT_VERSION"]
-
 _EXPORTS = {"CheckpointInfo": "client", "open_checkpoint": "client", "FORMAT": "client",
             "FORMAT_VERSION": "client"}
+__all__ = list(_EXPORTS)
 
 
 __getattr__, __dir__ = _lazy.exports(__name__, _EXPORTS, globals())

@@ -89,10 +89,7 @@ _WHERE = {
     "SHM_MIN": "wire",
 }
 
-__all__ = ["RayTransport", "ControllerActor", "StorageActor", "create", "RayControl",
-           "RayDataPlane", "ControllerActorImpl", "StorageActorImpl", "ActorService",
-           "SHM_MIN", "FAST_MAX", "ID_BLOCK", "RAY_OPTIONS", "UNDO_TIMEOUT", "Endpoints",
-           "pickle_by_value", "init_ray"]
+__all__ = [name for name in _WHERE if not name.startswith("_")]
 
 
 __getattr__, __dir__ = _lazy.exports(__name__, _WHERE, globals())
