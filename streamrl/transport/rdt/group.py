@@ -71,6 +71,7 @@ class CoordinatorImpl:
         self.members: dict[int, _Member] = {}
         self.seq: dict[int, int] = {}
         self.transfers = 0
+        self.stopped = False  # (stop(): no transfer is made any more)
         self._rpc = RpcServer(self, ray.util.get_node_ip_address())
         self._endpoint: Endpoint | None = None
 
@@ -110,6 +111,8 @@ class CoordinatorImpl:
             except ConnectionError:
                 self._gone(m.rank)
                 raise HolderGone(f"RDT group member {m.rank} ({m.id}) is gone") from None
+        if self.stopped:  # (stopped while this call waited for a connection)
+            raise ConnectionAbortedError(f"RDT group {self.name} was destroyed")
         # number both operations and send them with no await in between: every member
         # gets its operations in the one global order they are made in
         self.seq[src] += 1
@@ -171,6 +174,13 @@ class CoordinatorImpl:
     def ping(self) -> bool:
         return True
 
+    def stop(self) -> bool:
+        """Make no transfer any more: stop listening and drop every member's connection
+        (their transfer calls fail, and their reads take the fallback path)."""
+        self.stopped = True
+        self._rpc.close()
+        return True
+
 
 #: the coordinator as a Ray actor (async, no CPU reserved)
 Coordinator = ray.remote(num_cpus=0)(CoordinatorImpl)
@@ -218,7 +228,14 @@ class RdtGroup:
     def destroy(self) -> None:
         """Stop the coordinator, and return once it is gone (blocking, up to 30 s).
         Members keep what they hold; transfers inside the group stop, and members read
-        held tensors over the fallback path (the holders' sockets) from then on."""
+        held tensors over the fallback path (the holders' sockets) from then on: no
+        transfer starts after this returns. (The coordinator is told to stop before it
+        is killed: a killed actor's process may serve its socket a little longer than
+        Ray takes to report the actor dead.)"""
+        try:
+            ray.get(self.coordinator.stop.remote(), timeout=30)
+        except Exception:  # noqa: BLE001 - gone already, or not answering: killed below
+            pass
         try:
             ray.kill(self.coordinator)
         except Exception:  # noqa: BLE001 - already gone
