@@ -71,6 +71,11 @@ class ControlPlane(Protocol):
         """Admit and commit new rows a unit already stored (no waiting)."""
         ...
 
+    async def put_rows_many(self, puts: Sequence[Sequence[Any]]) -> list[PutAnswer]:
+        """:meth:`put_rows` of several puts (each its arguments, in order), one answer
+        each."""
+        ...
+
     async def put_rows_wait(self, partition: str, fields: Sequence[str], ids: Sequence[int],
                             shard: int, nbytes: Mapping[str, Sequence[int]],
                             tags: Mapping[str, Sequence[Hashable]] | None = None,

@@ -471,6 +471,22 @@ class ControllerService:
             return PutAnswer(PutStatus.REFUSED, error=e)
         return await self._land_rows(ids, got, nbytes, tags)
 
+    async def put_rows_many(self, puts: Sequence[Sequence[Any]]) -> list[PutAnswer]:
+        """:meth:`put_rows` of several puts, each ``puts[i]`` its positional arguments,
+        made one after the other as separate calls would be, in one message: a storage
+        unit combines the small puts that arrive while its last call to the controller
+        is on its way (see :class:`streamrl.transport.ray.admit.UnitAdmission`). One
+        answer each, in order; a put whose commit raised (a filter failed) answers
+        :attr:`~PutStatus.FAILED` with the error instead of raising, so the others'
+        answers are not lost."""
+        out = []
+        for args in puts:
+            try:
+                out.append(await self.put_rows(*args))
+            except Exception as e:  # noqa: BLE001 - its own answer (see the docstring)
+                out.append(PutAnswer(PutStatus.FAILED, error=e))
+        return out
+
     async def put_rows_wait(self, partition: str, fields: Sequence[str], ids: Sequence[int],
                             shard: int, nbytes: Mapping[str, Sequence[int]],
                             tags: Mapping[str, Sequence[Hashable]] | None = None,

@@ -15,7 +15,7 @@ import torch
 from streamrl.config import QueueConfig, Request
 from streamrl.control import CANCELLABLE, CONTROL_METHODS, ControlPlane, check_implements
 from streamrl.errors import FilterError, SchemaError
-from streamrl.messages import CommitResult, PutAnswer, PutStatus
+from streamrl.messages import CommitResult, FilterSpec, PutAnswer, PutStatus
 from streamrl.service import ControllerService
 from streamrl.storage import StorageUnit
 from streamrl.transport.embedded import LocalDataPlane
@@ -228,12 +228,20 @@ async def test_the_actor_answers_put_rows_in_its_wire_form():
 
     assert TO_WIRE.keys() == FROM_WIRE.keys()
     actor = _actor()
-    start, _ = await actor.unit_ids(0, 4)
+    start, _ = await actor.unit_ids(0, 16)
     wire = await actor.put_rows("p", ["x"], [start], 0, {"x": [8]})
     assert type(wire) is tuple
     ans = FROM_WIRE["put_rows"](wire)
     assert ans.status is PutStatus.OK and ans.rows == [start]
     assert (await actor.stats()).rows == 1
+    wire = await actor.put_rows_many([("p", ["x"], [start + 1], 0, {"x": [8]}),
+                                      ("p", ["x"], list(range(start + 2, start + 10)), 0,
+                                       {"x": [8] * 8})])
+    assert type(wire) is list and all(type(w) is tuple for w in wire)
+    ok, busy = FROM_WIRE["put_rows_many"](wire)
+    assert ok.status is PutStatus.OK and ok.rows == [start + 1]
+    assert busy.status is PutStatus.BUSY  # (too big for the room left: not admitted)
+    assert (await actor.stats()).rows == 2
 
 
 # -- put_rows: a unit's small put, admitted and committed by the service
@@ -334,6 +342,163 @@ async def test_put_rows_naming_a_field_without_sizes_goes_through_a_write_token(
     assert ans.status is PutStatus.OK and svc.ctl._next_token == tokens + 1
     d = await svc.take(Request("t", ("x", "y"), 1, partition="p"), 1.0)
     assert d.rows == ids
+
+
+async def test_put_rows_many_answers_each_put_as_its_own_call_would():
+    """Several units' puts in one call: each is admitted (or not) as its own put_rows
+    call would be, in order, and answered on its own: one that fits lands, one past the
+    room left is BUSY, one of another dtype is REFUSED, one whose filter raises is
+    FAILED (not raised: the others' answers stand), and the next lands."""
+    svc, data = _service()
+    data.go.set()
+    await svc.add_filter(_raises, FilterSpec("bad", frozenset({"y"})))
+    ids = await _stored(svc, data, 20)  # (one block: a unit's older blocks expire)
+    a, b, c, d, e = ids[:2], ids[2:17], ids[17:18], ids[18:19], ids[19:]
+    answers = await svc.put_rows_many([
+        ("p", ["x"], a, 0, {"x": [4, 4]}, None, None, {"x": "torch.float32"}),
+        ("p", ["x"], b, 0, {"x": [4] * 15}),  # (16 rows of room, 2 taken)
+        ("p", ["x"], c, 0, {"x": [4]}, None, None, {"x": "torch.int64"}),
+        ("p", ["y"], d, 0, {"y": [4]}),
+        ("p", ["x"], e, 0, {"x": [4]}),
+    ])
+    assert [x.status for x in answers] == [PutStatus.OK, PutStatus.BUSY, PutStatus.REFUSED,
+                                           PutStatus.FAILED, PutStatus.OK]
+    assert answers[0].rows == a and answers[4].rows == e
+    assert isinstance(answers[2].error, SchemaError)
+    assert isinstance(answers[3].error, FilterError)
+    assert sorted(svc.ctl.rows) == sorted(a + e)  # (the failed filter's row is dropped)
+
+
+def _raises(td):
+    raise ValueError("this filter fails")
+
+
+class _ScriptedController:
+    """The control calls a storage unit's small puts make, each answered when the test
+    says so (``release``): OK for rows whose ``x`` is not negative, FAILED (as
+    ``put_rows`` raising) otherwise."""
+
+    def __init__(self):
+        self.calls: list[tuple[str, list[list[int]]]] = []  # (method, each put's ids)
+        self.gates: list[asyncio.Event] = []
+        self.retracted: list[int] = []
+        self._next = 0
+
+    async def unit_ids(self, shard, n):
+        self._next += n
+        return self._next - n, self._next
+
+    def _answer(self, args):
+        ids, nbytes = args[2], args[4]
+        if nbytes["x"][0] < 0:
+            return PutAnswer(PutStatus.FAILED, error=FilterError("the filter raised"))
+        return PutAnswer(PutStatus.OK, CommitResult([], [], []), rows=list(ids))
+
+    async def _gate(self, method, puts):
+        self.calls.append((method, [list(a[2]) for a in puts]))
+        gate = asyncio.Event()
+        self.gates.append(gate)
+        await gate.wait()
+
+    async def put_rows(self, *args):
+        await self._gate("put_rows", [args])
+        ans = self._answer(args)
+        if ans.status is PutStatus.FAILED:
+            raise ans.error
+        return ans
+
+    async def put_rows_many(self, puts):
+        await self._gate("put_rows_many", puts)
+        return [self._answer(a) for a in puts]
+
+    async def retract_rows(self, rows):
+        self.retracted.extend(rows)
+        return len(rows)
+
+    async def release(self, k):
+        """Let call ``k`` answer, once it was made."""
+        while len(self.gates) <= k:
+            await asyncio.sleep(0)
+        self.gates[k].set()
+
+
+def _unit(ctl):
+    rt = _ray_side()
+    from streamrl.transport.ray.admit import UnitAdmission
+
+    class Unit(UnitAdmission):
+        index = 0
+
+        def __init__(self):
+            self._controller = ctl
+            self._init_admission()
+            self.stored: dict[int, int] = {}
+
+        def put(self, parts, write=0):
+            for ids, cols in parts:
+                self.stored.update(dict.fromkeys(ids, cols["x"]))
+
+        def delete(self, rows):
+            for r in rows:
+                self.stored.pop(r, None)
+            return len(rows), 0
+
+    del rt
+    return Unit()
+
+
+def _small_put(unit, x: int) -> asyncio.Task:
+    return asyncio.ensure_future(unit._admit(1, {"x": x}, "p", ["x"], {"x": [x]}, {}, None))
+
+
+async def test_a_unit_sends_the_small_puts_that_wait_for_its_last_call_in_one():
+    """A unit's small puts that arrive while its call to the controller is on its way
+    wait for it, then go in one put_rows_many call, each answered as its own call
+    would: OK, or FAILED with the error put_rows would have raised (its rows left to
+    the controller, which dropped them). A put cancelled while it waits is not sent and
+    keeps nothing; one cancelled once its call went has its rows taken back when they
+    land. Nothing of a failed or cancelled put stays stored."""
+    ctl = _ScriptedController()
+    unit = _unit(ctl)
+    first = _small_put(unit, 1)
+    while not ctl.calls:
+        await asyncio.sleep(0)
+    waiting = [_small_put(unit, x) for x in (2, -3, 4, 5)]
+    for _ in range(5):
+        await asyncio.sleep(0)
+    waiting[2].cancel()  # (while it waits: never sent)
+    await ctl.release(0)
+    assert (await first).status is PutStatus.OK
+    await ctl.release(1)
+    ok, failed, ok2 = await asyncio.gather(waiting[0], waiting[1], waiting[3])
+    with pytest.raises(asyncio.CancelledError):
+        await waiting[2]
+    assert ctl.calls == [("put_rows", [[0]]), ("put_rows_many", [[1], [2], [4]])]
+    assert ok.status is PutStatus.OK and ok.rows == [1]
+    assert failed.status is PutStatus.FAILED and isinstance(failed.error, FilterError)
+    assert ok2.status is PutStatus.OK and ok2.rows == [4]
+    assert sorted(unit.stored) == [0, 1, 2, 4]  # (2: the failed put's, dropped by the
+    # controller, which deletes what it drops; 3: cancelled, deleted here)
+    # cancelled once its call went: the rows are taken back
+    first = _small_put(unit, 6)
+    while len(ctl.calls) < 3:
+        await asyncio.sleep(0)
+    late = _small_put(unit, 7)
+    await asyncio.sleep(0)
+    await ctl.release(2)
+    await first
+    while len(ctl.calls) < 4:
+        await asyncio.sleep(0)
+    assert ctl.calls[3] == ("put_rows", [[6]])  # (one waited: sent on its own)
+    late.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await late
+    assert 6 not in unit.stored
+    await ctl.release(3)
+    while not ctl.retracted:
+        await asyncio.sleep(0)
+    assert ctl.retracted == [6]
+    assert not unit._put_rows_busy and not unit._put_rows_next
 
 
 # -- put_rows_wait: a unit's small put that waits its turn for room

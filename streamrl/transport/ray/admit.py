@@ -24,6 +24,12 @@ two. The unit holds their rows meanwhile, outside the queue's capacity, up to
 :data:`WAIT_BYTES`; a producer that gives up withdraws the put (:meth:`cancel_put`: the
 controller forgets it, or drops its rows had it just admitted them, and the unit
 deletes them).
+
+Small puts from many producers meet at a unit: while its call to the controller is on
+its way, the puts that arrive wait, and go together in one call when it returns
+(:meth:`~streamrl.control.ControlPlane.put_rows_many`), each answered as its own call
+would be. Nothing waits longer than the call before it (no linger): a controller that
+keeps up sees one call a put, a busy one fewer calls than puts.
 """
 
 from __future__ import annotations
@@ -75,6 +81,10 @@ class UnitAdmission:
         self._puts: OrderedDict[str, tuple[asyncio.Task, bool]] = OrderedDict()
         self.wait_bytes = WAIT_BYTES  # (see WAIT_BYTES)
         self._held_waiting = 0  # bytes of puts waiting for room now
+        # put_rows calls to the controller: whether one is on its way, and the puts that
+        # wait for it to return (then sent together: see _put_rows_combined)
+        self._put_rows_busy = False
+        self._put_rows_next: list[tuple[tuple, asyncio.Future]] = []
 
     def put_rows(self, n: int, cols: dict, partition: str, fields: list[str], nbytes: dict,
                  tags: dict, version: int | None, rid: str | None = None,
@@ -175,9 +185,10 @@ class UnitAdmission:
         except Exception as e:  # noqa: BLE001 - nothing stored
             return PutAnswer(PutStatus.REFUSED, error=e)
         self._held_waiting += size
+        args = (partition, fields, ids, self.index, nbytes, tags, version, dtypes)
         try:
-            ans = await (ctl.put_rows_wait if wait else ctl.put_rows)(
-                partition, fields, ids, self.index, nbytes, tags, version, dtypes)
+            ans = await (ctl.put_rows_wait(*args) if wait
+                         else self._put_rows_combined(ctl, args))
         except asyncio.CancelledError:  # (withdrawn: cancel_put) the controller stopped
             # the call or took its rows back before this is raised (see RayControl._call)
             self.delete(ids)
@@ -192,6 +203,60 @@ class UnitAdmission:
         if ans.status is not PutStatus.OK:
             self.delete(ids)
         return ans
+
+    async def _put_rows_combined(self, ctl: RayControl, args: tuple) -> PutAnswer:
+        """``ctl.put_rows(*args)``, or, while such a call is on its way, wait for it to
+        return and go with the other puts that waited, in one ``put_rows_many`` call
+        (answered, or raising, as ``put_rows`` would). A put whose wait is cancelled
+        before its call goes is not sent; one cancelled after has its rows taken back
+        if they landed."""
+        if self._put_rows_busy:
+            fut = asyncio.get_running_loop().create_future()
+            self._put_rows_next.append((args, fut))
+            return await fut
+        self._put_rows_busy = True
+        try:
+            return await ctl.put_rows(*args)
+        finally:
+            if self._put_rows_next:
+                spawn(self._put_rows_waiting(ctl),
+                      f"small puts combined by storage unit {self.index}")
+            else:
+                self._put_rows_busy = False
+
+    async def _put_rows_waiting(self, ctl: RayControl) -> None:
+        """Send the puts that waited (see :meth:`_put_rows_combined`), until none does."""
+        try:
+            while self._put_rows_next:
+                batch = [(a, f) for a, f in self._put_rows_next if not f.done()]
+                self._put_rows_next = []
+                if not batch:
+                    continue
+                try:
+                    if len(batch) == 1:
+                        answers = [await ctl.put_rows(*batch[0][0])]
+                    else:
+                        answers = await ctl.put_rows_many([a for a, _ in batch])
+                except asyncio.CancelledError:
+                    for _, f in batch:
+                        f.cancel()
+                    raise
+                except Exception as e:  # noqa: BLE001 - every put of the call gets it
+                    for _, f in batch:
+                        if not f.done():
+                            f.set_exception(e)
+                    continue
+                for (_, f), ans in zip(batch, answers):
+                    if f.done():  # its put gave up (and deleted its rows) meanwhile
+                        if ans.status is PutStatus.OK:
+                            spawn(ctl.retract_rows(ans.rows),
+                                  f"taking back a put storage unit {self.index} gave up")
+                    elif ans.status is PutStatus.FAILED:  # (what put_rows raised)
+                        f.set_exception(ans.error or TransportError("put_rows failed"))
+                    else:
+                        f.set_result(ans)
+        finally:
+            self._put_rows_busy = False
 
 
 class PlaneAdmission:

@@ -33,8 +33,9 @@ __all__ = ["RayControl"]
 
 #: calls whose answer the controller actor sends in a cheaper form (see
 #: :data:`.controller.TO_WIRE`): call -> how to read it back
-FROM_WIRE: dict[str, Callable[[Any], Any]] = {"put_rows": PutAnswer.from_wire,
-                                               "put_rows_wait": PutAnswer.from_wire}
+FROM_WIRE: dict[str, Callable[[Any], Any]] = {
+    "put_rows": PutAnswer.from_wire, "put_rows_wait": PutAnswer.from_wire,
+    "put_rows_many": lambda t: [PutAnswer.from_wire(a) for a in t]}
 
 #: control calls with an argument that is pickled by value (a user's function, or a
 #: dict of them, whose module the controller actor may not import): call -> parameter
