@@ -789,6 +789,33 @@ def _runs_against_rows(ops):
     assert sorted(map(id, rel_runs)) == sorted(map(id, rel_rows))
 
 
+def test_a_write_to_rows_of_a_run_around_a_deleted_row_lands_on_those_rows():
+    """A field written to rows of one run that skip a deleted row (two parts of the run,
+    each long enough to be split off) lands on exactly those rows, and every row keeps
+    its own data. (The second part was split from what the first split had left of the
+    run: the run lost rows it held, and later reads and deletes saw the wrong ones.)"""
+    from streamrl.storage import memory
+
+    n = 5 * memory._MIN_SPLIT
+    u = StorageUnit(0)
+    x = torch.arange(float(n)).view(n, 1)
+    u.put(list(range(n)), {"x": x})
+    gap = 2 * memory._MIN_SPLIT
+    u.delete([gap])
+    rows = list(range(memory._MIN_SPLIT, gap)) + list(range(gap + 1, gap + 1 + memory._MIN_SPLIT))
+    u.put(rows, {"z": torch.arange(float(len(rows))).view(-1, 1)})
+    inv = u.inventory()
+    assert sorted(inv) == [r for r in range(n) if r != gap]
+    assert [r for r in sorted(inv) if "z" in inv[r]] == rows
+    live = sorted(inv)
+    assert torch.equal(torch.stack(rows_of(u.get(live, ["x"])["x"])), x[live])
+    assert torch.equal(torch.stack(rows_of(u.get(rows, ["z"])["z"])),
+                       torch.arange(float(len(rows))).view(-1, 1))
+    held = u.stats()
+    assert u.delete(live) == held and u.stats() == (0, 0)
+    assert not u._starts and not u.segments
+
+
 def test_a_run_is_read_and_deleted_without_entries_per_row():
     """A put of new rows with consecutive ids leaves no entry per row; reads and deletes
     of consecutive rows of it (a part, then the rest) keep it so, and free its tensor

@@ -320,12 +320,16 @@ class StorageUnit(StorageBackend):
                     off and off < _MIN_SPLIT) or (run.n - off - k and run.n - off - k < _MIN_SPLIT)):
                 return False  # (a few rows of a run: entries per row)
         whole = []
-        for run, off, k in span:  # (a part of a run is split off as a run of its own)
+        # (a part of a run is split off as a run of its own; the last piece first: rows
+        # that skip a deleted row are two pieces of one run, and a split keeps the run's
+        # first rows in the run, so the pieces before stay where the span says)
+        for run, off, k in reversed(span):
             if off:
                 run = self._split(run, off)
             if k != run.n:
                 self._split(run, k)
             whole.append((run, 0, k))
+        whole.reverse()
         span = whole
         n = len(rows)
         for name, col in columns.items():
@@ -360,6 +364,9 @@ class StorageUnit(StorageBackend):
             self._run_field(f)
         self._by_first[rest.first] = rest
         self._starts.insert(bisect.bisect_right(self._starts, run.first), rest.first)
+        for part in (run, rest):  # (a part whose rows were all deleted: gone, as a run
+            if not part.live:  # whose last row is deleted is; its rows were released)
+                self._drop_run(part)
         return rest
 
     def _run_field(self, name: str) -> None:
