@@ -778,8 +778,15 @@ def _runs_against_rows(ops):
             assert u.delete_fields(rows, ["y"], w) == ref.delete_fields(rows, ["y"], w)
         else:
             fresh = StorageUnit(0)
+            runs = sorted(u._by_first)
             fresh.load_state_dict(u.state_dict() if flag else ref.state_dict())
-            assert fresh.inventory() == ref.inventory() and fresh.stats() == ref.stats()
+            assert sorted(u._by_first) == runs  # (a checkpoint leaves the runs as they were)
+            inv = ref.inventory()
+            assert fresh.inventory() == inv and fresh.stats() == ref.stats()
+            for f in {f for fs in inv.values() for f in fs}:  # (and the same data)
+                rows = [r for r, fs in sorted(inv.items()) if f in fs]
+                got, want = rows_of(fresh.get(rows, [f])[f]), rows_of(ref.get(rows, [f])[f])
+                assert len(got) == len(want) and all(same(x, y) for x, y in zip(got, want))
         assert u.inventory() == ref.inventory() and u.stats() == ref.stats()
         assert u.fields_of(held[:3]) == ref.fields_of(held[:3])
         assert sorted(map(id, rel_runs)) == sorted(map(id, rel_rows))
@@ -814,6 +821,39 @@ def test_a_write_to_rows_of_a_run_around_a_deleted_row_lands_on_those_rows():
     held = u.stats()
     assert u.delete(live) == held and u.stats() == (0, 0)
     assert not u._starts and not u.segments
+
+
+def test_a_checkpoint_of_runs_keeps_them_and_bounds_its_chunks():
+    """A unit's state of rows kept as runs (one with rows deleted from its middle, one
+    holding a field written to it whole later) names every live row and field, reads
+    them in chunks of at most STATE_CHUNK_BYTES (views of what was put), loads into a
+    unit of the other backend with the same data, and leaves the runs as runs."""
+    u = StorageUnit(0)
+    u.STATE_CHUNK_BYTES = 3 * 12  # (three rows of x a chunk)
+    x = torch.arange(30.0).view(10, 3)
+    u.put(list(range(10)), {"x": x}, write=1)
+    u.put(list(range(10, 14)), {"x": torch.ones(4, 3)}, write=2)
+    u.put(list(range(10, 14)), {"y": torch.arange(4)}, write=3)  # (the whole run)
+    u.delete([3, 4, 8])
+    runs = dict(u._by_first)
+    assert sorted(runs) == [0, 10] and not u.row_fields
+    st = u.state_dict()
+    assert st["rows"] == [0, 1, 2, 5, 6, 7, 9, 10, 11, 12, 13]
+    assert st["fields"] == {"x": 11, "y": 4} and st["bytes"] == u.stats()[1]
+    chunks = list(st["chunks"])
+    assert [(c.field, c.rows, c.write) for c in chunks] == [
+        ("x", [0, 1, 2], 1), ("x", [5, 6, 7], 1), ("x", [9], 1),
+        ("x", [10, 11, 12], 2), ("x", [13], 2), ("y", [10, 11, 12, 13], 3)]
+    assert chunks[1].data.data_ptr() == x[5].data_ptr()  # (a view, no copy)
+    assert u._by_first == runs and not u.row_fields  # (still runs)
+    v = SpillUnit(0, memory_bytes=1 << 20)
+    v.load_state_dict({**st, "chunks": iter(chunks)})
+    assert v.inventory() == u.inventory() and v.stats() == u.stats()
+    rows = st["rows"]
+    want = torch.cat([x, torch.ones(4, 3)])[rows]
+    assert torch.equal(torch.stack(rows_of(v.get(rows, ["x"])["x"])), want)
+    assert torch.equal(torch.stack(rows_of(v.get(rows[-4:], ["y"])["y"])), torch.arange(4))
+    v.close()
 
 
 def test_a_run_is_read_and_deleted_without_entries_per_row():

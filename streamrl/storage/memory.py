@@ -158,8 +158,8 @@ class StorageUnit(StorageBackend):
     increasing order) costs per run, not per row. A field written later to whole runs
     is kept in them, one written to a part of a run (``_MIN_SPLIT`` rows or more on each
     side) splits it. Anything else that touches a run's rows (a write to a few of them,
-    rows out of order or twice, an undone write, a checkpoint) first turns it into
-    entries per row (:attr:`runs`).
+    rows out of order or twice, an undone write) first turns it into entries per row
+    (:attr:`runs`); a checkpoint reads runs as they are.
 
     Args:
         index: the unit's number among the queue's shards (for messages).
@@ -719,9 +719,11 @@ class StorageUnit(StorageBackend):
 
     def state_dict(self) -> dict[str, Any]:
         """The unit's rows and data (see :meth:`StorageBackend.state_dict`). Chunks
-        follow each field's rows in the order they were first written: a run of rows of
-        one put (at most :attr:`STATE_CHUNK_BYTES`) is one chunk, a view of what was put;
-        consecutive objects make chunks of up to :attr:`STATE_CHUNK_OBJECTS`.
+        follow each field's rows kept one by one in the order they were first written,
+        then the rows kept as runs, run by run: consecutive rows of one put (at most
+        :attr:`STATE_CHUNK_BYTES`) are one chunk, a view of what was put; consecutive
+        objects make chunks of up to :attr:`STATE_CHUNK_OBJECTS`. Runs stay runs (a
+        checkpoint changes nothing of how the unit keeps its rows).
 
         Examples:
             >>> import torch
@@ -733,13 +735,39 @@ class StorageUnit(StorageBackend):
             >>> [(c.field, c.rows) for c in st["chunks"]]
             [('x', [1, 2]), ('chat', [1, 2])]
         """
-        self._explode()  # (chunks are made from the entries per row)
+        runs = list(self._by_first.values())
+        rows = list(self.row_fields)
+        fields = {f: len(st) for f, st in self.columns.items()}
+        for run in runs:
+            rows.extend(_live_ids(run))
+            for f in run.bases:
+                fields[f] = fields.get(f, 0) + run.live
+        rows.sort()
         return {"format": STATE_FORMAT, "backend": self.name, "index": self.index,
-                "rows": sorted(self.row_fields),
-                "fields": {f: len(st) for f, st in self.columns.items()},
-                "bytes": self.nbytes, "chunks": self._chunks()}
+                "rows": rows, "fields": fields, "bytes": self.nbytes,
+                "chunks": self._chunks(runs)}
 
-    def _chunks(self) -> Iterator[StateChunk]:
+    def _chunks(self, runs: Sequence[_Run] = ()) -> Iterator[StateChunk]:
+        """The chunks of the rows kept one by one, then those of ``runs``."""
+        yield from self._entry_chunks()
+        for run in runs:
+            pieces = _live_pieces(run)
+            for f, base in run.bases.items():
+                seg = self.segments[base >> _OFF_BITS]
+                most = (max(1, self.STATE_CHUNK_BYTES // seg.row_bytes) if seg.row_bytes
+                        else run.n)
+                for at, k in pieces:
+                    while k > 0:
+                        m = min(k, most)
+                        data = self._rows(seg, (base & _OFF_MASK) + at, m)
+                        inlined = getattr(data, "inlined", None)  # (as _entry_chunks)
+                        yield StateChunk(f, list(range(run.first + at, run.first + at + m)),
+                                         inlined() if inlined is not None else data,
+                                         seg.write)
+                        at += m
+                        k -= m
+
+    def _entry_chunks(self) -> Iterator[StateChunk]:
         for f in list(self.columns):
             store = self.columns.get(f)
             if store is None:  # (the unit changed under the iterator)
@@ -781,6 +809,31 @@ class StorageUnit(StorageBackend):
         for r in state.get("rows", ()):
             if self._run_of(r) is None:
                 self.row_fields.setdefault(r, 0)  # rows held with no field
+
+
+def _live_ids(run: _Run) -> Sequence[int]:
+    """The ids of ``run``'s rows not deleted, in order."""
+    first, dead = run.first, run.dead
+    if not dead:
+        return range(first, first + run.n)
+    return [first + i for i in range(run.n) if i not in dead]
+
+
+def _live_pieces(run: _Run) -> list[tuple[int, int]]:
+    """``run``'s rows not deleted, as ``(offset, count)`` stretches of consecutive rows."""
+    dead = run.dead
+    if not dead:
+        return [(0, run.n)]
+    out: list[tuple[int, int]] = []
+    at = None
+    for i in range(run.n + 1):
+        if i < run.n and i not in dead:
+            if at is None:
+                at = i
+        elif at is not None:
+            out.append((at, i - at))
+            at = None
+    return out
 
 
 def _consecutive(rows: Sequence[int]) -> bool:
