@@ -720,7 +720,7 @@ class StorageUnit(StorageBackend):
     def state_dict(self) -> dict[str, Any]:
         """The unit's rows and data (see :meth:`StorageBackend.state_dict`). Chunks
         follow each field's rows kept one by one in the order they were first written,
-        then the rows kept as runs, run by run: consecutive rows of one put (at most
+        then its rows kept as runs, run by run: consecutive rows of one put (at most
         :attr:`STATE_CHUNK_BYTES`) are one chunk, a view of what was put; consecutive
         objects make chunks of up to :attr:`STATE_CHUNK_OBJECTS`. Runs stay runs (a
         checkpoint changes nothing of how the unit keeps its rows).
@@ -735,11 +735,12 @@ class StorageUnit(StorageBackend):
             >>> [(c.field, c.rows) for c in st["chunks"]]
             [('x', [1, 2]), ('chat', [1, 2])]
         """
-        runs = list(self._by_first.values())
+        runs = [(run, _live_pieces(run)) for run in self._by_first.values()]
         rows = list(self.row_fields)
         fields = {f: len(st) for f, st in self.columns.items()}
-        for run in runs:
-            rows.extend(_live_ids(run))
+        for run, pieces in runs:
+            for at, k in pieces:
+                rows.extend(range(run.first + at, run.first + at + k))
             for f in run.bases:
                 fields[f] = fields.get(f, 0) + run.live
         rows.sort()
@@ -747,59 +748,64 @@ class StorageUnit(StorageBackend):
                 "rows": rows, "fields": fields, "bytes": self.nbytes,
                 "chunks": self._chunks(runs)}
 
-    def _chunks(self, runs: Sequence[_Run] = ()) -> Iterator[StateChunk]:
-        """The chunks of the rows kept one by one, then those of ``runs``."""
-        yield from self._entry_chunks()
-        for run in runs:
-            pieces = _live_pieces(run)
-            for f, base in run.bases.items():
+    def _chunks(self, runs: Sequence[tuple[_Run, list[tuple[int, int]]]]
+                ) -> Iterator[StateChunk]:
+        """Field by field: the chunks of the rows kept one by one, then those of ``runs``
+        (each with its live rows: :func:`_live_pieces`); the order in which turning the
+        runs into entries per row would list them."""
+        for f in list(self.columns):
+            store = self.columns.get(f)
+            if store is None:  # (the unit changed under the iterator)
+                continue
+            yield from self._entry_chunks(f, list(store.items()))
+            for run, pieces in runs:
+                base = run.bases.get(f)
+                if base is None:
+                    continue
                 seg = self.segments[base >> _OFF_BITS]
                 most = (max(1, self.STATE_CHUNK_BYTES // seg.row_bytes) if seg.row_bytes
                         else run.n)
                 for at, k in pieces:
                     while k > 0:
                         m = min(k, most)
-                        data = self._rows(seg, (base & _OFF_MASK) + at, m)
-                        inlined = getattr(data, "inlined", None)  # (as _entry_chunks)
-                        yield StateChunk(f, list(range(run.first + at, run.first + at + m)),
-                                         inlined() if inlined is not None else data,
-                                         seg.write)
+                        yield self._chunk(f, list(range(run.first + at, run.first + at + m)),
+                                          seg, (base & _OFF_MASK) + at)
                         at += m
                         k -= m
 
-    def _entry_chunks(self) -> Iterator[StateChunk]:
-        for f in list(self.columns):
-            store = self.columns.get(f)
-            if store is None:  # (the unit changed under the iterator)
-                continue
-            items = list(store.items())
-            i, n = 0, len(items)
-            while i < n:
-                r, e = items[i]
-                if isinstance(e, _Obj):
-                    objs = [e]
-                    j = i + 1
-                    while j < n and j - i < self.STATE_CHUNK_OBJECTS:
-                        o = items[j][1]
-                        if not isinstance(o, _Obj) or o.write != e.write:
-                            break
-                        objs.append(o)
-                        j += 1
-                    yield StateChunk(f, [x[0] for x in items[i:j]], [o.value for o in objs],
-                                     e.write)
-                    i = j
-                    continue
-                seg = self.segments[e >> _OFF_BITS]
-                most = max(1, self.STATE_CHUNK_BYTES // seg.row_bytes) if seg.row_bytes else n
+    def _chunk(self, f: str, rows: list[int], seg: _Segment, off: int) -> StateChunk:
+        """The chunk of ``rows`` (field ``f``), rows ``off..`` of segment ``seg``."""
+        data = self._rows(seg, off, len(rows))
+        inlined = getattr(data, "inlined", None)  # a WireTensor: bytes, not a block
+        return StateChunk(f, rows, inlined() if inlined is not None else data, seg.write)
+
+    def _entry_chunks(self, f: str, items: list[tuple[int, int | _Obj]]
+                      ) -> Iterator[StateChunk]:
+        """The chunks of field ``f`` of the rows kept one by one (``items``: row, entry)."""
+        i, n = 0, len(items)
+        while i < n:
+            r, e = items[i]
+            if isinstance(e, _Obj):
+                objs = [e]
                 j = i + 1
-                while (j < n and j - i < most and not isinstance(items[j][1], _Obj)
-                       and items[j][1] == e + (j - i)):
+                while j < n and j - i < self.STATE_CHUNK_OBJECTS:
+                    o = items[j][1]
+                    if not isinstance(o, _Obj) or o.write != e.write:
+                        break
+                    objs.append(o)
                     j += 1
-                data = self._rows(seg, e & _OFF_MASK, j - i)
-                inlined = getattr(data, "inlined", None)  # a WireTensor: bytes, not a block
-                yield StateChunk(f, [x[0] for x in items[i:j]],
-                                 inlined() if inlined is not None else data, seg.write)
+                yield StateChunk(f, [x[0] for x in items[i:j]], [o.value for o in objs],
+                                 e.write)
                 i = j
+                continue
+            seg = self.segments[e >> _OFF_BITS]
+            most = max(1, self.STATE_CHUNK_BYTES // seg.row_bytes) if seg.row_bytes else n
+            j = i + 1
+            while (j < n and j - i < most and not isinstance(items[j][1], _Obj)
+                   and items[j][1] == e + (j - i)):
+                j += 1
+            yield self._chunk(f, [x[0] for x in items[i:j]], seg, e & _OFF_MASK)
+            i = j
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Fill this empty unit from a :meth:`state_dict` of any backend (see
@@ -809,14 +815,6 @@ class StorageUnit(StorageBackend):
         for r in state.get("rows", ()):
             if self._run_of(r) is None:
                 self.row_fields.setdefault(r, 0)  # rows held with no field
-
-
-def _live_ids(run: _Run) -> Sequence[int]:
-    """The ids of ``run``'s rows not deleted, in order."""
-    first, dead = run.first, run.dead
-    if not dead:
-        return range(first, first + run.n)
-    return [first + i for i in range(run.n) if i not in dead]
 
 
 def _live_pieces(run: _Run) -> list[tuple[int, int]]:
