@@ -547,7 +547,15 @@ _op = st.one_of(
 )
 
 
-@settings(max_examples=int(os.environ.get('N_EX', 60)), deadline=None)
+#: STREAMRL_STORAGE_EXAMPLES=N: N examples for each of this file's property tests (a
+#: longer run). Run a long one with ``--timeout 0``: pytest-timeout's 120 s otherwise
+#: interrupts whatever example is running, and hypothesis, which cannot make that example
+#: fail again, reports it as a FlakyFailure ("failed on the first call but did not on a
+#: subsequent one") of an example that is fine.
+EXAMPLES = os.environ.get("STREAMRL_STORAGE_EXAMPLES")
+
+
+@settings(max_examples=int(EXAMPLES or 60), deadline=None)
 @given(st.lists(_op, min_size=1, max_size=40), st.sampled_from([0, 64, 300, 800, 2000]))
 def test_spill_holds_what_memory_holds(tmp_path_factory, ops, budget):
     ref = StorageUnit(0)
@@ -685,7 +693,7 @@ def _outcome(fn):
         return type(e).__name__, getattr(e, "rows", None)
 
 
-@settings(max_examples=int(os.environ.get('N_EX', 300)), deadline=None)
+@settings(max_examples=int(EXAMPLES or 300), deadline=None)
 @given(st.lists(_run_op, min_size=1, max_size=60), st.sampled_from([2, 8]))
 def test_runs_hold_what_entries_per_row_hold(ops, min_split):
     """A unit that keeps puts of new rows as runs, against one that keeps an entry per
