@@ -15,7 +15,11 @@ awaits each put does):
   processes), as between machines;
 * ``raw``: 32 bytes sent and echoed over a blocking socket with ``TCP_NODELAY`` (no
   event loop, no pickling): what the kernel and the wake-ups alone cost;
-* ``raw_unix`` (Linux): the same over a Unix socket of the abstract namespace.
+* ``raw_unix`` (Linux): the same over a Unix socket of the abstract namespace;
+* ``call_paced`` and ``notify_paced``: a small report (``{"inline": 65664}``, as a
+  process's report of bytes moved) every 1 ms, as a call awaited for its reply, and
+  as a notification (``RpcClient.notify``: no reply). Each arrives alone, as such
+  reports do; the difference in the server's CPU a message is what a reply costs it.
 
 Reported per case: wall time a round trip, and CPU time a round trip of each side
 (``time.process_time()`` of each process, every thread, over the timed calls). A
@@ -43,8 +47,14 @@ except ImportError:  # (the library runs without it too)
 
 
 class _Echo:
+    def __init__(self):
+        self.reported = 0
+
     def ping(self, x):
         return x
+
+    def report(self, d):
+        self.reported += sum(d.values())
 
 
 def _run(coro):
@@ -70,6 +80,24 @@ def _rpc_server(out: mp.Queue, ask: mp.Queue, local: bool = True) -> None:
     _run(main())
 
 
+async def _paced_client(endpoint, calls: int, notify: bool) -> tuple[float, float]:
+    from streamrl.transport.rpc import RpcClient
+
+    c = RpcClient(endpoint)
+    report = {"inline": 65664}
+    for _ in range(200):  # (connected and warm)
+        await c.call("report", report)
+    t0, w0 = time.process_time(), time.perf_counter()
+    for _ in range(calls):
+        if notify:
+            c.notify("report", report)
+        else:
+            await c.call("report", report)
+        await asyncio.sleep(0.001)
+    await c.call("report", report)  # (every notification was made before this returns)
+    return time.process_time() - t0, time.perf_counter() - w0
+
+
 async def _rpc_client(endpoint, calls: int, payload) -> tuple[float, float]:
     from streamrl.transport.rpc import RpcClient
 
@@ -82,7 +110,8 @@ async def _rpc_client(endpoint, calls: int, payload) -> tuple[float, float]:
     return time.process_time() - t0, time.perf_counter() - w0
 
 
-def rpc_case(calls: int, local: bool = True) -> dict:
+def rpc_case(calls: int, local: bool = True, paced: str | None = None) -> dict:
+    """``paced``: ``"call"`` or ``"notify"`` (the paced report cases), else a ping."""
     from streamrl.transport import rpc
 
     payload = {"tokens": np.zeros(256, np.int64), "reward": 1.0}
@@ -93,7 +122,8 @@ def rpc_case(calls: int, local: bool = True) -> dict:
     endpoint = out.get()
     ask.put("cpu")
     s0 = out.get()
-    cpu, wall = _run(_rpc_client(endpoint, calls, payload))
+    cpu, wall = _run(_paced_client(endpoint, calls, paced == "notify") if paced
+                     else _rpc_client(endpoint, calls, payload))
     ask.put("cpu")
     s1 = out.get()
     ask.put(None)
@@ -158,6 +188,9 @@ def main() -> None:
              "raw": lambda: raw_case(args.calls)}
     if unix:
         cases["raw_unix"] = lambda: raw_case(args.calls, True)
+    paced = max(1000, args.calls // 4)
+    cases["call_paced"] = lambda: rpc_case(paced, paced="call")
+    cases["notify_paced"] = lambda: rpc_case(paced, paced="notify")
     runs: dict[str, list[dict]] = {name: [] for name in cases}
     for _ in range(args.reps):  # (the cases alternate)
         for name, case in cases.items():
@@ -181,6 +214,10 @@ def main() -> None:
     if unix:
         result["rpc_over_raw_unix_cpu"] = cpu("rpc") / cpu("raw_unix")
         print(f"rpc / raw_unix, CPU of both sides: {result['rpc_over_raw_unix_cpu']:.2f}x")
+    result["notify_over_call_server_cpu"] = (result["notify_paced"]["server_cpu_us"]
+                                             / result["call_paced"]["server_cpu_us"])
+    print(f"a report as a notification / as a call, the server's CPU a message: "
+          f"{result['notify_over_call_server_cpu']:.2f}x")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"runs": runs, "median": result}, f, indent=2)

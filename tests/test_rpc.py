@@ -122,6 +122,39 @@ async def test_a_plain_method_is_answered_at_once_and_never_overtakes_an_earlier
     server.close()
 
 
+async def test_a_notification_gets_no_reply_and_runs_in_order_even_when_it_fails():
+    """``notify`` is one way: the server makes the call (in its turn among the
+    connection's calls) and sends nothing back, so neither side pays for a reply; a
+    notification that raises is dropped at the server (logged), the connection and the
+    calls after it unharmed. Several notifications queued behind a running call all
+    run, in the order sent."""
+    target, server, ep = await _serve()
+    c = RpcClient(ep)
+    assert await c.call("mark", 0) == 0
+    conn = rpc_ready(c)
+    got: list = []
+    on_frame = conn._on_frame
+    conn._on_frame = lambda req_id, load: (got.append(req_id), on_frame(req_id, load))
+    target.marks.clear()
+    task = asyncio.ensure_future(c.call("hang", "held"))
+    await target.started.wait()  # a call still running: what follows queues behind it
+    assert c.notify("mark", 1) and c.notify("fail", [9]) and c.notify("mark", 2)
+    assert c.notify("mark_async", 3) and c.notify("mark", 4)
+    assert len(conn.waiting) == 1  # (only the hang waits for a reply)
+    for _ in range(100):
+        await asyncio.sleep(0.01)
+        if len(target.marks) == 4:
+            break
+    assert [x for x, _ in target.marks] == [1, 2, 3, 4]
+    served = next(iter(server._conns))
+    assert set(served.running) == {next(iter(conn.waiting))}  # (the hang: nothing else left)
+    assert await c.call("add", 5) == 5
+    assert len(got) == 1  # the reply to add: none came for the notifications
+    task.cancel()
+    c.close()
+    server.close()
+
+
 async def test_big_arrays_travel_out_of_band_byte_for_byte():
     import numpy as np
 

@@ -14,6 +14,10 @@ them, so the Ray transport sends them over this channel instead:
   ``benchmarks/rpc_floor.py``);
 * each client process keeps one connection per event loop (:class:`RpcClient`) and
   multiplexes its calls over it by request id; replies come back in any order;
+* a notification (:meth:`RpcClient.notify`: reports of bytes moved, a read's views let
+  go, RDT operations) is a call with no reply: the server makes it in its turn and
+  sends nothing back (a reply cost the server a write, which is most of a small call's
+  CPU on a VM, and the client a wake-up to read it);
 * requests and replies are pickled (the same trust model as Ray, which pickles actor
   arguments); a connection is served only after it presents the random 32-byte token the
   actor handed out through Ray (which authenticates its own clients), and nothing is
@@ -97,6 +101,12 @@ def local_name(token: bytes) -> str:
 class ConnectFailed(ConnectionError):
     """No connection could be opened (nothing was sent): the server is gone, or this
     process cannot reach its address."""
+
+
+#: The request id of a call whose caller waits for no reply (:meth:`RpcClient.notify`):
+#: the server makes it and sends nothing back (the largest id a header holds; the ids of
+#: calls count up from 0 per connection).
+ONE_WAY = (1 << 64) - 1
 
 
 def _frame(req_id: int, obj: Any) -> list:
@@ -366,6 +376,10 @@ class RpcServer:
         self._reply(conn, req_id, method, reply)
 
     def _reply(self, conn: _Served, req_id: int, method: str, reply: tuple) -> None:
+        if req_id == ONE_WAY:  # nobody waits for it: no reply (a failure is logged)
+            if not reply[0]:
+                log.debug("streamrl: notification %s failed: %r", method, reply[1])
+            return
         try:
             data = _frame(req_id, reply)
         except Exception as e:  # an unpicklable result or error
@@ -387,6 +401,7 @@ class _Served(_Protocol):
         super().__init__()
         self.server = server
         self.running: dict[int, asyncio.Task] = {}
+        self._one_way = itertools.count(-1, -1)  # (keys in ``running`` of notifications)
         self._timer: asyncio.TimerHandle | None = None
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -424,8 +439,9 @@ class _Served(_Protocol):
     def _track(self, req_id: int, coro: Coroutine) -> None:
         """Run call ``req_id`` as ``coro``, a task this connection cancels if it closes."""
         task = asyncio.ensure_future(coro)
-        self.running[req_id] = task
-        task.add_done_callback(lambda _t: self.running.pop(req_id, None))
+        key = req_id if req_id != ONE_WAY else next(self._one_way)  # (many may run)
+        self.running[key] = task
+        task.add_done_callback(lambda _t: self.running.pop(key, None))
 
     def connection_lost(self, exc: BaseException | None) -> None:
         self.server._conns.discard(self)
@@ -493,9 +509,12 @@ class _Connection(_Protocol):
         raise value
 
     def notify(self, method: str, args: tuple, kwargs: dict) -> None:
-        """Send a call without waiting for its reply (ordered after earlier calls)."""
-        _, fut = self._send_call(method, args, kwargs)
-        fut.add_done_callback(lambda f: f.exception() if not f.cancelled() else None)
+        """Send a call that gets no reply (made after the calls sent before it; if it
+        fails, only the server's log says so). Raises :class:`ConnectionError` if the
+        connection is lost or closing (nothing was sent)."""
+        if self.broken is not None:
+            raise ConnectionError(f"connection lost ({type(self.broken).__name__})")
+        self.send(_frame(ONE_WAY, (method, args, kwargs)))
 
     def close(self) -> None:
         if self.broken is None:
@@ -592,8 +611,9 @@ class RpcClient:
             conn.close()
 
     def notify(self, method: str, *args: Any, **kwargs: Any) -> bool:
-        """Send a call on this loop's open connection without waiting; ``False`` if there
-        is none (nothing was sent)."""
+        """Send a call that gets no reply on this loop's open connection (made after the
+        calls sent before it; a failure is only logged by the server); ``False`` if there
+        is no such connection (nothing was sent)."""
         try:
             loop = asyncio.get_running_loop()
         except RuntimeError:
