@@ -756,6 +756,53 @@ async def test_groups_that_cannot_be_made_leave_nothing_and_a_destroyed_group_fa
             ray.kill(a)
 
 
+@ray.remote(num_cpus=0)
+class _StuckCoordinator:
+    """A coordinator that never answers ``stop`` (hung)."""
+
+    def stop(self):
+        time.sleep(3600)
+
+    def ping(self):
+        return True
+
+
+def test_destroy_says_when_the_coordinator_would_not_stop_or_die(ray_session, caplog,
+                                                                  monkeypatch):
+    """``destroy`` promises no transfer starts once it returns; when it cannot be sure
+    (the coordinator did not answer ``stop`` in time, so it was killed without it; or
+    Ray did not report it dead after the kill) it says so in a warning instead of returning as
+    if all were well. A coordinator already gone is no warning."""
+    import logging
+
+    from streamrl.transport.rdt import group as rdt_group
+
+    caplog.set_level(logging.WARNING, logger="streamrl")
+    stuck = _StuckCoordinator.remote()
+    ray.get(stuck.ping.remote())
+    rdt_group.RdtGroup("g-stuck", "gloo", [], stuck).destroy(timeout=1.0)
+    warned = [r.getMessage() for r in caplog.records]
+    assert any("did not answer stop" in m and "g-stuck" in m for m in warned), warned
+    with pytest.raises(ray.exceptions.RayActorError):
+        ray.get(stuck.ping.remote(), timeout=30)  # (killed: it is gone now)
+
+    caplog.clear()
+    monkeypatch.setattr(ray, "kill", lambda actor: None)  # (a kill that does not take)
+    alive = _StuckCoordinator.remote()
+    ray.get(alive.ping.remote())
+    rdt_group.RdtGroup("g-alive", "gloo", [], alive).destroy(timeout=1.0)
+    warned = [r.getMessage() for r in caplog.records]
+    assert any("still there" in m and "g-alive" in m for m in warned), warned
+    monkeypatch.undo()
+    ray.kill(alive)
+    with pytest.raises(ray.exceptions.RayActorError):
+        ray.get(alive.ping.remote(), timeout=30)
+
+    caplog.clear()
+    rdt_group.RdtGroup("g-gone", "gloo", [], alive).destroy(timeout=1.0)  # gone already
+    assert not caplog.records, [r.getMessage() for r in caplog.records]
+
+
 async def test_a_queue_of_held_fields_is_checkpointed_and_restored_on_any_transport(
         group, tmp_path):
     """A checkpoint of an "rdt" queue saves held fields (the storage units read them from

@@ -225,28 +225,42 @@ class RdtGroup:
         """Name, backend, transfers made, and each member's id and liveness (blocking)."""
         return ray.get(self.coordinator.info.remote())
 
-    def destroy(self) -> None:
-        """Stop the coordinator, and return once it is gone (blocking, up to 30 s).
-        Members keep what they hold; transfers inside the group stop, and members read
-        held tensors over the fallback path (the holders' sockets) from then on: no
-        transfer starts after this returns. (The coordinator is told to stop before it
-        is killed: a killed actor's process may serve its socket a little longer than
-        Ray takes to report the actor dead.)"""
+    def destroy(self, timeout: float = 30.0) -> None:
+        """Stop the coordinator, and return once it is gone (blocking, up to twice
+        ``timeout`` seconds). Members keep what they hold; transfers inside the group
+        stop, and members read held tensors over the fallback path (the holders'
+        sockets) from then on: no transfer starts after this returns. (The coordinator
+        is told to stop before it is killed: a killed actor's process may serve its
+        socket a little longer than Ray takes to report the actor dead.) When that
+        cannot be made sure, a warning says so: the coordinator did not answer ``stop``
+        within ``timeout`` (hung: it is killed without it), or Ray does not report it
+        dead ``timeout`` seconds after it was killed."""
         try:
-            ray.get(self.coordinator.stop.remote(), timeout=30)
-        except Exception:  # noqa: BLE001 - gone already, or not answering: killed below
-            pass
+            ray.get(self.coordinator.stop.remote(), timeout=timeout)
+        except ray.exceptions.RayActorError:
+            pass  # gone already
+        except Exception as e:  # noqa: BLE001 - not answering: killed below
+            log.warning(
+                "streamrl: RDT group %s: its coordinator did not answer stop within %ss "
+                "(%s); killing it without it: a member may start a transfer until its "
+                "process is gone", self.name, timeout, type(e).__name__)
         try:
             ray.kill(self.coordinator)
         except Exception:  # noqa: BLE001 - already gone
             return
-        deadline = time.monotonic() + 30
+        deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             try:
-                ray.get(self.coordinator.ping.remote(), timeout=5)
-            except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
+                ray.get(self.coordinator.ping.remote(),
+                        timeout=max(0.1, min(5.0, deadline - time.monotonic())))
+            except ray.exceptions.RayActorError:
                 return
+            except ray.exceptions.GetTimeoutError:  # (not an answer, nor proof it is gone)
+                continue
             time.sleep(0.1)
+        log.warning("streamrl: RDT group %s: its coordinator is still there %ss after it "
+                    "was killed (it answers, or hangs): a member may start a transfer "
+                    "until its process is gone", self.name, timeout)
 
 
 def create_group(actors: Sequence[Any], backend: str = "gloo", *, name: str | None = None,
