@@ -780,6 +780,10 @@ def test_destroy_says_when_the_coordinator_would_not_stop_or_die(ray_session, ca
     caplog.set_level(logging.WARNING, logger="streamrl")
     stuck = _StuckCoordinator.remote()
     ray.get(stuck.ping.remote())
+    for bad in (-1, float("nan"), "1"):  # refused before anything is done
+        with pytest.raises(streamrl.errors.InvalidArgument, match="timeout"):
+            rdt_group.RdtGroup("g-stuck", "gloo", [], stuck).destroy(timeout=bad)
+    assert ray.get(stuck.ping.remote())
     rdt_group.RdtGroup("g-stuck", "gloo", [], stuck).destroy(timeout=1.0)
     warned = [r.getMessage() for r in caplog.records]
     assert any("did not answer stop" in m and "g-stuck" in m for m in warned), warned

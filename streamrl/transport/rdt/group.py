@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import time
 import uuid
 from collections.abc import Sequence
@@ -45,6 +46,7 @@ from typing import Any
 
 import ray
 
+from ...config import check_timeout
 from ...errors import TransportError
 from ..rpc import Endpoint, RpcClient, RpcServer
 from .runtime import BACKENDS, STALL_CHECK, GroupInfo, HolderGone, cannot_join, runtime
@@ -225,7 +227,7 @@ class RdtGroup:
         """Name, backend, transfers made, and each member's id and liveness (blocking)."""
         return ray.get(self.coordinator.info.remote())
 
-    def destroy(self, timeout: float = 30.0) -> None:
+    def destroy(self, timeout: float | None = 30.0) -> None:
         """Stop the coordinator, and return once it is gone (blocking, up to twice
         ``timeout`` seconds). Members keep what they hold; transfers inside the group
         stop, and members read held tensors over the fallback path (the holders'
@@ -234,7 +236,13 @@ class RdtGroup:
         socket a little longer than Ray takes to report the actor dead.) When that
         cannot be made sure, a warning says so: the coordinator did not answer ``stop``
         within ``timeout`` (hung: it is killed without it), or Ray does not report it
-        dead ``timeout`` seconds after it was killed."""
+        dead ``timeout`` seconds after it was killed. ``timeout=None`` waits for ever.
+
+        Raises:
+            InvalidArgument: ``timeout`` is not ``None`` or a finite number >= 0.
+        """
+        timeout = check_timeout("timeout", timeout)
+        limit = math.inf if timeout is None else timeout
         try:
             ray.get(self.coordinator.stop.remote(), timeout=timeout)
         except ray.exceptions.RayActorError:
@@ -248,7 +256,7 @@ class RdtGroup:
             ray.kill(self.coordinator)
         except Exception:  # noqa: BLE001 - already gone
             return
-        deadline = time.monotonic() + timeout
+        deadline = time.monotonic() + limit
         while time.monotonic() < deadline:
             try:
                 ray.get(self.coordinator.ping.remote(),
