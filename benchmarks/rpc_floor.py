@@ -47,14 +47,11 @@ except ImportError:  # (the library runs without it too)
 
 
 class _Echo:
-    def __init__(self):
-        self.reported = 0
-
     def ping(self, x):
         return x
 
     def report(self, d):
-        self.reported += sum(d.values())
+        pass  # (the channel's cost is what is measured, not the work a report causes)
 
 
 def _run(coro):

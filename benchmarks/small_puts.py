@@ -544,14 +544,12 @@ async def main() -> None:
     # first run of a process is cold)
     await embedded_streamrl(500)
     await embedded_asyncio_queue(500)
-    ss, bs = [], []
+    cases = {"streamrl": embedded_streamrl, "queue": embedded_asyncio_queue}
+    times: dict[str, list[float]] = {k: [] for k in cases}
     for i in range(max(PAIRS, a.reps)):
-        if i % 2:
-            bs.append(await embedded_asyncio_queue(a.rows))
-            ss.append(await embedded_streamrl(a.rows))
-        else:
-            ss.append(await embedded_streamrl(a.rows))
-            bs.append(await embedded_asyncio_queue(a.rows))
+        for k in (("streamrl", "queue") if i % 2 == 0 else ("queue", "streamrl")):
+            times[k].append(await cases[k](a.rows))
+    ss, bs = times["streamrl"], times["queue"]
     s, b = med(ss), med(bs)
     ratios = [x / y for x, y in zip(ss, bs)]
     q1, q3 = _quartiles(ratios)

@@ -771,8 +771,8 @@ def test_destroy_says_when_the_coordinator_would_not_stop_or_die(ray_session, ca
                                                                   monkeypatch):
     """``destroy`` promises no transfer starts once it returns; when it cannot be sure
     (the coordinator did not answer ``stop`` in time, so it was killed without it; or
-    Ray did not report it dead after the kill) it says so in a warning instead of returning as
-    if all were well. A coordinator already gone is no warning."""
+    Ray did not report it dead after the kill) it says so in a warning instead of
+    returning as if all were well. A coordinator already gone is no warning."""
     import logging
 
     from streamrl.transport.rdt import group as rdt_group
