@@ -46,8 +46,11 @@ def load_old(tree: str) -> object:
     root = tempfile.mkdtemp(prefix="streamrl-ab-")
     dst = os.path.join(root, OLD)
     shutil.copytree(src, dst, ignore=shutil.ignore_patterns("__pycache__"))
-    # the package's imports of itself, and the "module:attribute" names of its registries
-    pat = re.compile(r"(\bfrom streamrl\.|\bimport streamrl\.|\"streamrl\.(?=[a-z_.]*:))")
+    # the package's imports of itself, the "module:attribute" names of its registries,
+    # and (in trees before the package named them from __name__) its lookups of its own
+    # modules in sys.modules: missed, the old tree's queue found no write-combining stage
+    pat = re.compile(r"(\bfrom streamrl\.|\bimport streamrl\.|\"streamrl\.(?=[a-z_.]*:)"
+                     r"|sys\.modules\.get\(\"streamrl\.)")
     for d, _, files in os.walk(dst):
         for f in files:
             if f.endswith(".py"):

@@ -50,6 +50,8 @@ DEFAULT_PARTITION = "default"
 
 _registry: "weakref.WeakValueDictionary[int, StreamQueue]" = weakref.WeakValueDictionary()
 _ids = itertools.count(1)
+#: this package's name (the modules StreamQueue looks up in sys.modules are named from it)
+_PACKAGE = __name__.rpartition(".")[0]
 
 
 class StreamQueue:
@@ -195,8 +197,8 @@ class StreamQueue:
         # modules are looked up, not imported: a transport made of them imported them,
         # and a queue of another transport, such as a Ray producer's, never loads them
         # nor the controller's state machine they import.)
-        embedded = sys.modules.get("streamrl.transport.embedded")
-        combine = sys.modules.get("streamrl.combine")
+        embedded = sys.modules.get(_PACKAGE + ".transport.embedded")
+        combine = sys.modules.get(_PACKAGE + ".combine")
         data = transport.data
         self._units = (cast("LocalDataPlane", data).units if embedded is not None
                        and type(data) is embedded.LocalDataPlane else None)
