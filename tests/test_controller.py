@@ -599,13 +599,14 @@ def test_commit_counts_each_rows_bytes_whether_rows_agree_or_not():
     assert c.bytes_held == (12 + 13 + 14 + 3) + (104 + 2) + (12 + 2)
 
 
-def _summary(c):
-    """What a put leaves in the controller, compared between two ways of making it."""
+def _summary(c, take=True):
+    """What a put leaves in the controller, compared between two ways of making it
+    (``take``: and the rows a take of both fields then gets)."""
     rows = {r: (row.shard, row.version, dict(row.fields), row.nbytes, row.writing,
                 row.pending) for r, row in c.rows.items()}
     return (rows, c.bytes_held, c.c_put, c.c_bytes_put, c.reserved_bytes,
             {n: (p.put, p.bytes_put, list(p.rows)) for n, p in c.parts.items()},
-            sorted(c.take(req(fields=("x", "y"), bs=3)).rows))
+            sorted(c.take(req(fields=("x", "y"), bs=3)).rows) if take else None)
 
 
 @pytest.mark.parametrize("sizes", [{"x": [8, 8, 8], "y": [4, 4, 4]},
@@ -639,6 +640,63 @@ def test_admit_stored_is_allocate_then_commit(sizes):
     assert sorted(len(s.avail) for s in a.subs.values()) == [0, 0, 3, 3, 3]
     assert len(indexed[0][1]) == 2  # the subscriptions of ("x",) and ("y",): not u's
     assert _summary(a) == _summary(b)
+
+
+def test_admit_stored_with_group_keys_is_allocate_then_commit():
+    """Rows whose group key comes with them (GRPO's one-row puts, combined) take
+    admit_stored's shortcut too: each row in its group, grouped subscriptions' buckets
+    and whole groups as a commit leaves them; a tag field not given goes the usual way
+    (its values read back: the commit's missing tags), or nowhere with at_once_only."""
+    a, b = Controller(100, num_shards=2), Controller(100, num_shards=2)
+    waiting = [req(task="g", fields=("x",), bs=2, partition="p", group_by="uid",
+                   group_size=2),  # whole groups of 2
+               req(task="h", fields=("x", "y"), bs=3, partition="p", group_by="uid",
+                   group_size=3),
+               req(task="k", fields=("x",), bs=1, group_by="k"),  # a key not given
+               req(task="u", fields=("x",), bs=2, partition="p")]  # ungrouped
+    for c in (a, b):
+        c.unit_ids(0, 16)
+        for r in waiting:
+            assert c.take(r) is None
+        c.woken.clear()
+
+    def state(c):
+        subs = {k: (list(s.avail), {g: list(m) for g, m in s.buckets.items()},
+                    list(s.complete)) for k, s in c.subs.items()}
+        groups = {n: {f: {v: list(m) for v, m in byv.items()} for f, byv in p.groups.items()}
+                  for n, p in c.parts.items()}
+        return (subs, groups, {r: dict(row.tags) for r, row in c.rows.items()},
+                set(c.woken), _summary(c, take=False))
+
+    puts = [([0, 1, 2], {"uid": [7, 7, 8]}), ([3, 4, 5], {"uid": [8, 8, 9]})]
+    for ids, tags in puts:
+        n = len(ids)
+        sizes = {"x": [8] * n, "y": [4] * n}
+        got = a.admit_stored("p", ids, 0, sizes, version=0, tags=tags, at_once_only=True)
+        assert got is not None  # (at once: no write token)
+        tok = b.allocate("p", n, ("x", "y"), nbytes=12 * n, ids=ids, shard=0, version=0)
+        want = b.commit(tok, sizes, tags)
+        assert (got.dead, got.tag_fields, got.missing_tags) == (
+            want.dead, want.tag_fields, want.missing_tags)
+        assert state(a) == state(b)
+        for c in (a, b):
+            c.woken.clear()
+    s = a.subs[waiting[0].sub_key()]
+    assert list(s.complete) == [("p", 7), ("p", 8)] and len(s.buckets[("p", 8)]) == 3
+    assert list(a.subs[waiting[1].sub_key()].complete) == [("p", 8)]
+    assert not a.subs[waiting[2].sub_key()].avail  # (no value of "k": not its rows)
+    for r in waiting:
+        ta, tb = a.take(r), b.take(r)
+        assert (ta and sorted(ta.rows)) == (tb and sorted(tb.rows))
+
+    # a tag field of the partition without its values: the usual way, tags read back
+    sizes = {"x": [8], "k": [8]}
+    assert a.admit_stored("p", [6], 0, sizes, tags={"uid": [9]}, at_once_only=True) is None
+    got = a.admit_stored("p", [6], 0, sizes, version=0, tags={"uid": [9]})
+    tok = b.allocate("p", 1, ("x", "k"), nbytes=16, ids=[6], shard=0, version=0)
+    want = b.commit(tok, sizes, {"uid": [9]})
+    assert got.missing_tags == want.missing_tags == {"k": [6]}
+    assert state(a) == state(b)
 
 
 def test_admit_stored_refuses_what_allocate_refuses():

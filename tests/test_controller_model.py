@@ -330,22 +330,26 @@ class ControllerModel(RuleBasedStateMachine):
     # ------------------------------------------------------------------ new rows
 
     @rule(part=st.sampled_from(PARTS), n=st.integers(1, 4),
-          fields=st.sets(st.sampled_from(("x", "y")), min_size=1), now=MOSTLY, age=AGES)
-    def put(self, part, n, fields, now, age):
-        self._put(part, n, tuple(sorted(fields)), now, None, self._version(age))
+          fields=st.sets(st.sampled_from(("x", "y")), min_size=1), now=MOSTLY, age=AGES,
+          stored=st.booleans())
+    def put(self, part, n, fields, now, age, stored):
+        self._put(part, n, tuple(sorted(fields)), now, None, self._version(age), stored)
 
-    @rule(part=st.sampled_from(PARTS), half=RARELY, now=MOSTLY, age=AGES)
-    def put_group(self, part, half, now, age):
-        self._put_group(part, half, now, age)
+    @rule(part=st.sampled_from(PARTS), half=RARELY, now=MOSTLY, age=AGES,
+          stored=st.booleans())
+    def put_group(self, part, half, now, age, stored):
+        self._put_group(part, half, now, age, stored)
 
-    @rule(part=st.sampled_from(PARTS), half=RARELY, now=MOSTLY, age=AGES)
-    def put_another_group(self, part, half, now, age):  # (groups need a few puts)
-        self._put_group(part, half, now, age)
+    @rule(part=st.sampled_from(PARTS), half=RARELY, now=MOSTLY, age=AGES,
+          stored=st.booleans())
+    def put_another_group(self, part, half, now, age, stored):  # (groups need a few puts)
+        self._put_group(part, half, now, age, stored)
 
     def _version(self, age: int | None) -> int | None:
         return None if age is None else max(0, self.version - age)
 
-    def _put_group(self, part: str, half: bool, now: bool, age: int | None) -> None:
+    def _put_group(self, part: str, half: bool, now: bool, age: int | None,
+                   stored: bool = False) -> None:
         """A group of ``GROUP`` rows sharing a key, put at once or one row now and the
         others later (``finish_group``), as a GRPO group's samples arrive; every row of
         the group has the version of its first put."""
@@ -353,7 +357,7 @@ class ControllerModel(RuleBasedStateMachine):
         version = self._version(age)
         self.key_version[self.keys] = self.version if version is None else version
         if self._put(part, 1 if half else GROUP, ("uid", "x"), now, self.keys,
-                     version) and half:
+                     version, stored) and half:
             self.open_groups.append((part, self.keys))
 
     @precondition(lambda self: self.capacity_bytes > 200)
@@ -367,15 +371,19 @@ class ControllerModel(RuleBasedStateMachine):
         self.dp_step(True, part, first, 2, "error", "uid", True)
 
     @precondition(lambda self: self.open_groups)
-    @rule(i=st.integers(0, 1000), now=MOSTLY)
-    def finish_group(self, i, now):
+    @rule(i=st.integers(0, 1000), now=MOSTLY, stored=st.booleans())
+    def finish_group(self, i, now, stored):
         part, key = self.open_groups.pop(i % len(self.open_groups))
-        self._put(part, GROUP - 1, ("uid", "x"), now, key, self.key_version[key])
+        self._put(part, GROUP - 1, ("uid", "x"), now, key, self.key_version[key], stored)
 
     def _put(self, part: str, n: int, fields: tuple[str, ...], now: bool,
-             key: int | None, version: int | None) -> bool:
+             key: int | None, version: int | None, stored: bool = False) -> bool:
         """New rows of ``version`` (``None``: the current one); rows already older than
-        ``version - max_staleness`` are admitted and dropped as stale at once."""
+        ``version - max_staleness`` are admitted and dropped as stale at once. With
+        ``stored`` and ``now``: the rows were stored by a unit under ids leased to it,
+        and are admitted and committed in one step (``admit_stored``, as the unit's own
+        puts and the embedded transport's combined one-row puts are), their group key
+        given with them."""
         nbytes = n * sum(SIZES[f] for f in fields)
         if self.closed:
             with pytest.raises(QueueClosed):
@@ -392,6 +400,10 @@ class ControllerModel(RuleBasedStateMachine):
             with pytest.raises(QueueFull):
                 self.c.allocate(part, n, fields, nbytes=nbytes, version=version)
             return False
+        if stored and now:
+            self._put_stored(part, n, fields, key, version)
+            self._settle()
+            return True
         tok = self.c.allocate(part, n, fields, nbytes=nbytes, version=version)
         assert self.lost is None or self.lost not in tok.shards, (self.lost, tok.shards)
         self.deadline[("w", tok.id)] = self.now + LEASE_TIMEOUT
@@ -410,6 +422,28 @@ class ControllerModel(RuleBasedStateMachine):
             self.pending.append((tok, True, nbytes))
         self._settle()
         return True
+
+    def _put_stored(self, part: str, n: int, fields: tuple[str, ...], key: int | None,
+                    version: int | None) -> None:
+        """``_put``'s rows stored by a unit first, then admitted and committed at once."""
+        shard = 1 if self.lost == 0 else 0
+        start, _ = self.c.unit_ids(shard, n)
+        ids = list(range(start, start + n))
+        assert not set(ids) & (set(self.rows) | self.dropped)
+        sizes = {f: [SIZES[f]] * n for f in fields}
+        res = self.c.admit_stored(part, ids, shard, sizes, version=version,
+                                  tags=None if key is None else {"uid": [key] * n})
+        assert res is not None
+        v = self.version if version is None else version
+        for rid in ids:
+            self.rows[rid] = _Row(part, v)
+        if self.max_staleness is not None and v < self.version - self.max_staleness:
+            self._stale(ids)  # (dropped at admission, before their fields and key land)
+        for rid in ids:
+            row = self.rows.get(rid)
+            if row is not None:
+                row.ready = {f: SIZES[f] for f in fields}
+                row.key = key
 
     def _commit(self, tok, new: bool) -> None:
         key = self.token_key.get(tok.id)

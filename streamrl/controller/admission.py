@@ -169,14 +169,18 @@ class Admission(ControllerBase):
         :meth:`allocate` (``ids``, ``shard``, ``admitted``) then :meth:`commit` at
         once, raising what :meth:`allocate` raises, without a write token between them
         where nothing needs one: rows of one shape (each field the same bytes in every
-        row), no filter, no tag field, no staleness bound; otherwise it does just that,
-        or, with ``at_once_only``, nothing (``None``: the caller admits them with a
-        write token, whose commit result it has to act on)."""
+        row), no filter, no staleness bound, and a value in ``tags`` for each field
+        that is a tag (a group key) of ``partition``'s rows; otherwise it does
+        just that, or, with ``at_once_only``, nothing (``None``: the caller admits them
+        with a write token, whose commit result it has to act on)."""
         n = len(ids)
         fields = tuple(nbytes)
-        tmpl = (_uniform([(f, nbytes[f]) for f in fields])
-                if not (self.filters or self.tag_fields or self.part_tags
-                        or self.max_staleness is not None) else None)
+        tmpl = None
+        if not (self.filters or self.max_staleness is not None):
+            if not (self.tag_fields or self.part_tags):
+                tmpl = _uniform([(f, nbytes[f]) for f in fields])
+            elif tags and not any(f not in tags and self._tagged(f, partition) for f in fields):
+                tmpl = _uniform([(f, nbytes[f]) for f in fields])  # (tags set below)
         if tmpl is None:
             if at_once_only:
                 return None
@@ -189,15 +193,36 @@ class Admission(ControllerBase):
                                               dtypes, admitted)
         born = self.clock()
         rows, prows = self.rows, p.rows
-        for rid in ids:
-            rows[rid] = prows[rid] = Row(rid, p, shard, version, born, tmpl, tsum)
+        if not tags:
+            for rid in ids:
+                rows[rid] = prows[rid] = Row(rid, p, shard, version, born, tmpl, tsum)
+        else:  # (commit's tags of new rows, inlined: each row in its groups)
+            groups = p.groups
+            given = []
+            for f, vals in tags.items():
+                byv = groups.get(f)
+                if byv is None:
+                    byv = groups[f] = {}
+                given.append((f, vals, byv))
+            for i, rid in enumerate(ids):
+                rows[rid] = prows[rid] = row = Row(rid, p, shard, version, born, tmpl, tsum)
+                mine = {}
+                for f, vals, byv in given:
+                    mine[f] = v = vals[i]
+                    grp = byv.get(v)
+                    if grp is None:
+                        grp = byv[v] = {}
+                    grp[rid] = None
+                row.tags = mine
         added = tsum * n
         self.c_put += n
         p.put += n
         self.bytes_held += added
         self.c_bytes_put += added
         p.bytes_put += added
-        self._index_new(p, ids, tmpl.keys())  # (no filter, no tag: as _reindex would)
+        self._index_new(p, ids, tmpl.keys(), tags)  # (no filter: as _reindex would)
+        if tags and self._short_held:  # (as commit: a short group may be whole now)
+            self._recheck_short()
         return CommitResult({}, self.tags_of(p.name), {})
 
     def _admit(self, partition: str, n: int, nbytes: int, version: int | None,

@@ -21,7 +21,7 @@ declarations are not defined, so no lookup on the hot paths changes.
 from __future__ import annotations
 
 from abc import abstractmethod
-from collections.abc import Collection, Hashable, Iterable, KeysView, Sequence
+from collections.abc import Collection, Hashable, Iterable, KeysView, Mapping, Sequence
 from typing import TYPE_CHECKING
 
 from .state import State
@@ -99,7 +99,8 @@ class ControllerBase(State):
         @abstractmethod
         def _reindex(self, rows: Iterable[Row], tasks: Iterable[str] | None = None) -> None: ...
         @abstractmethod
-        def _index_new(self, p: Partition, ids: list[int], fields: KeysView[str]) -> None: ...
+        def _index_new(self, p: Partition, ids: list[int], fields: KeysView[str],
+                       tags: Mapping[str, Sequence[Hashable]] | None = None) -> None: ...
         @abstractmethod
         def _unindex(self, row: Row, tasks: Iterable[str] | None = None) -> None: ...
         @abstractmethod

@@ -12,7 +12,7 @@ that what :meth:`Controller.load_state_dict` rebuilds is listed in one place.
 
 from __future__ import annotations
 
-from collections.abc import Collection, Hashable, Iterable, KeysView
+from collections.abc import Collection, Hashable, Iterable, KeysView, Mapping, Sequence
 
 from ..config import Request, validate_request
 from ..errors import InvalidArgument
@@ -264,19 +264,42 @@ class Index(ControllerBase):
             if len(sub.avail) >= sub.wake_at or sealed or self.closed or self.sealed_all:
                 self.woken.add(sub.key)
 
-    def _index_new(self, p: Partition, ids: list[int], fields: KeysView[str]) -> None:
-        """Index new rows ``ids`` of partition ``p`` that all hold ``fields``, have no tag
-        and no filter to wait for (nobody leased or acknowledged them yet): what
+    def _index_new(self, p: Partition, ids: list[int], fields: KeysView[str],
+                   tags: Mapping[str, Sequence[Hashable]] | None = None) -> None:
+        """Index new rows ``ids`` of partition ``p`` that all hold ``fields``, whose tags
+        are ``tags`` (per tag field, each row's value, in order; ``None``: no tag) and
+        that have no filter to wait for (nobody leased or acknowledged them yet): what
         :meth:`_reindex` does for such rows, in one step per subscription (each
         ungrouped subscription whose fields they hold takes them all; a grouped one
-        takes none, as they have no group key)."""
+        takes them into their groups' buckets if they have its group key, else none)."""
         for sub in self._candidates(p.name):
-            if sub.group_by is None and sub.fields <= fields:
-                avail = sub.avail
+            if not sub.fields <= fields:
+                continue
+            avail = sub.avail
+            if sub.group_by is None:
                 avail.update(dict.fromkeys(ids))
                 if (len(avail) >= sub.wake_at or p.sealed or self.closed
                         or self.sealed_all):
                     self.woken.add(sub.key)
+                continue
+            vals = tags.get(sub.group_by) if tags else None
+            if vals is None:
+                continue
+            # (_bucket, inlined; each group gained checked once, after: as _reindex)
+            buckets = sub.buckets
+            name = p.name
+            gained: dict[tuple, None] = {}
+            for rid, v in zip(ids, vals):
+                gk = (name, v)
+                b = buckets.get(gk)
+                if b is None:
+                    b = buckets[gk] = {}
+                b[rid] = None
+                avail[rid] = None
+                gained[gk] = None
+            for gk in gained:
+                self._check_complete(sub, gk)
+            self.woken.add(sub.key)
 
     def _candidates(self, name: str) -> list[_Sub]:
         c = self._cands.get(name)
