@@ -12,7 +12,7 @@ Examples:
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -34,6 +34,16 @@ class Filter:
 
     def __call__(self, td: TensorDictBase) -> Any:  # pragma: no cover - abstract
         raise NotImplementedError
+
+    def judge_many(self, td: TensorDictBase, sizes: Sequence[int]) -> list[Any] | None:
+        """The verdicts on several groups (or batches) of rows at once, if this filter
+        can give them cheaper than one call each: ``td`` holds the groups one after the
+        other, ``sizes`` their rows; one verdict a group, each what ``self`` would
+        return on that group's rows. ``None`` (what this base class returns): judge
+        them one by one. The queue calls it when filter work for several groups is
+        ready at once (one-row puts combined, a seal); if it raises, the groups are
+        judged one by one, so a failure is reported as the call's on its own group."""
+        return None
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(fields={self.fields}, group_by={self.group_by!r})"
@@ -92,6 +102,27 @@ class zero_variance(Filter):
             return hi == hi and hi > min(vals) and all(v == v for v in vals)
         r = r.reshape(r.shape[0], -1).float()
         return bool((r.max(0).values - r.min(0).values).abs().max() > self.atol) if len(r) else False
+
+    def judge_many(self, td: TensorDictBase, sizes: Sequence[int]) -> list[bool] | None:
+        """The verdicts on consecutive groups of ``sizes`` rows: for scalar rewards
+        that ``__call__`` judges in Python (``atol=0``, a float dtype of at most 32
+        bits, on the CPU), read once for all groups and judged as ``__call__`` judges
+        each; ``None`` otherwise (judged one by one)."""
+        r = td.get(self.reward)
+        if (self.atol or not isinstance(r, torch.Tensor) or r.is_nested or not r.dim()
+                or r.dtype not in _EXACT_IN_FLOAT32 or r.device.type != "cpu"
+                or r.numel() != r.shape[0] or sum(sizes) != r.shape[0]
+                or not all(0 < n <= 256 for n in sizes)):
+            return None
+        vals = (r if r.dim() == 1 else r.reshape(-1)).tolist()
+        out = []
+        a = 0
+        for n in sizes:  # (__call__'s verdict on vals[a:a + n])
+            g = vals[a:a + n]
+            a += n
+            hi = max(g)
+            out.append(hi == hi and hi > min(g) and all(v == v for v in g))
+        return out
 
 
 class max_length(Filter):

@@ -214,7 +214,15 @@ class ControllerService:
                 for j in jobs:
                     self.ctl.filter_retry(j.id)
                 raise
+            judged = self._judge_together(jobs, read) if read else None
             for i, job in enumerate(jobs):
+                verdict = judged.get(job.id) if judged else None
+                if verdict is not None:  # (judged with others: nothing to await)
+                    if self.ctl.job_live(job.id):  # (not withdrawn meanwhile)
+                        self.ctl.filter_done(job.id, [verdict.get(r, False) for r in job.rows])
+                    if not self.ctl.job_live(job.id):
+                        self._quiet_jobs.discard(job.id)
+                    continue
                 try:
                     err = await self._run_filter(job, read)
                 except BaseException:
@@ -1008,6 +1016,61 @@ class ControllerService:
             read[(s, fs)] = ({r: i for i, r in enumerate(want[(s, fs)])},
                              {f: assemble(g[f]) for f in fs})
         return read
+
+    def _judge_together(self, jobs: list[FilterJob], read: _FilterRead
+                        ) -> dict[int, dict[int, bool]]:
+        """Verdicts (job id -> row -> keep) of those filter ``jobs`` whose filter judges
+        many groups in one call (:meth:`streamrl.filters.Filter.judge_many`): the jobs
+        of one filter whose rows one storage unit holds and ``read`` has (see
+        :meth:`_read_for_filters`), at least two of them, are judged together, one
+        column per field and one call for them all (a job alone costs a TensorDict, a
+        call and the plumbing around them: most of what a GRPO group's zero-variance
+        filter costs). The others, and jobs whose filter declines
+        (``judge_many`` returns ``None``) or fails, are left to :meth:`_run_filter`,
+        one by one, which reports a failure as its own. Never awaits."""
+        from .columns import take_rows, to_tensordict
+
+        ctl = self.ctl
+        rows_of = ctl.rows
+        together: dict[tuple[str, int], list[tuple[FilterJob, list[int]]]] = {}
+        for job in jobs:
+            fn = self._filters.get(job.filter)
+            if getattr(fn, "judge_many", None) is None or not ctl.job_live(job.id):
+                continue
+            live = [r for r in job.rows if r in rows_of]
+            if not live:
+                continue
+            shard = rows_of[live[0]].shard
+            if (shard, job.fields) not in read or any(rows_of[r].shard != shard for r in live):
+                continue
+            together.setdefault((job.filter, shard), []).append((job, live))
+        out: dict[int, dict[int, bool]] = {}
+        for (name, shard), group in together.items():
+            if len(group) < 2:
+                continue
+            fields = group[0][0].fields  # (a filter's jobs read its fields)
+            pos, cols = read[(shard, fields)]
+            idx = [pos[r] for _, live in group for r in live]
+            first = idx[0]
+            at: slice | list[int] = (slice(first, first + len(idx)) if idx == list(
+                range(first, first + len(idx))) else idx)
+            try:
+                td = to_tensordict({f: take_rows(cols[f], at) for f in fields}, len(idx))
+                verdicts = getattr(self._filters[name], "judge_many")(
+                    td, [len(live) for _, live in group])
+                if verdicts is None:
+                    continue
+                if len(verdicts) != len(group):
+                    raise InvalidArgument(f"judge_many gave {len(verdicts)} verdicts for "
+                                          f"{len(group)} groups")
+                mine = {job.id: dict(zip(live, _verdict(v, len(live), name)))
+                        for (job, live), v in zip(group, verdicts)}
+            except Exception as e:  # noqa: BLE001 - each job then runs (and fails) alone
+                log.debug("streamrl: filter %r could not judge %d groups together (%s); "
+                          "judging them one by one", name, len(group), e)
+                continue
+            out.update(mine)
+        return out
 
     def _filter_failed(self, job: FilterJob, live: list[int], e: Exception) -> FilterError:
         """Filter job ``job`` failed with ``e`` on its rows ``live``: they are dropped

@@ -935,3 +935,104 @@ async def test_a_write_taken_back_while_its_filter_job_reads_it_loses_no_row():
         mb = await q.get("t", ["uid", "reward"], 2, partition="p", timeout=5)
         assert (await mb.materialize())["reward"].tolist() == [3.0, 4.0]
         assert judged == [[3.0, 4.0]]
+
+
+@pytest.mark.parametrize("mode", ["together", "declines", "raises", "miscounts"])
+async def test_groups_ready_at_once_are_judged_together_each_as_alone(make_queue, mode):
+    """Filter work for several groups ready at once (one put completing six groups) is
+    given to the filter's ``judge_many`` in one call (here its ``__call__`` would fail:
+    no group is judged alone), and each group gets that verdict. A filter whose
+    ``judge_many`` declines (``None``), raises
+    or gives the wrong number of verdicts has its groups judged one by one, so a group
+    its ``__call__`` fails on is the only one dropped as a filter error."""
+
+    class Picky(filters.Filter):
+        """Keeps a group whose rewards differ; fails on a group holding reward 13."""
+
+        fields = ("reward",)
+        group_by = "uid"
+        group_size = 4
+        name = "picky"
+
+        def __init__(self, mode):
+            self.mode = mode
+
+        def __call__(self, td):
+            r = td["reward"].tolist()
+            if 13.0 in r:
+                raise ValueError("13 is no reward")
+            if self.mode == "together":  # (so the test sees that no group was alone)
+                raise ValueError("judged alone")
+            return max(r) > min(r)
+
+        def judge_many(self, td, sizes):
+            if self.mode == "declines":
+                return None
+            if self.mode == "raises":
+                raise RuntimeError("not today")
+            r, out, a = td["reward"].tolist(), [], 0
+            for n in sizes:
+                out.append(max(r[a:a + n]) > min(r[a:a + n]))
+                a += n
+            return out[:-1] if self.mode == "miscounts" else out
+
+    q = make_queue(capacity=64, consumers=["t"])
+    picky = Picky(mode)
+    await q.add_filter(picky)
+    G, S = 6, 4
+    reward = torch.arange(G * S, dtype=torch.float32)
+    reward[1 * S:2 * S] = 5.0  # group 1: no signal
+    failing = mode != "together"  # (judge_many never fails a group where it judges)
+    if failing:
+        reward[3 * S] = 13.0  # group 3: __call__ raises on it
+    put = q.put({"uid": torch.arange(G).repeat_interleave(S), "reward": reward}, partition="p")
+    if failing:
+        with pytest.raises(FilterError, match="13 is no reward"):
+            await put
+    else:
+        await put
+    await q.seal("p")
+    kept = set()
+    async for mb in q.stream("t", ["uid", "reward"], S, partition="p", group_by="uid",
+                             group_size=S, timeout=30):
+        td = await mb.materialize()
+        kept |= set(td["uid"].tolist())
+    assert kept == {0, 2, 4, 5} | (set() if failing else {3})
+    st = await q.stats()
+    assert st.filtered_by == {"picky": S}
+    assert st.filter_errors == (S if failing else 0)
+    assert st.rows == 0 and await q.audit() == []
+
+
+def test_zero_variance_judges_many_groups_as_it_judges_each():
+    """``zero_variance.judge_many`` gives each group the verdict ``__call__`` gives it
+    (ties, NaNs, one-row groups), and declines what ``__call__`` judges with torch (a
+    tolerance, float64 rewards, several values a row)."""
+    from hypothesis import given, settings, strategies as st
+    from tensordict import TensorDict
+
+    zv = filters.zero_variance("r", group_by="uid")
+    value = st.sampled_from([0.0, 1.0, -1.0, 0.5, float("nan"), float("inf"), 1e-8])
+
+    @settings(max_examples=300, deadline=None)
+    @given(st.lists(st.lists(value, min_size=1, max_size=9), min_size=1, max_size=8),
+           st.sampled_from([torch.float32, torch.float16, torch.bfloat16]),
+           st.booleans())
+    def check(groups, dtype, column):
+        flat = torch.tensor([v for g in groups for v in g], dtype=dtype)
+        if column:
+            flat = flat.reshape(-1, 1)
+        td = TensorDict({"r": flat}, batch_size=[len(flat)])
+        sizes = [len(g) for g in groups]
+        want, a = [], 0
+        for n in sizes:
+            want.append(zv(td[a:a + n]))
+            a += n
+        assert zv.judge_many(td, sizes) == want
+
+    check()
+    td = TensorDict({"r": torch.tensor([0.0, 1.0])}, batch_size=[2])
+    assert filters.zero_variance("r", atol=0.1).judge_many(td, [2]) is None
+    assert zv.judge_many(td.apply(lambda t: t.double()), [2]) is None
+    assert zv.judge_many(TensorDict({"r": torch.zeros(2, 2)}, batch_size=[2]), [2]) is None
+    assert zv.judge_many(td, [1]) is None  # (sizes that do not add up to the rows)
