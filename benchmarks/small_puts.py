@@ -228,6 +228,42 @@ def controller_grouped(total_rows: int, batch: int = BATCH, size: int = GROUP) -
     return total_rows / (time.process_time() - t0)
 
 
+def controller_stored_grpo(total_rows: int, batch: int = BATCH, size: int = GROUP, *,
+                           filtered: bool = True, controller=Controller,
+                           request=Request) -> float:
+    """Rows per CPU-second through the bare controller on the GRPO pattern as the
+    embedded stage's flush and a storage unit admit it: ``batch`` rows stored under
+    ids leased to a unit, admitted and committed in one step with their group keys
+    (``admit_stored``), a zero-variance-like filter's job per group judged (kept), a
+    grouped subscription taking whole groups, an ack dropping them. ``filtered``: with
+    that filter (``False``: no filter). The cyclic GC is off while timed (a run leaves
+    its controller to it). ``controller``, ``request``: another tree's classes."""
+    from streamrl.messages import FilterSpec
+
+    c = controller(1 << 16, num_shards=1, consumers=["t"])
+    if filtered:
+        c.add_filter(FilterSpec("zv", frozenset({"reward"}), "uid", size))
+    req = request("t", ("x", "reward"), batch, partition="p", group_by="uid", group_size=size)
+    c.take(req)  # the subscription exists (a consumer waits)
+    nb = {"x": [8] * batch, "reward": [4] * batch, "uid": [8] * batch}
+    keys = [[k * (batch // size) + i // size for i in range(batch)]
+            for k in range(total_rows // batch)]
+    gc.collect()
+    gc.disable()
+    t0 = time.process_time()
+    for uids in keys:
+        start, _ = c.unit_ids(0, batch)
+        c.admit_stored("p", list(range(start, start + batch)), 0, nb, tags={"uid": uids})
+        for job in c.drain()[1]:
+            c.filter_done(job.id, [True] * len(job.rows))
+        d = c.take(req)
+        c.ack([d.lease])
+        c.drain()
+    dt = time.process_time() - t0
+    gc.enable()
+    return total_rows / dt
+
+
 def controller_one_row(total_rows: int) -> float:
     """Seconds of controller work per one-row put (allocate + commit) with a waiting
     subscription taking 64-row batches: what one controller core carries."""
@@ -571,6 +607,9 @@ async def main() -> None:
     res["controller_one_row_us"] = med([controller_one_row(a.rows) for _ in range(a.reps)]) * 1e6
     res["controller_grouped_rows_per_cpu_s"] = med([controller_grouped(128_000)
                                                     for _ in range(a.reps)])
+    res["controller_stored_grpo_rows_per_cpu_s"] = {
+        k: med([controller_stored_grpo(64_000, filtered=k) for _ in range(a.reps)])
+        for k in (False, True)}
     res["controller_sealed_drain_us"] = {
         (g, k): med([controller_sealed_drain(g, consumers=k) for _ in range(a.reps)]) * 1e6
         for k in (True, False) for g in (128, 2048)}
@@ -606,6 +645,10 @@ async def main() -> None:
     print(f"bare controller, GRPO pattern ({BATCH}-row puts with a group key, whole groups "
           f"of {GROUP} taken, acked): {res['controller_grouped_rows_per_cpu_s']:,.0f} rows "
           "per CPU-second")
+    g = res["controller_stored_grpo_rows_per_cpu_s"]
+    print(f"bare controller, GRPO pattern as a flush or a unit admits it ({BATCH}-row "
+          f"admit_stored with group keys, whole groups taken, acked): {g[False]:,.0f} rows "
+          f"per CPU-second; with a filter's job per group judged: {g[True]:,.0f}")
     d = res.pop("controller_sealed_drain_us")
     for k, how in ((True, "acks drop the rows"), (False, "no consumers: rows stay")):
         print(f"bare controller, draining a sealed partition by whole groups of {GROUP} "

@@ -549,16 +549,17 @@ class ControllerService:
                     dtypes: dict[str, str] | None, total: int, admitted: bool
                     ) -> PutAnswer | CommitResult | WriteToken:
         """Admit the rows of a unit-admitted put (``admitted``: :meth:`Controller.admission`
-        just said they fit): rows of one shape, with no filter and the values of their
-        tag fields given, are committed at once (a :class:`CommitResult`), others get a
-        write token to commit; ``BUSY``
-        when ``ids`` are not the unit's to use. Raises what admission raises."""
+        just said they fit): rows of one shape, with no filter (whose errors the
+        commit of a write token raises to the producer) and the values of their tag
+        fields given, are committed at once (a :class:`CommitResult`), others get a
+        write token to commit; ``BUSY`` when ``ids`` are not the unit's to use. Raises
+        what admission raises."""
         ctl = self.ctl
         if not ctl.owns_ids(shard, ids):
             return PutAnswer(PutStatus.BUSY)
         # rows of one shape, no filter, their group keys given: admitted and committed
         # at once, without a write token (the common small put)
-        res = None if nbytes.keys() != set(fields) else ctl.admit_stored(
+        res = None if ctl.filters or nbytes.keys() != set(fields) else ctl.admit_stored(
             partition, ids, shard, nbytes, version=version, dtypes=dtypes,
             admitted=admitted, at_once_only=True, tags=tags)
         if res is not None:

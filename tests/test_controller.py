@@ -699,6 +699,42 @@ def test_admit_stored_with_group_keys_is_allocate_then_commit():
     assert state(a) == state(b)
 
 
+@pytest.mark.parametrize("grouped", [False, True])
+def test_admit_stored_with_filters_is_allocate_then_commit(grouped):
+    """With filters, admit_stored still takes its one-step path, and leaves what
+    allocate + commit leave: rows pending every filter, held back from requests of a
+    filter's fields (not from others), and the same filter jobs queued."""
+    a, b = Controller(100, num_shards=2), Controller(100, num_shards=2)
+    for c in (a, b):
+        c.add_filter(FilterSpec("f", frozenset({"y"}), "uid" if grouped else None,
+                                2 if grouped else None))
+        c.unit_ids(0, 16)
+        for r in (req(task="g", fields=("x", "y"), bs=2, partition="p"),  # gated by f
+                  req(task="h", fields=("x",), bs=1, partition="p")):  # not gated
+            assert c.take(r) is None
+        c.drain()
+    tags = {"uid": [1, 1, 2]} if grouped else None
+    sizes = {"x": [8] * 3, "y": [4] * 3}
+    got = a.admit_stored("p", [0, 1, 2], 0, sizes, version=0, tags=tags, at_once_only=True)
+    assert got is not None  # (at once: no write token)
+    tok = b.allocate("p", 3, ("x", "y"), nbytes=36, ids=[0, 1, 2], shard=0, version=0)
+    want = b.commit(tok, sizes, tags)
+    assert (got.dead, got.tag_fields, got.missing_tags) == (
+        want.dead, want.tag_fields, want.missing_tags)
+
+    def state(c):
+        _, jobs, woken, *_ = c.drain()
+        return ({k: list(s.avail) for k, s in c.subs.items()}, set(woken),
+                [(j.filter, j.rows, j.fields) for j in jobs],
+                {r: (row.pending, row.judging, dict(row.tags)) for r, row in c.rows.items()},
+                _summary(c, take=False))
+
+    sa, sb = state(a), state(b)
+    assert sa == sb
+    assert sa[2] == ([("f", [0, 1], ("y",))] if grouped else [("f", [0, 1, 2], ("y",))])
+    assert sorted(len(v) for v in sa[0].values()) == [0, 3]  # (only h's request has them)
+
+
 def test_admit_stored_refuses_what_allocate_refuses():
     c = Controller(4, num_shards=2)
     start, _ = c.unit_ids(1, 8)

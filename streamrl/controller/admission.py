@@ -169,14 +169,14 @@ class Admission(ControllerBase):
         :meth:`allocate` (``ids``, ``shard``, ``admitted``) then :meth:`commit` at
         once, raising what :meth:`allocate` raises, without a write token between them
         where nothing needs one: rows of one shape (each field the same bytes in every
-        row), no filter, no staleness bound, and a value in ``tags`` for each field
+        row), no staleness bound, and a value in ``tags`` for each field
         that is a tag (a group key) of ``partition``'s rows; otherwise it does
         just that, or, with ``at_once_only``, nothing (``None``: the caller admits them
         with a write token, whose commit result it has to act on)."""
         n = len(ids)
         fields = tuple(nbytes)
         tmpl = None
-        if not (self.filters or self.max_staleness is not None):
+        if self.max_staleness is None:
             if not (self.tag_fields or self.part_tags):
                 tmpl = _uniform([(f, nbytes[f]) for f in fields])
             elif tags and not any(f not in tags and self._tagged(f, partition) for f in fields):
@@ -193,9 +193,13 @@ class Admission(ControllerBase):
                                               dtypes, admitted)
         born = self.clock()
         rows, prows = self.rows, p.rows
+        pending = 0  # (every filter judges new rows: as allocate)
+        if self.filters:
+            for name in self.filters:
+                pending |= self._fbits[name]
         if not tags:
             for rid in ids:
-                rows[rid] = prows[rid] = Row(rid, p, shard, version, born, tmpl, tsum)
+                rows[rid] = prows[rid] = Row(rid, p, shard, version, born, tmpl, tsum, pending)
         else:  # (commit's tags of new rows, inlined: each row in its groups)
             groups = p.groups
             given = []
@@ -205,7 +209,8 @@ class Admission(ControllerBase):
                     byv = groups[f] = {}
                 given.append((f, vals, byv))
             for i, rid in enumerate(ids):
-                rows[rid] = prows[rid] = row = Row(rid, p, shard, version, born, tmpl, tsum)
+                rows[rid] = prows[rid] = row = Row(rid, p, shard, version, born, tmpl, tsum,
+                                                   pending)
                 mine = {}
                 for f, vals, byv in given:
                     mine[f] = v = vals[i]
@@ -220,8 +225,13 @@ class Admission(ControllerBase):
         self.bytes_held += added
         self.c_bytes_put += added
         p.bytes_put += added
-        self._index_new(p, ids, tmpl.keys(), tags)  # (no filter: as _reindex would)
-        if tags and self._short_held:  # (as commit: a short group may be whole now)
+        if not pending:
+            self._index_new(p, ids, tmpl.keys(), tags)  # (as _reindex would)
+        else:  # (as commit: held back from requests of filters' fields until judged)
+            objs = [rows[r] for r in ids]
+            self._reindex(objs)
+            self._filter_check(objs)
+        if (tags or pending) and self._short_held:  # (as commit: a short group may be whole)
             self._recheck_short()
         return CommitResult({}, self.tags_of(p.name), {})
 
