@@ -1030,13 +1030,15 @@ class ControllerService:
         (``judge_many`` returns ``None``) or fails, are left to :meth:`_run_filter`,
         one by one, which reports a failure as its own. Never awaits."""
         from .columns import take_rows, to_tensordict
+        from .filters import Filter
 
         ctl = self.ctl
         rows_of = ctl.rows
         together: dict[tuple[str, int], list[tuple[FilterJob, list[int]]]] = {}
+        declines = Filter.judge_many  # (the base class's: judged one by one)
         for job in jobs:
             fn = self._filters.get(job.filter)
-            if getattr(fn, "judge_many", None) is None or not ctl.job_live(job.id):
+            if getattr(type(fn), "judge_many", declines) is declines or not ctl.job_live(job.id):
                 continue
             live = [r for r in job.rows if r in rows_of]
             if not live:
