@@ -113,22 +113,33 @@ class Groups(ControllerBase):
         if not self.filters:
             return
         specs = [only] if only else list(self.filters.values())
+        live = self.rows
         for spec in specs:
             buckets = self._filter_ready[spec.name]
             fbit = self._fbits[spec.name]
             new_keys: dict[tuple, Partition] = {}
+            fields, gb = spec.fields, spec.group_by
+            have: dict | None = None  # (rows of one shape share their fields' dict)
+            ok = False
             for row in rows:
-                if not row.pending & fbit or row.id not in self.rows:
+                if not row.pending & fbit or row.id not in live:
                     continue
-                if not spec.fields.issubset(row.fields):
+                if row.fields is not have:
+                    have = row.fields
+                    ok = fields <= have.keys()
+                if not ok:
                     continue
-                if spec.group_by:
-                    if spec.group_by not in row.tags:
+                if gb:
+                    v = row.tags.get(gb, _MISSING)
+                    if v is _MISSING:
                         continue
-                    key = (row.part.name, row.tags[spec.group_by])
+                    key = (row.part.name, v)
                 else:
                     key = (row.part.name, None)
-                buckets.setdefault(key, {})[row.id] = None
+                b = buckets.get(key)  # (not setdefault(key, {}): a dict made a row)
+                if b is None:
+                    b = buckets[key] = {}
+                b[row.id] = None
                 new_keys[key] = row.part
             for key, p in new_keys.items():
                 self._maybe_filter_job(spec, p, key[1] if spec.group_by else None, key)
@@ -266,12 +277,14 @@ class Groups(ControllerBase):
 
     def _emit_job(self, spec: FilterSpec, rids: list[int]) -> None:
         fbit = self._fbits[spec.name]
+        rows = self.rows
+        shards = []
         for r in rids:
-            row = self.rows[r]
+            row = rows[r]
             row.pending &= ~fbit
             row.judging |= fbit
-        job = FilterJob(self._next_job, spec.name, rids,
-                        [self.rows[r].shard for r in rids], tuple(sorted(spec.fields)))
+            shards.append(row.shard)
+        job = FilterJob(self._next_job, spec.name, rids, shards, tuple(sorted(spec.fields)))
         self._next_job += 1
         self._jobs[job.id] = job
         self.filter_jobs.append(job)
