@@ -1059,8 +1059,8 @@ class ControllerService:
                 range(first, first + len(idx))) else idx)
             try:
                 td = to_tensordict({f: take_rows(cols[f], at) for f in fields}, len(idx))
-                verdicts = getattr(self._filters[name], "judge_many")(
-                    td, [len(live) for _, live in group])
+                judge: Any = self._filters[name]  # (its own judge_many: checked above)
+                verdicts = judge.judge_many(td, [len(live) for _, live in group])
                 if verdicts is None:
                     continue
                 if len(verdicts) != len(group):

@@ -175,12 +175,11 @@ class Admission(ControllerBase):
         with a write token, whose commit result it has to act on)."""
         n = len(ids)
         fields = tuple(nbytes)
-        tmpl = None
-        if self.max_staleness is None:
-            if not (self.tag_fields or self.part_tags):
-                tmpl = _uniform([(f, nbytes[f]) for f in fields])
-            elif tags and not any(f not in tags and self._tagged(f, partition) for f in fields):
-                tmpl = _uniform([(f, nbytes[f]) for f in fields])  # (tags set below)
+        tmpl = (_uniform([(f, nbytes[f]) for f in fields])
+                if self.max_staleness is None and (not (self.tag_fields or self.part_tags) or (
+                    tags and not any(f not in tags and self._tagged(f, partition)
+                                     for f in fields)))
+                else None)
         if tmpl is None:
             if at_once_only:
                 return None
