@@ -1053,11 +1053,11 @@ class ControllerService:
                 continue
             fields = group[0][0].fields  # (a filter's jobs read its fields)
             pos, cols = read[(shard, fields)]
-            idx = [pos[r] for _, live in group for r in live]
-            first = idx[0]
-            at: slice | list[int] = (slice(first, first + len(idx)) if idx == list(
-                range(first, first + len(idx))) else idx)
             try:
+                idx = [pos[r] for _, live in group for r in live]
+                first = idx[0]
+                at: slice | list[int] = (slice(first, first + len(idx)) if idx == list(
+                    range(first, first + len(idx))) else idx)
                 td = to_tensordict({f: take_rows(cols[f], at) for f in fields}, len(idx))
                 judge: Any = self._filters[name]  # (its own judge_many: checked above)
                 verdicts = judge.judge_many(td, [len(live) for _, live in group])
