@@ -72,8 +72,8 @@ class ControlPlane(Protocol):
         ...
 
     async def put_rows_many(self, puts: Sequence[Sequence[Any]]) -> list[PutAnswer]:
-        """:meth:`put_rows` of several puts (each its arguments, in order), one answer
-        each."""
+        """:meth:`put_rows` of several puts (each its arguments, in order; a small
+        write's are ``None`` then :meth:`write_rows`'s), one answer each."""
         ...
 
     async def put_rows_wait(self, partition: str, fields: Sequence[str], ids: Sequence[int],
@@ -82,6 +82,14 @@ class ControlPlane(Protocol):
                             version: int | None = None, dtypes: dict[str, str] | None = None
                             ) -> PutAnswer:
         """As :meth:`put_rows`, waiting its turn for room (a full queue)."""
+        ...
+
+    async def write_rows(self, rows: Sequence[int], fields: Sequence[str], shard: int,
+                         write: int, nbytes: Mapping[str, Sequence[int]],
+                         tags: Mapping[str, Sequence[Hashable]] | None = None,
+                         dtypes: dict[str, str] | None = None) -> PutAnswer:
+        """Admit and commit a write of new fields to rows of one unit, which already
+        stored its data as write ``write``."""
         ...
 
     async def retract_rows(self, rows: Sequence[int]) -> int:

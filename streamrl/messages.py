@@ -141,7 +141,8 @@ class PutStatus(enum.Enum):
 
 @dataclass
 class PutAnswer:
-    """The answer to a unit-admitted small put: ``rows`` and ``result`` when
+    """The answer to a unit-admitted small put (or write of new fields, whose ``rows``
+    are the rows written): ``rows`` and ``result`` when
     :attr:`status` is ``OK``, ``error`` for ``REFUSED`` and ``FAILED``; ``waited``: the
     put waited for room (:meth:`streamrl.control.ControlPlane.put_rows_wait`)."""
 

@@ -571,6 +571,13 @@ class StreamQueue:
         if len(set(ids)) != len(ids):
             raise SchemaError("the target rows repeat; write each row once")
         tags = self._tags(part, cols)
+        if self._unit_puts and not overwrite and target is not None:
+            # a small write of new fields to rows of one unit: one call to it (Ray)
+            res = await self._data.write_rows(ids, target.shards, cols, nbytes, tags, dtypes)
+            if res is not None:
+                self._learn_tags(part, res.tag_fields)
+                target._learn(cols)
+                return target
         tok = await ctl.begin_write(ids, names, overwrite=overwrite, dtypes=dtypes)
         res = await self._store_commit(tok, cols, names, nbytes, tags, new=False)
         self._learn_tags(part, res.tag_fields)

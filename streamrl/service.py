@@ -480,17 +480,19 @@ class ControllerService:
         return await self._land_rows(ids, got, nbytes, tags)
 
     async def put_rows_many(self, puts: Sequence[Sequence[Any]]) -> list[PutAnswer]:
-        """:meth:`put_rows` of several puts, each ``puts[i]`` its positional arguments,
-        made one after the other as separate calls would be, in one message: a storage
-        unit combines the small puts that arrive while its last call to the controller
-        is on its way (see :class:`streamrl.transport.ray.admit.UnitAdmission`). One
-        answer each, in order; a put whose commit raised (a filter failed) answers
-        :attr:`~PutStatus.FAILED` with the error instead of raising, so the others'
-        answers are not lost."""
+        """:meth:`put_rows` of several puts, each ``puts[i]`` its positional arguments
+        (or, for a small write, ``None`` then :meth:`write_rows`'s positional
+        arguments), made one after the other as separate calls would be, in one message:
+        a storage unit combines the small puts and writes that arrive while its last call
+        to the controller is on its way (see
+        :class:`streamrl.transport.ray.admit.UnitAdmission`). One answer each, in order;
+        one whose commit raised (a filter failed) answers :attr:`~PutStatus.FAILED`
+        with the error instead of raising, so the others' answers are not lost."""
         out = []
         for args in puts:
             try:
-                out.append(await self.put_rows(*args))
+                out.append(await (self.write_rows(*args[1:]) if args[0] is None
+                                  else self.put_rows(*args)))
             except Exception as e:  # noqa: BLE001 - its own answer (see the docstring)
                 out.append(PutAnswer(PutStatus.FAILED, error=e))
         return out
@@ -586,6 +588,35 @@ class ControllerService:
             await shielded(self.retract_rows(ids))
             raise
         return PutAnswer(PutStatus.OK, got, rows=list(ids))
+
+    async def write_rows(self, rows: Sequence[int], fields: Sequence[str], shard: int,
+                         write: int, nbytes: Mapping[str, Sequence[int]],
+                         tags: Mapping[str, Sequence[Hashable]] | None = None,
+                         dtypes: dict[str, str] | None = None) -> PutAnswer:
+        """Admit and commit, in one step, a write of new ``fields`` (no overwrite) to
+        existing ``rows``, all held by storage unit ``shard``, which already stored the
+        data as write ``write`` (a negative id of its own, so the write's undo takes back
+        only what it stored): a small write's one call from the unit, where the usual way
+        makes two (:meth:`begin_write`, :meth:`commit`) besides the store. Answers
+        :attr:`~PutStatus.OK` with the commit result; :attr:`~PutStatus.REFUSED` with
+        the error :meth:`begin_write` raises (a row dropped, a field already written or
+        being written, another dtype, the queue closed): the unit forgets the data and
+        the writer raises it; :attr:`~PutStatus.BUSY` when a row is not the unit's (the
+        writer writes the usual way). A commit error (a filter failed) is raised as from
+        :meth:`commit`, which also takes the write back if cancelled."""
+        ctl = self.ctl
+        try:
+            if ctl.closed:
+                raise QueueClosed("the queue is closed; no fields can be written any more")
+            rows_of = ctl.rows
+            for r in rows:
+                row = rows_of.get(r)
+                if row is not None and row.shard != shard:
+                    return PutAnswer(PutStatus.BUSY)
+            tok = ctl.begin_write(rows, fields, dtypes=dtypes, write=write)
+        except StreamRLError as e:
+            return PutAnswer(PutStatus.REFUSED, error=e)
+        return PutAnswer(PutStatus.OK, await self.commit(tok, nbytes, tags), rows=list(rows))
 
     async def unit_ids(self, shard: int, n: int) -> tuple[int, int]:
         """Lease ``n`` fresh row ids ``[start, end)`` to storage unit ``shard`` for the

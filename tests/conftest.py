@@ -92,6 +92,7 @@ RDT_SUITE = RAY_SPILL | {
     "test_filter_sees_fields_and_rows_leased_elsewhere_shrink",
     "test_a_batch_loses_rows_whose_write_was_taken_back",
     "test_a_stream_acks_the_batch_before_when_it_asks_for_the_next",
+    "test_a_cancelled_write_of_a_new_field_then_retried_lands_whole",
 }
 #: every make_queue test of the suite's modules on "rdt" (see RDT_SUITE)
 RDT_SUITE_ALL = os.environ.get("STREAMRL_RDT_SUITE") == "all"

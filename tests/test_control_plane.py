@@ -367,6 +367,55 @@ async def test_put_rows_many_answers_each_put_as_its_own_call_would():
     assert sorted(svc.ctl.rows) == sorted(a + e)  # (the failed filter's row is dropped)
 
 
+async def test_write_rows_admits_and_commits_a_write_a_unit_stored_first():
+    """A unit's small write of new fields: admitted and committed in one call under the
+    unit's own write id, the fields ready at once; refused (nothing changed at the
+    controller) for a row dropped, a field written or being written, another dtype, a
+    closed queue; BUSY for a row another unit holds. One whose filter raises is FAILED
+    in put_rows_many, beside a put, each answered as its own call would be."""
+    from streamrl.errors import DuplicateField, QueueClosed, RowsDropped
+
+    svc, data = _service()
+    data.go.set()
+    ids = await _stored(svc, data, 4)
+    assert (await svc.put_rows("p", ["x"], ids, 0, {"x": [4] * 4})).status is PutStatus.OK
+    tokens = svc.ctl._next_token
+    ans = await svc.write_rows(ids[:2], ["y"], 0, -(1 << 20 | 1), {"y": [4, 4]},
+                               None, {"y": "torch.float32"})
+    assert ans.status is PutStatus.OK and ans.rows == ids[:2]
+    assert svc.ctl._next_token == tokens  # (the unit's id, not the controller's)
+    d = await svc.take(Request("t", ("x", "y"), 2, partition="p"), 1.0)
+    assert sorted(d.rows) == ids[:2]
+    # refused, each with begin_write's error, and nothing written
+    held = await svc.begin_write([ids[2]], ["y"])  # (another writer's, in flight)
+    for rows, dtypes, err in (([ids[0]], None, DuplicateField), ([ids[2]], None, DuplicateField),
+                              ([ids[3]], {"y": "torch.int64"}, SchemaError)):
+        ans = await svc.write_rows(rows, ["y"], 0, -(2 << 20 | 1), {"y": [8]}, None, dtypes)
+        assert ans.status is PutStatus.REFUSED and isinstance(ans.error, err), (rows, ans)
+    await svc.abort(held)
+    assert "y" not in svc.ctl.rows[ids[3]].fields
+    svc.ctl.rows[ids[3]].shard = 1  # (as if another unit held it)
+    assert (await svc.write_rows([ids[3]], ["y"], 0, -(3 << 20 | 1), {"y": [4]})).status \
+        is PutStatus.BUSY
+    svc.ctl.rows[ids[3]].shard = 0
+    svc.ctl.drop([ids[3]], "dropped")
+    ans = await svc.write_rows([ids[3]], ["y"], 0, -(4 << 20 | 1), {"y": [4]})
+    assert ans.status is PutStatus.REFUSED and isinstance(ans.error, RowsDropped)
+    # beside a put in one message; a write whose filter raises is FAILED, not raised
+    await svc.add_filter(_raises, FilterSpec("bad", frozenset({"z"})))
+    new = await _stored(svc, data)
+    answers = await svc.put_rows_many([
+        (None, [ids[2]], ["z"], 0, -(5 << 20 | 1), {"z": [4]}),
+        ("p", ["x"], new, 0, {"x": [4]}),
+        (None, new, ["w"], 0, -(6 << 20 | 1), {"w": [4]})])
+    assert [a.status for a in answers] == [PutStatus.FAILED, PutStatus.OK, PutStatus.OK]
+    assert isinstance(answers[0].error, FilterError) and ids[2] not in svc.ctl.rows
+    assert svc.ctl.rows[new[0]].fields.keys() >= {"x", "w"}
+    await svc.close()
+    ans = await svc.write_rows(new, ["v"], 0, -(7 << 20 | 1), {"v": [4]})
+    assert ans.status is PutStatus.REFUSED and isinstance(ans.error, QueueClosed)
+
+
 def _raises(td):
     raise ValueError("this filter fails")
 
@@ -496,6 +545,148 @@ async def test_a_unit_sends_the_small_puts_that_wait_for_its_last_call_in_one():
         await asyncio.sleep(0)
     assert ctl.retracted == [6]
     assert not unit._put_rows_busy and not unit._put_rows_next
+
+
+class _ScriptedWrites(_ScriptedController):
+    """:class:`_ScriptedController` that also answers small writes (``None`` entries of
+    ``put_rows_many``, or ``write_rows``): OK, or REFUSED (a field being written
+    elsewhere) for a write whose ``y`` bytes are negative."""
+
+    def __init__(self):
+        super().__init__()
+        self.retracted_writes: list[int] = []
+
+    def _answer(self, args):
+        if args[0] is not None:
+            return super()._answer(args)
+        rows, nbytes = args[1], args[5]
+        if nbytes["y"][0] < 0:
+            return PutAnswer(PutStatus.REFUSED, error=SchemaError("being written"))
+        return PutAnswer(PutStatus.OK, CommitResult([], [], []), rows=list(rows))
+
+    async def _gate(self, method, puts):
+        self.calls.append((method, [list(a[1] if a[0] is None else a[2]) for a in puts]))
+        gate = asyncio.Event()
+        self.gates.append(gate)
+        await gate.wait()
+
+    async def write_rows(self, *args):
+        await self._gate("write_rows", [(None, *args)])
+        return self._answer((None, *args))
+
+    async def retract(self, token):
+        self.retracted_writes.append(token.id)
+
+
+def _writing_unit(ctl):
+    """:func:`_unit` that also stores fields ``y`` of rows it holds: ``fields`` maps
+    (row, field) to (value, write id)."""
+    unit = _unit(ctl)
+
+    def put(parts, write=0, only_adds=False):
+        if only_adds and any(r not in unit.stored or (r, f) in unit.fields
+                             for ids, cols in parts for r in ids for f in cols):
+            return False
+        for ids, cols in parts:
+            if "x" in cols:
+                unit.stored.update(dict.fromkeys(ids, cols["x"]))
+            for f, v in cols.items():
+                if f != "x":
+                    unit.fields.update({(r, f): (v, write) for r in ids})
+        return True
+
+    def delete_fields(rows, fields, write=0):
+        for r in rows:
+            for f in fields:
+                if unit.fields.get((r, f), (None, write))[1] == write:
+                    unit.fields.pop((r, f), None)
+        return 0
+
+    unit.fields = {}
+    unit.put, unit.delete_fields = put, delete_fields
+    return unit
+
+
+def _small_write(unit, row: int, y: int) -> asyncio.Task:
+    from streamrl.messages import WriteToken
+
+    tok = WriteToken(unit._write_id(), [row], [0], ("y",))
+    return asyncio.ensure_future(unit._admit_write(tok, {"y": y}, {"y": [y]}, {}, None))
+
+
+async def test_a_unit_sends_small_writes_with_the_puts_that_wait_for_its_last_call():
+    """A unit's small writes of new fields go with its small puts: while its call to the
+    controller is on its way they wait, then go in the same put_rows_many call, each
+    answered as its own call would be. A write is stored under a write id of the unit's
+    own before it is sent; one the controller refuses has exactly that taken back (a
+    value another write stored meanwhile stays); one that would replace a value held
+    is not stored nor sent (BUSY: the writer writes the usual way, which says why); one
+    cancelled while it waits is not sent and keeps nothing; one whose call went and
+    landed after its writer gave up is taken back at the controller."""
+    ctl = _ScriptedWrites()
+    unit = _writing_unit(ctl)
+    first = _small_put(unit, 1)
+    while not ctl.calls:
+        await asyncio.sleep(0)
+    assert (await asyncio.wait_for(_small_write(unit, 99, 5), 5)).status is PutStatus.BUSY
+    assert not unit.fields  # (row 99 is not held here: nothing stored, nothing sent)
+    put2 = _small_put(unit, 2)
+    w_ok = _small_write(unit, 0, 3)
+    w_again = _small_write(unit, 0, -4)  # (y of row 0 again: w_ok stored it: BUSY)
+    w_cancelled = _small_write(unit, 1, 6)
+    for _ in range(5):
+        await asyncio.sleep(0)
+    assert (await w_again).status is PutStatus.BUSY
+    assert unit.fields[(1, "y")][0] == 6
+    w_cancelled.cancel()
+    await ctl.release(0)
+    assert (await first).status is PutStatus.OK
+    while len(ctl.calls) < 2:
+        await asyncio.sleep(0)
+    assert ctl.calls[1] == ("put_rows_many", [[1], [0]])  # (the put and the write)
+    await ctl.release(1)
+    assert (await put2).status is PutStatus.OK
+    ans = await w_ok
+    assert ans.status is PutStatus.OK and ans.rows == [0]
+    assert unit.fields[(0, "y")][0] == 3 and unit.fields[(0, "y")][1] < 0
+    with pytest.raises(asyncio.CancelledError):
+        await w_cancelled
+    assert (1, "y") not in unit.fields
+    # refused by the controller: its own value taken back, another write's kept
+    refused = _small_write(unit, 1, -7)
+    while len(ctl.calls) < 3:
+        await asyncio.sleep(0)
+    assert unit.fields[(1, "y")][0] == -7
+    unit.fields[(1, "y")] = (8, 12)  # (the usual write of another writer landed)
+    await ctl.release(2)
+    assert (await refused).status is PutStatus.REFUSED
+    assert unit.fields[(1, "y")] == (8, 12)
+    unit.stored[2] = 0  # (as if a put of row 2 had landed)
+    refused2 = _small_write(unit, 2, -9)
+    while len(ctl.calls) < 4:
+        await asyncio.sleep(0)
+    await ctl.release(3)
+    assert (await refused2).status is PutStatus.REFUSED and (2, "y") not in unit.fields
+    # gave up once its call went (here: its task cancelled while the answer is on its
+    # way, as at the unit's shutdown): taken back at the controller when it lands
+    first = _small_put(unit, 3)
+    while len(ctl.calls) < 5:
+        await asyncio.sleep(0)
+    late = _small_write(unit, 2, 11)
+    await asyncio.sleep(0)
+    await ctl.release(4)
+    await first
+    while len(ctl.calls) < 6:
+        await asyncio.sleep(0)
+    assert ctl.calls[5] == ("write_rows", [[2]])
+    late.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await late
+    assert (2, "y") not in unit.fields
+    await ctl.release(5)
+    while not ctl.retracted_writes:
+        await asyncio.sleep(0)
+    assert ctl.retracted_writes[0] < 0 and not unit._put_rows_next
 
 
 # -- put_rows_wait: a unit's small put that waits its turn for room

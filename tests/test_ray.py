@@ -721,6 +721,49 @@ async def test_a_small_put_is_one_call_to_a_storage_unit(rq, monkeypatch):
     assert [c["t"] for c in td["chat"]] == [0, 1, 2]
 
 
+async def test_a_small_write_of_new_fields_is_one_call_to_its_unit(rq, monkeypatch):
+    """A small write of new fields to rows of one storage unit goes to that unit, which
+    stores it and has the controller admit and commit it (one call from the writer, none
+    to the controller). The usual way (room asked of the controller, the store, the
+    commit) stays for an overwrite, rows of several units, big tensors and a field the
+    rows hold already, which says why (DuplicateField). Nothing is left behind by any."""
+    from streamrl.errors import DuplicateField, RowsDropped
+
+    q = rq(num_shards=2)
+    await q.put({"x": torch.zeros(1)}, partition="warm")  # connections and id leases
+    rows = await q.put({"x": torch.arange(3.0)}, partition="p")
+    calls = _count_calls(monkeypatch)
+    await rows.write({"y": torch.arange(3.0) * 2, "chat": ["a", "b", "c"]})
+    assert calls == ["write_rows"]
+    calls.clear()
+    with pytest.raises(DuplicateField):
+        await rows[1:].write({"y": torch.zeros(2)})
+    assert calls == ["write_rows", "begin_write"]  # (the unit holds y: the usual way)
+    calls.clear()
+    await rows.write({"y": torch.full((3,), 7.0)}, overwrite=True)
+    await rows.write({"big": torch.zeros(3, 65536)})
+    assert "write_rows" not in calls and calls.count("begin_write") == 2
+    parts = [await q.put({"x": torch.zeros(1)}, partition="p") for _ in range(2)]
+    spread = streamrl.RowRemoteBatch.concat(parts)  # (small puts go round the units)
+    assert sorted(spread.shards) == [0, 1]
+    calls.clear()
+    await spread.write({"y": torch.ones(2)})
+    assert "write_rows" not in calls and "begin_write" in calls
+    monkeypatch.undo()
+    await q.drop(rows[2:])
+    with pytest.raises(RowsDropped):
+        await rows.write({"z": torch.ones(3)})  # (refused by the controller: taken back)
+    mb = await q.get("t", ["x", "y", "chat"], 2, partition="p", timeout=10)
+    td = await mb.materialize()
+    assert mb.rows == rows.rows[:2] and td["y"].tolist() == [7.0, 7.0]
+    assert td["chat"] == ["a", "b"]
+    await mb.drop()
+    await q.drop(spread)
+    assert await q.audit() == []
+    st = await q.stats()
+    assert st.rows == 1 and st.bytes == 4  # (the warm-up row)
+
+
 async def test_concurrent_small_puts_of_a_process_are_combined_into_fewer_calls(rq, monkeypatch):
     """One process putting many one-row samples at once (the episodes of an env worker):
     the puts made while others are in flight go to a unit as one call, and every row

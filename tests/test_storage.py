@@ -164,6 +164,34 @@ def test_delete_fields_forgets_only_what_that_write_stored(make_unit):
     assert u.stats() == (2, 0) and u.usage()["disk"] == 0
 
 
+def test_only_adds_says_whether_a_write_of_new_fields_replaces_nothing(make_unit):
+    """only_adds(rows, fields): every row held, none holding any of the fields, for rows
+    of a multi-row put (a run, where the backend keeps them so), of one-row puts, rows
+    deleted since, and rows written since; a put it allowed is taken back whole by
+    delete_fields with that put's write id."""
+    u = make_unit()
+    u.put([1, 2, 3], {"x": torch.zeros(3, 4)})
+    u.put([10], {"x": torch.zeros(1, 4)})
+    u.put([11], {"x": ["an object"]})
+    assert u.only_adds([1, 2, 3, 10, 11], ["y", "z"])
+    assert u.only_adds([], ["x"])
+    assert not u.only_adds([1], ["x"]) and not u.only_adds([10], ["y", "x"])
+    assert not u.only_adds([11], ["x"]) and not u.only_adds([3, 4], ["y"])  # (4: not held)
+    before = u.inventory()
+    u.put([1, 3, 10], {"y": torch.ones(3, 2)}, write=-5)
+    assert not u.only_adds([3], ["y"]) and u.only_adds([2, 11], ["y"])
+    u.delete_fields([1, 3, 10], ["y"], write=-5)
+    assert u.inventory() == before and u.only_adds([1, 3, 10], ["y"])
+    u.delete([2])
+    assert not u.only_adds([2], ["y"]) and u.only_adds([1, 3], ["y"])
+
+
+def test_a_backend_that_cannot_tell_says_a_write_may_replace():
+    """StorageBackend.only_adds is False unless a backend says otherwise: a unit then
+    has every small write go the usual way."""
+    assert StorageBackend.only_adds(object(), [1], ["y"]) is False  # type: ignore[arg-type]
+
+
 def test_rows_deleted_before_their_data_came_drop_it(make_unit):
     u = make_unit()
     u.delete([5, 6])  # not held: remembered as gone

@@ -353,9 +353,12 @@ class Admission(ControllerBase):
     # ------------------------------------------------------------------ writes
 
     def begin_write(self, rows: Sequence[int], fields: Sequence[str], *,
-                    overwrite: bool = False, dtypes: Mapping[str, str] | None = None
-                    ) -> WriteToken:
-        """Admit a write of ``fields`` to existing ``rows``.
+                    overwrite: bool = False, dtypes: Mapping[str, str] | None = None,
+                    write: int | None = None) -> WriteToken:
+        """Admit a write of ``fields`` to existing ``rows``. ``write``: the token's id,
+        chosen by the storage unit that stored the data already under it (a negative
+        id, unique to that unit: see :meth:`streamrl.service.ControllerService.write_rows`);
+        else the controller's next.
 
         Raises :class:`RowsDropped` if any row is gone, :class:`DuplicateField` if a
         field is already written (or being written) and ``overwrite`` is false, and
@@ -382,8 +385,8 @@ class Admission(ControllerBase):
         self._learn_dtypes(dtypes)
         for r in objs:
             r.writing |= wmask
-        tok = WriteToken(self._new_token_id(), list(rows), [r.shard for r in objs],
-                         tuple(fields), overwrite=overwrite)
+        tok = WriteToken(self._new_token_id() if write is None else write, list(rows),
+                         [r.shard for r in objs], tuple(fields), overwrite=overwrite)
         self._track(tok)
         return tok
 

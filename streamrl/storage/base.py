@@ -150,6 +150,16 @@ class StorageBackend(abc.ABC):
     def fields_of(self, rows: Sequence[int]) -> list[str]:
         """Fields held for every one of ``rows`` (sorted)."""
 
+    def only_adds(self, rows: Sequence[int], fields: Sequence[str]) -> bool:
+        """Whether every one of ``rows`` is held here and none of them holds any of
+        ``fields``: a :meth:`put` of those fields to them then adds entries and replaces
+        none, so :meth:`delete_fields` with the put's ``write`` takes all of it back.
+        A storage unit asks this before it stores a small write of new fields that the
+        controller admits only afterwards (see
+        :class:`streamrl.transport.ray.admit.UnitAdmission`). ``False`` (the default)
+        when the backend cannot tell: such writes then go the usual way."""
+        return False
+
     @abc.abstractmethod
     def stats(self) -> tuple[int, int]:
         """``(rows, bytes)`` held now. Bytes are those of the entries held (tensor bytes,

@@ -707,6 +707,22 @@ class StorageUnit(StorageBackend):
                 return sorted(have)
         return sorted(f for f, st in self.columns.items() if all(r in st for r in rows))
 
+    def only_adds(self, rows: Sequence[int], fields: Sequence[str]) -> bool:
+        held = self.row_fields
+        columns = self.columns
+        stores = [st for st in (columns.get(f) for f in fields) if st is not None]
+        for r in rows:
+            if r in held:
+                for st in stores:
+                    if r in st:
+                        return False
+                continue
+            run = self._run_of(r) if self._starts else None  # (a run's rows: its fields)
+            if (run is None or (run.dead is not None and r - run.first in run.dead)
+                    or not run.bases.keys().isdisjoint(fields)):
+                return False
+        return True
+
     def stats(self) -> tuple[int, int]:
         """(rows, bytes) held now."""
         return len(self.row_fields) + self._run_rows, self.nbytes

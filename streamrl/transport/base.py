@@ -73,8 +73,10 @@ class DataCaps:
     """What a data plane can do beyond the required calls (declared, never probed).
 
     Attributes:
-        unit_admitted_puts: :meth:`DataPlane.put_rows` is implemented: a small put of new
-            rows is one call to a storage unit, which has the controller admit it.
+        unit_admitted_puts: :meth:`DataPlane.put_rows` and :meth:`DataPlane.write_rows`
+            are implemented: a small put of new rows, or a small write of new fields to
+            rows of one storage unit, is one call to that unit, which has the controller
+            admit it.
         zero_copy_reads: reads return views of the stored bytes (treat them read-only).
         shared_memory: bytes move through shared memory between processes of a node.
         cross_process: the queue can be used from other processes (it pickles into a
@@ -112,6 +114,16 @@ class DataPlane(abc.ABC):
         column's ``(field, dtype, row shape)``, given when the caller read them already
         (every column a dense tensor; see :func:`streamrl.columns.one_row_dense`)."""
         raise NotImplementedError(f"{type(self).__name__} does not admit puts in its units")
+
+    async def write_rows(self, rows: Sequence[int], shards: Sequence[int],
+                         cols: Mapping[str, Column], nbytes: dict, tags: dict,
+                         dtypes: dict | None) -> Any:
+        """A small write of new fields (no overwrite) to existing ``rows`` (held by
+        ``shards``), admitted by the storage unit that holds them (only when
+        ``caps.unit_admitted_puts``): the commit result, or ``None`` when it does not
+        apply (the caller writes the usual way: :meth:`ControlPlane.begin_write`, store,
+        commit). Raises what the write would raise."""
+        raise NotImplementedError(f"{type(self).__name__} does not admit writes in its units")
 
     @abc.abstractmethod
     async def put(self, parts: Sequence[tuple[int, Sequence[int], Mapping[str, Column]]],

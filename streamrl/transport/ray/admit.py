@@ -35,13 +35,14 @@ keeps up sees one call a put, a busy one fewer calls than puts.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import time
 from collections import OrderedDict
-from collections.abc import Awaitable, Mapping
+from collections.abc import Awaitable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from ...errors import TransportError
-from ...messages import PutAnswer, PutStatus
+from ...messages import PutAnswer, PutStatus, WriteToken
 from ..base import Column
 from ..rpc import ConnectFailed
 from .calls import request_id, spawn, undone
@@ -71,7 +72,8 @@ class UnitAdmission:
         index: int
         _controller: RayControl | None
 
-        def put(self, parts: list, write: int = 0) -> None: ...
+        def put(self, parts: list, write: int = 0, only_adds: bool = False) -> bool: ...
+        def delete_fields(self, rows: list[int], fields: list[str], write: int = 0) -> int: ...
         def delete(self, rows: list[int]) -> tuple[int, int]: ...
 
     def _init_admission(self) -> None:
@@ -85,6 +87,9 @@ class UnitAdmission:
         # wait for it to return (then sent together: see _put_rows_combined)
         self._put_rows_busy = False
         self._put_rows_next: list[tuple[tuple, asyncio.Future]] = []
+        # write_rows by request id: the task, and the write (to take back: cancel_write)
+        self._writes: OrderedDict[str, tuple[asyncio.Task, WriteToken]] = OrderedDict()
+        self._write_ids = itertools.count(1)  # (see _write_id)
 
     def put_rows(self, n: int, cols: dict, partition: str, fields: list[str], nbytes: dict,
                  tags: dict, version: int | None, rid: str | None = None,
@@ -152,6 +157,79 @@ class UnitAdmission:
             if back:
                 await self._controller.retract_rows(back)
 
+    def write_rows(self, rows: list[int], cols: dict, fields: list[str], nbytes: dict,
+                   tags: dict, dtypes: dict | None, rid: str):
+        """A small write of new ``fields`` (no overwrite) to ``rows`` held here (inline
+        data), admitted by this unit: it stores the data, then has the controller admit
+        and commit the write in one step
+        (:meth:`~streamrl.control.ControlPlane.write_rows`): one call from the writer
+        and one to the controller, where the usual way makes three and two. The data is
+        stored only if it replaces nothing (every row held here, none holding any of
+        ``fields``: :meth:`StorageBackend.only_adds`), under a write id of this unit's,
+        so that a refusal (a row dropped, a field being written by another writer...)
+        takes back exactly what it stored. Socket channel only (it returns a
+        coroutine). Answers a :class:`PutAnswer` in its wire form: ``OK`` (with the
+        commit result), ``BUSY`` (nothing kept: the writer writes the usual way),
+        ``REFUSED`` (nothing kept) or ``FAILED`` (committed, then a filter failed, or
+        the controller is gone), with the error. A writer that gives up while it waits
+        has the write taken back (:meth:`cancel_write`)."""
+        wid = self._write_id()
+        tok = WriteToken(wid, list(rows), [self.index] * len(rows), tuple(fields))
+        fut = spawn(self._admit_write(tok, cols, nbytes, tags, dtypes),
+                    f"a small write admitted by storage unit {self.index}")
+        self._writes[rid] = (fut, tok)
+        while len(self._writes) > 4096:
+            self._writes.popitem(last=False)
+        return self._answer(fut)
+
+    def _write_id(self) -> int:
+        """A write id of this unit's own: negative (the controller's count up from 1),
+        and one of this unit's alone (its index in the low bits)."""
+        return -((next(self._write_ids) << 20) | (self.index + 1))
+
+    async def cancel_write(self, rid: str) -> None:
+        """The writer of write ``rid`` was cancelled while it waited for the answer: once
+        the write is done, what it committed is taken back (the fields un-written, as
+        the controller's :meth:`~streamrl.control.ControlPlane.retract` does), so a
+        cancelled write leaves nothing behind and may be written again. Socket channel
+        only."""
+        got = self._writes.pop(rid, None)
+        if got is None:
+            return
+        fut, tok = got
+        await asyncio.wait([fut])
+        if fut.cancelled() or fut.exception() is not None:  # nothing committed
+            return
+        if fut.result().status is PutStatus.OK and self._controller is not None:
+            await self._controller.retract(tok)
+
+    async def _admit_write(self, tok: WriteToken, cols: dict, nbytes: dict, tags: dict,
+                           dtypes: dict | None) -> PutAnswer:
+        # shielded from the writer's cancellation (see write_rows): what it stores is
+        # either committed or forgotten here, never left behind
+        ctl = self._controller
+        if ctl is None:
+            return PutAnswer(PutStatus.BUSY)
+        try:
+            if not self.put([(tok.rows, cols)], tok.id, only_adds=True):
+                return PutAnswer(PutStatus.BUSY)  # (it would replace: the usual way says why)
+        except Exception as e:  # noqa: BLE001 - nothing stored
+            return PutAnswer(PutStatus.REFUSED, error=e)
+        try:
+            ans = await self._put_rows_combined(ctl, (None, tok.rows, tok.fields, self.index,
+                                                      tok.id, nbytes, tags, dtypes))
+        except ConnectFailed:
+            ans = PutAnswer(PutStatus.BUSY)  # nothing sent
+        except asyncio.CancelledError:  # (never sent: see _put_rows_combined)
+            self.delete_fields(tok.rows, list(tok.fields), tok.id)
+            raise
+        except Exception as e:  # noqa: BLE001 - committed (or the connection broke: it
+            # may have been); the controller dropped what it had to
+            return PutAnswer(PutStatus.FAILED, error=e)
+        if ans.status is not PutStatus.OK:
+            self.delete_fields(tok.rows, list(tok.fields), tok.id)
+        return ans
+
     async def _admit(self, n: int, cols: dict, partition: str, fields: list[str],
                      nbytes: dict, tags: dict, version: int | None,
                      dtypes: dict | None = None, wait: bool = False) -> PutAnswer:
@@ -204,19 +282,26 @@ class UnitAdmission:
             self.delete(ids)
         return ans
 
+    @staticmethod
+    def _one(ctl: RayControl, args: tuple) -> Awaitable[PutAnswer]:
+        """The controller call of one entry of ``put_rows_many``: ``put_rows(*args)``, or
+        ``write_rows(*args[1:])`` for a write (``args[0]`` is ``None``)."""
+        return ctl.write_rows(*args[1:]) if args[0] is None else ctl.put_rows(*args)
+
     async def _put_rows_combined(self, ctl: RayControl, args: tuple) -> PutAnswer:
-        """``ctl.put_rows(*args)``, or, while such a call is on its way, wait for it to
-        return and go with the other puts that waited, in one ``put_rows_many`` call
-        (answered, or raising, as ``put_rows`` would). A put whose wait is cancelled
-        before its call goes is not sent; one cancelled after has its rows taken back
-        if they landed."""
+        """``ctl.put_rows(*args)`` (``ctl.write_rows(*args[1:])`` for a small write, whose
+        ``args[0]`` is ``None``), or, while such a call is on its way, wait for it to
+        return and go with the other puts and writes that waited, in one
+        ``put_rows_many`` call (answered, or raising, as its own call would). One whose
+        wait is cancelled before its call goes is not sent; one cancelled after is taken
+        back if it landed."""
         if self._put_rows_busy:
             fut = asyncio.get_running_loop().create_future()
             self._put_rows_next.append((args, fut))
             return await fut
         self._put_rows_busy = True
         try:
-            return await ctl.put_rows(*args)
+            return await self._one(ctl, args)
         finally:
             if self._put_rows_next:
                 spawn(self._put_rows_waiting(ctl),
@@ -234,7 +319,7 @@ class UnitAdmission:
                     continue
                 try:
                     if len(batch) == 1:
-                        answers = [await ctl.put_rows(*batch[0][0])]
+                        answers = [await self._one(ctl, batch[0][0])]
                     else:
                         answers = await ctl.put_rows_many([a for a, _ in batch])
                 except asyncio.CancelledError:
@@ -246,10 +331,11 @@ class UnitAdmission:
                         if not f.done():
                             f.set_exception(e)
                     continue
-                for (_, f), ans in zip(batch, answers):
-                    if f.done():  # its put gave up (and deleted its rows) meanwhile
+                for (a, f), ans in zip(batch, answers):
+                    if f.done():  # it gave up (and deleted what it stored) meanwhile
                         if ans.status is PutStatus.OK:
-                            spawn(ctl.retract_rows(ans.rows),
+                            spawn(ctl.retract(_write_token(a)) if a[0] is None
+                                  else ctl.retract_rows(ans.rows),
                                   f"taking back a put storage unit {self.index} gave up")
                     elif ans.status is PutStatus.FAILED:  # (what put_rows raised)
                         f.set_exception(ans.error or TransportError("put_rows failed"))
@@ -257,6 +343,13 @@ class UnitAdmission:
                         f.set_result(ans)
         finally:
             self._put_rows_busy = False
+
+
+def _write_token(args: tuple) -> WriteToken:
+    """The write of a small write's ``put_rows_many`` entry ``(None, rows, fields, shard,
+    write, ...)`` (see :meth:`UnitAdmission._put_rows_combined`), to take it back."""
+    _, rows, fields, shard, write = args[:5]
+    return WriteToken(write, list(rows), [shard] * len(rows), tuple(fields))
 
 
 class PlaneAdmission:
@@ -331,6 +424,56 @@ class PlaneAdmission:
                                            send_waiting=self._put_rows_waiting)
         return await self._coalescer.put(partition, cols, n, nbytes, tags, version, dtypes,
                                          usual, shapes)
+
+    async def write_rows(self, rows: Sequence[int], shards: Sequence[int],
+                         cols: Mapping[str, Column], nbytes: dict, tags: dict,
+                         dtypes: dict | None) -> Any:
+        """A small write of new fields (no overwrite) to ``rows``, admitted and committed
+        by the storage unit that holds them all (see :meth:`UnitAdmission.write_rows`):
+        one call instead of three (room at the controller, the store, the commit).
+        Returns the commit result, or ``None`` when it does not apply (rows of several
+        units, big tensors, no socket channel, a field the rows already hold): the
+        caller writes the usual way. Raises what the write would raise."""
+        shard = shards[0] if shards else -1
+        if shard < 0 or any(s != shard for s in shards) or shard not in self._live():
+            return None
+        total = 0
+        for v in nbytes.values():
+            b = sum(v)
+            if b >= SHM_MIN:
+                return None  # big tensors go through the arena
+            total += b
+        if total > FAST_MAX:
+            return None
+        rpc = self.rpcs[shard]
+        assert rpc is not None  # (live units have a socket channel)
+        wire = self._wire(cols)
+        rid = request_id()
+        try:
+            ans = PutAnswer.from_wire(await rpc.call("write_rows", list(rows), wire,
+                                                     list(cols), nbytes, tags, dtypes, rid))
+        except asyncio.CancelledError:
+            # the unit finishes the write (shielded) and then takes back what it
+            # committed; the cancellation goes on once that is done, so a retry cannot
+            # race it
+            rpc = self.rpcs[shard]  # (read again: the channel may have been replaced)
+            assert rpc is not None
+            await undone(rpc.call("cancel_write", rid), "write")
+            raise
+        except ConnectFailed:  # nothing sent: the usual path finds out why
+            self._unreachable.add(shard)
+            return None
+        except ConnectionError as e:
+            raise TransportError(
+                f"lost the connection to storage unit {shard} during a write ({e}); the "
+                "fields may or may not have been written") from None
+        if ans.status is PutStatus.BUSY:
+            return None
+        if ans.status is not PutStatus.OK:
+            assert ans.error is not None  # (REFUSED and FAILED carry their error)
+            raise ans.error
+        self.count_moved(bytes_by_path(wire))
+        return ans.result
 
     async def _retract_rows(self, shard: int, rid: str, rows: list[int]) -> None:
         """Drop ``rows`` of the answered put ``rid`` to unit ``shard`` (``"cancelled"``)."""

@@ -35,6 +35,7 @@ __all__ = ["RayControl"]
 #: :data:`.controller.TO_WIRE`): call -> how to read it back
 FROM_WIRE: dict[str, Callable[[Any], Any]] = {
     "put_rows": PutAnswer.from_wire, "put_rows_wait": PutAnswer.from_wire,
+    "write_rows": PutAnswer.from_wire,
     "put_rows_many": lambda t: [PutAnswer.from_wire(a) for a in t]}
 
 #: control calls with an argument that is pickled by value (a user's function, or a

@@ -79,12 +79,13 @@ assert _UNDO.keys() == CANCELLABLE, "every cancellable control call needs its un
 
 #: calls after which the actor lets the consumers they woke run before it replies (a
 #: small put's consumers hear of its rows no later than its producer)
-_YIELD_AFTER = frozenset({"put_rows", "put_rows_many", "put_rows_wait"})
+_YIELD_AFTER = frozenset({"put_rows", "put_rows_many", "put_rows_wait", "write_rows"})
 
 #: calls whose answer goes out in a cheaper form than itself (see
 #: :data:`.control.FROM_WIRE`, which reads it back): call -> how
 TO_WIRE: dict[str, Callable[[Any], Any]] = {
     "put_rows": PutAnswer.to_wire, "put_rows_wait": PutAnswer.to_wire,
+    "write_rows": PutAnswer.to_wire,
     "put_rows_many": lambda answers: [a.to_wire() for a in answers]}
 
 

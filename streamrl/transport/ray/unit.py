@@ -190,10 +190,16 @@ class StorageActorImpl(UnitAdmission, UnitCheckpoint):
 
     # -- rows
 
-    def put(self, parts: list, write: int = 0) -> None:
+    def put(self, parts: list, write: int = 0, only_adds: bool = False) -> bool:
         """Store ``(rows, columns)`` parts of write ``write``. Tensors come inline, or as
-        blocks of this unit's arena that the producer reserved and wrote."""
+        blocks of this unit's arena that the producer reserved and wrote. With
+        ``only_adds`` (inline data only), nothing is stored unless every part only adds
+        fields to rows held here (:meth:`StorageBackend.only_adds`): ``False`` then.
+        Returns ``True`` otherwise."""
         with self.lock:
+            if only_adds and not all(self.unit.only_adds(rows, list(cols))
+                                     for rows, cols in parts):
+                return False
             keep = []
             for p in parts:
                 if not self.unit.forgotten(p[0], write):
@@ -219,6 +225,7 @@ class StorageActorImpl(UnitAdmission, UnitCheckpoint):
             for rows, cols in parts:
                 self.unit.put(rows, {f: map_col(c, stored) for f, c in cols.items()}, write)
             self._stored(parts)
+            return True
 
     def _stored(self, parts: list) -> None:
         """``parts`` were stored (called under the lock; a data path that keeps tensors

@@ -181,6 +181,21 @@ class RdtDataPlane(RayDataPlane):
             runtime().free(made)
         return res
 
+    async def write_rows(self, rows, shards, cols, nbytes, tags, dtypes):
+        made: list[int] = []  # (as put_rows: tensors held for a write not stored are freed)
+        token = _made.set(made)
+        try:
+            res = await super().write_rows(rows, shards, cols, nbytes, tags, dtypes)
+        except BaseException:
+            if made:
+                runtime().free(made)
+            raise
+        finally:
+            _made.reset(token)
+        if res is None and made:  # not stored: the caller writes the usual way
+            runtime().free(made)
+        return res
+
     # -- reads
 
     async def get(self, parts: Sequence[tuple[int, Sequence[int], Sequence[str]]]
