@@ -78,6 +78,9 @@ async def main() -> None:
                     "grouped consumer, as a GRPO trainer reads")
     ap.add_argument("--filtered", action="store_true",
                     help="with --group: a zero-variance filter judges each group")
+    ap.add_argument("--partial", action="store_true",
+                    help="each sample put in parts: its tokens put, then the rest written "
+                    "to the row (an env worker adding to an episode)")
     a = ap.parse_args()
     import streamrl as new
 
@@ -91,8 +94,8 @@ async def main() -> None:
             pair.reverse()
         for k, m in pair:
             runs[k].append(await embedded_streamrl(a.rows, mod=m, no_gc=a.no_gc,
-                                                   group=a.group,
-                                                   filtered=a.filtered) * 1e6)
+                                                   group=a.group, filtered=a.filtered,
+                                                   partial=a.partial) * 1e6)
             runs["queue"].append(await embedded_asyncio_queue(a.rows, no_gc=a.no_gc) * 1e6)
         for k, m in pair:
             ctl = importlib.import_module(m.__name__ + ".controller")
@@ -105,7 +108,7 @@ async def main() -> None:
            "cost_ratio": {"old": med["old"] / med["queue"], "new": med["new"] / med["queue"]},
            "controller_rows_per_cpu_s": {"old": med["ctl_old"], "new": med["ctl_new"]},
            "reps": a.reps, "rows": a.rows, "group": a.group,
-           "filtered": a.filtered}
+           "filtered": a.filtered, "partial": a.partial}
     q = {k: statistics.quantiles(v, n=4) for k, v in runs.items() if len(v) > 1}
     res["quartiles"] = q
     for k in ("old", "new"):

@@ -99,7 +99,7 @@ def _scraper(url: str, stop: "threading.Event", every: float) -> int:
 
 async def embedded_streamrl(n: int, metrics: bool = False, scrape_every: float = 1.0, *,
                             mod=streamrl, no_gc: bool = False, group: int = 0,
-                            filtered: bool = False) -> float:
+                            filtered: bool = False, partial: bool = False) -> float:
     """Seconds per row: one producer putting one-row samples, a consumer streaming
     batches of 64 and materializing them. With ``metrics``: the queue serves
     Prometheus metrics and a thread scrapes them every ``scrape_every`` seconds.
@@ -108,7 +108,9 @@ async def embedded_streamrl(n: int, metrics: bool = False, scrape_every: float =
     sample has a group key ``uid`` (``group`` samples a group, put one after the other)
     and the consumer takes whole groups (``group_by="uid"``), as a GRPO trainer does;
     ``filtered`` (with ``group``): a zero-variance filter judges each group (the rewards
-    all differ, so none is dropped) and the consumer asks for the reward it reads."""
+    all differ, so none is dropped) and the consumer asks for the reward it reads;
+    ``partial``: each sample is put in parts, as an env worker adds to an episode: its
+    ``tokens`` put, then its ``reward`` written to the row the put returned."""
     import threading
 
     samples = [sample(i, group) for i in range(n)]
@@ -137,8 +139,13 @@ async def embedded_streamrl(n: int, metrics: bool = False, scrape_every: float =
         if no_gc:
             gc.disable()
         t0 = time.perf_counter()
-        for s in samples:
-            await q.put(s, partition="p")
+        if partial:
+            for s in samples:
+                rows = await q.put({"tokens": s["tokens"]}, partition="p")
+                await rows.write({k: v for k, v in s.items() if k != "tokens"})
+        else:
+            for s in samples:
+                await q.put(s, partition="p")
         await q.seal("p")
         await task
         dt = time.perf_counter() - t0
@@ -599,6 +606,8 @@ async def main() -> None:
              for _ in range(a.reps)])
     res["embedded_grouped_filtered"] = {"streamrl_us_per_row": f * 1e6, "cost_ratio": f / b,
                                         "group": GROUP}
+    w = med([await embedded_streamrl(a.rows, partial=True) for _ in range(a.reps)])
+    res["embedded_partial"] = {"streamrl_us_per_row": w * 1e6, "cost_ratio": w / b}
     # metrics on (endpoint + a scrape a second) against off, interleaved pairs, the
     # order alternating: CPU time per row, and wall time
     res["metrics"] = await metrics_case(a.metrics_rows, a.metrics_reps, a.scrape_every)
@@ -630,6 +639,10 @@ async def main() -> None:
     e = res["embedded_grouped_filtered"]
     print(f"the same with a zero-variance filter on each group: "
           f"{e['streamrl_us_per_row']:.1f} us/row, {e['cost_ratio']:.1f}x asyncio.Queue's cost")
+    e = res["embedded_partial"]
+    print(f"each sample in parts (its tokens put, then its reward written to the row): "
+          f"{e['streamrl_us_per_row']:.1f} us/sample, {e['cost_ratio']:.1f}x asyncio.Queue's "
+          "cost for a whole sample")
     _print_metrics(res["metrics"])
     scale = res["pace"]["scale_to_issue"]
     print(f"this machine's pace: asyncio.Queue {res['pace']['asyncio_queue_us_per_row']:.1f} "

@@ -64,6 +64,7 @@ from .control import CONTROL_METHODS
 from .controller import Controller
 from .columns import tag_values
 from .errors import SchemaError, StreamRLError
+from .messages import WriteToken
 from .service import ControllerService
 from .transport.base import Column, DataPlane
 
@@ -375,6 +376,13 @@ class CombiningService(ControllerService):
             self.flush()
         return super().ack_now(lease_ids)
 
+    def begin_write_now(self, rows: Sequence[int], fields: Sequence[str], *,
+                        overwrite: bool = False, dtypes: dict[str, str] | None = None
+                        ) -> WriteToken:
+        if self.staged:  # (as before every control call: the rows may be staged still)
+            self.flush()
+        return super().begin_write_now(rows, fields, overwrite=overwrite, dtypes=dtypes)
+
 
 def _join(pieces: list[Column]) -> Column:
     """One column of the rows of ``pieces`` (one-row columns): one tensor when they are
@@ -408,6 +416,7 @@ def _flushing(name: str):
 for _name in CONTROL_METHODS:
     setattr(CombiningService, _name, _flushing(_name))
 del _name
+
 
 
 def _keys_ok(fields: Sequence[str], cols: Mapping[str, Column]) -> bool:

@@ -206,6 +206,11 @@ class StreamQueue:
         control = transport.control
         self._stage = (control if combine is not None
                        and isinstance(control, combine.CombiningService) else None)
+        # the controller service itself, when it is in this process beside the units
+        # (embedded): a write to existing rows calls it without coroutines
+        service = sys.modules.get(_PACKAGE + ".service")
+        self._service = (control if self._units is not None and service is not None
+                         and isinstance(control, service.ControllerService) else None)
         # a small put of new rows is one call to a unit, which has the controller admit
         # it (Ray; see DataPlane.put_rows)
         self._unit_puts = data.caps.unit_admitted_puts
@@ -553,24 +558,44 @@ class StreamQueue:
             raise SchemaError(
                 f"writing {n} rows of {list(names)} to {len(ids)} rows; give one value per "
                 "target row")
-        if target is not None:
-            pad = target.padding.reshape(-1)
-            if bool(pad.any()):
-                # a padded DP batch: its padding places hold rows of other ranks' shares,
-                # which those ranks write; the values given for them are left out
-                keep = (~pad).nonzero().flatten()
-                at = keep.tolist()
-                cols = {f: take_rows(c, at) for f, c in cols.items()}
-                nbytes = {f: [b[i] for i in at] for f, b in nbytes.items()}
-                own = target[keep]
-                assert isinstance(own, RowRemoteBatch)  # (a tensor index gives rows)
-                target = own
-                ids = own.rows
-                if not ids:
-                    return target
+        if target is not None and target._pad is not None and target._pad.any():
+            # a padded DP batch: its padding places hold rows of other ranks' shares,
+            # which those ranks write; the values given for them are left out (read
+            # from the batch's own mask: its ``padding`` tensor costs a write torch calls)
+            keep = (~torch.from_numpy(target._pad)).nonzero().flatten()
+            at = keep.tolist()
+            cols = {f: take_rows(c, at) for f, c in cols.items()}
+            nbytes = {f: [b[i] for i in at] for f, b in nbytes.items()}
+            own = target[keep]
+            assert isinstance(own, RowRemoteBatch)  # (a tensor index gives rows)
+            target = own
+            ids = own.rows
+            if not ids:
+                return target
         if len(set(ids)) != len(ids):
             raise SchemaError("the target rows repeat; write each row once")
         tags = self._tags(part, cols)
+        units = self._units
+        if units is not None and self._service is not None:
+            # embedded (in-process units and service): admitted, stored and committed
+            # without a coroutine where nothing else has to wait (filters, storage
+            # deletes, tag values read back), as the one-row put's stage does
+            svc = self._service
+            tok = svc.begin_write_now(ids, names, overwrite=overwrite, dtypes=dtypes)
+            try:
+                for s, rs, cs in _split_by_shard(tok.rows, tok.shards, cols):
+                    units[s].put(rs, cs, tok.id)
+            except BaseException:  # (a unit that writes files failed) nothing of it stays
+                await shielded(ctl.abort(tok))
+                raise
+            res, more = svc.commit_now(tok, nbytes, tags)
+            if more:
+                await svc.committed(tok, res)
+            self._learn_tags(part, res.tag_fields)
+            if target is not None:
+                target._learn(cols)
+                return target
+            return RowRemoteBatch._put(self, tok.rows, tok.shards, cols, part)
         if self._unit_puts and not overwrite and target is not None:
             # a small write of new fields to rows of one unit: one call to it (Ray)
             res = await self._data.write_rows(ids, target.shards, cols, nbytes, tags, dtypes)

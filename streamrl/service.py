@@ -644,6 +644,13 @@ class ControllerService:
                           overwrite: bool = False, dtypes: dict[str, str] | None = None
                           ) -> WriteToken:
         """Admit a write of new fields to existing rows (see :meth:`Controller.begin_write`)."""
+        return self.begin_write_now(rows, fields, overwrite=overwrite, dtypes=dtypes)
+
+    def begin_write_now(self, rows: Sequence[int], fields: Sequence[str], *,
+                        overwrite: bool = False, dtypes: dict[str, str] | None = None
+                        ) -> WriteToken:
+        """:meth:`begin_write` without a coroutine (a caller in this process: the
+        embedded transport's writes, which then store and :meth:`commit_now`)."""
         if self.ctl.closed:
             raise QueueClosed("the queue is closed; no fields can be written any more")
         return self.ctl.begin_write(rows, fields, overwrite=overwrite, dtypes=dtypes)
@@ -661,6 +668,25 @@ class ControllerService:
         storage (a writer that did not know the field is a tag sends no value): it
         raises :class:`~streamrl.errors.SchemaError` and leaves nothing."""
         res = self.ctl.commit(token, nbytes, tags)
+        if res.dead or res.missing_tags or not self._done_now():
+            await self.committed(token, res)
+        return res
+
+    def commit_now(self, token: WriteToken, nbytes: Mapping[str, Sequence[int]],
+                   tags: Mapping[str, Sequence[Hashable]] | None = None
+                   ) -> tuple[CommitResult, bool]:
+        """The part of :meth:`commit` that needs no await (a caller in this process):
+        the fields marked ready, and the waiters woken when that is all there is to do
+        (see :meth:`_done_now`). Returns the result and whether more is to be done: then
+        the caller awaits :meth:`committed`, which does the rest as :meth:`commit` does."""
+        res = self.ctl.commit(token, nbytes, tags)
+        return res, bool(res.dead or res.missing_tags or not self._done_now())
+
+    async def committed(self, token: WriteToken, res: CommitResult) -> None:
+        """What :meth:`commit` does once the controller committed ``token`` (``res``):
+        storage deletes of rows dropped meanwhile, tag values read back, filters run (a
+        filter's failure raised); cancelled meanwhile, or a tag value not one scalar, the
+        write is taken back before the error goes on."""
         try:
             if res.dead:
                 await shielded(self._delete(res.dead))
@@ -671,7 +697,6 @@ class ControllerService:
         except (anyio.get_cancelled_exc_class(), SchemaError):
             await shielded(self.retract(token))
             raise
-        return res
 
     async def abort(self, token: WriteToken | int) -> None:
         """Forget a failed write and delete whatever it stored (only what it stored: a

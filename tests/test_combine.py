@@ -729,6 +729,37 @@ async def test_a_put_into_a_file_backed_store_fails_at_the_put_not_later(tmp_pat
         assert (await mb.materialize())["idx"].tolist() == [0]
 
 
+async def test_a_write_whose_store_fails_leaves_nothing_and_can_be_retried(tmp_path,
+                                                                            monkeypatch):
+    """An embedded write of new fields is admitted, stored and committed in one go (no
+    coroutine where nothing has to wait): a store that fails (a backend that writes
+    files, the disk full) raises at the write and takes the write back, so the field
+    is not written, nothing of it is held, and a retry lands; a later write of the same
+    field raises DuplicateField as before."""
+    import streamrl
+    from streamrl.errors import DuplicateField
+
+    async with streamrl.StreamQueue(capacity=8, consumers=["t"], storage={
+            "backend": "spill", "memory_bytes": 0, "dir": str(tmp_path)}) as q:
+        rows = await q.put({"idx": torch.arange(2)}, partition="p")
+
+        def broken(self, *a, **k):
+            raise OSError(28, "No space left on device")
+
+        monkeypatch.setattr(type(q.session.transport.data.units[0]), "put", broken)
+        with pytest.raises(OSError):
+            await rows.write({"y": torch.ones(2)})
+        monkeypatch.undo()
+        assert await q.audit() == []
+        await rows.write({"y": torch.ones(2) * 3})  # (the failed write holds nothing)
+        with pytest.raises(DuplicateField):
+            await rows.write({"y": torch.ones(2)})
+        mb = await q.get("t", ["idx", "y"], 2, partition="p", timeout=5)
+        assert (await mb.materialize())["y"].tolist() == [3.0, 3.0]
+        await mb.ack()
+        assert (await q.stats()).rows == 0 and await q.audit() == []
+
+
 def _unlike(case: str) -> dict:
     """A one-row put like ``one(1)`` but for field ``x`` (see the test below)."""
     x = {

@@ -1,4 +1,4 @@
-"""Small puts admitted by a storage unit: both halves of the protocol.
+"""Small puts (and writes) admitted by a storage unit: both halves of the protocol.
 
 A put of a few new rows with small data need not ask the controller for room first. The
 producer's data plane (:class:`PlaneAdmission`, mixed into
@@ -25,11 +25,22 @@ two. The unit holds their rows meanwhile, outside the queue's capacity, up to
 controller forgets it, or drops its rows had it just admitted them, and the unit
 deletes them).
 
-Small puts from many producers meet at a unit: while its call to the controller is on
-its way, the puts that arrive wait, and go together in one call when it returns
-(:meth:`~streamrl.control.ControlPlane.put_rows_many`), each answered as its own call
-would be. Nothing waits longer than the call before it (no linger): a controller that
-keeps up sees one call a put, a busy one fewer calls than puts.
+Small writes of new fields to rows a unit holds (the response, then the reward, added
+to a sample's rows) go the same way (:meth:`PlaneAdmission.write_rows`,
+:meth:`UnitAdmission.write_rows`): the unit stores the fields where that replaces nothing
+(every row held there, none holding one of them), under a write id of its own, and has
+the controller admit and commit the write in one step
+(:meth:`~streamrl.control.ControlPlane.write_rows`); a refusal takes back exactly what
+that id stored, and a writer that gives up has the write taken back once it landed
+(:meth:`UnitAdmission.cancel_write`). Anything else (an overwrite, a field the rows hold,
+rows of several units, big tensors) the writer writes the usual way: a write token from
+the controller, the store, the commit.
+
+Small puts and writes from many producers meet at a unit: while its call to the
+controller is on its way, those that arrive wait, and go together in one call when it
+returns (:meth:`~streamrl.control.ControlPlane.put_rows_many`), each answered as its own
+call would be. Nothing waits longer than the call before it (no linger): a controller
+that keeps up sees one call a put, a busy one fewer calls than puts.
 """
 
 from __future__ import annotations
@@ -336,7 +347,8 @@ class UnitAdmission:
                         if ans.status is PutStatus.OK:
                             spawn(ctl.retract(_write_token(a)) if a[0] is None
                                   else ctl.retract_rows(ans.rows),
-                                  f"taking back a put storage unit {self.index} gave up")
+                                  f"taking back a put or write storage unit {self.index} "
+                                  "gave up")
                     elif ans.status is PutStatus.FAILED:  # (what put_rows raised)
                         f.set_exception(ans.error or TransportError("put_rows failed"))
                     else:

@@ -167,32 +167,29 @@ class RdtDataPlane(RayDataPlane):
     async def put_rows(self, partition, cols, n, nbytes, tags, version, dtypes=None, *,
                        usual=None, shapes=None):
         # (puts are not combined here: ``usual`` is not used, the caller puts the usual way)
+        return await self._freeing(lambda: super(RdtDataPlane, self).put_rows(
+            partition, cols, n, nbytes, tags, version, dtypes))
+
+    async def write_rows(self, rows, shards, cols, nbytes, tags, dtypes):
+        return await self._freeing(lambda: super(RdtDataPlane, self).write_rows(
+            rows, shards, cols, nbytes, tags, dtypes))
+
+    @staticmethod
+    async def _freeing(call: Callable[[], Awaitable[Any]]) -> Any:
+        """``await call()``, a small put or write a unit admits: the tensors its wire form
+        held are freed if it raised or was not stored (``None``: the caller puts or
+        writes the usual way, which holds them again)."""
         made: list[int] = []
         token = _made.set(made)
         try:
-            res = await super().put_rows(partition, cols, n, nbytes, tags, version, dtypes)
+            res = await call()
         except BaseException:
             if made:
                 runtime().free(made)
             raise
         finally:
             _made.reset(token)
-        if res is None and made:  # not stored: the caller puts the usual way
-            runtime().free(made)
-        return res
-
-    async def write_rows(self, rows, shards, cols, nbytes, tags, dtypes):
-        made: list[int] = []  # (as put_rows: tensors held for a write not stored are freed)
-        token = _made.set(made)
-        try:
-            res = await super().write_rows(rows, shards, cols, nbytes, tags, dtypes)
-        except BaseException:
-            if made:
-                runtime().free(made)
-            raise
-        finally:
-            _made.reset(token)
-        if res is None and made:  # not stored: the caller writes the usual way
+        if res is None and made:
             runtime().free(made)
         return res
 
