@@ -357,6 +357,19 @@ class UnitAdmission:
             self._put_rows_busy = False
 
 
+def _small(nbytes: Mapping[str, Sequence[int]]) -> bool:
+    """Whether a put or write of these bytes (per field, each row's) may go inline to a
+    unit: no field of :data:`SHM_MIN` bytes or more (big tensors go through the arena),
+    at most :data:`FAST_MAX` in all."""
+    total = 0
+    for v in nbytes.values():
+        b = sum(v)
+        if b >= SHM_MIN:
+            return False
+        total += b
+    return total <= FAST_MAX
+
+
 def _write_token(args: tuple) -> WriteToken:
     """The write of a small write's ``put_rows_many`` entry ``(None, rows, fields, shard,
     write, ...)`` (see :meth:`UnitAdmission._put_rows_combined`), to take it back."""
@@ -415,13 +428,7 @@ class PlaneAdmission:
         if (n < 1 or (usual is None or not self.coalesce_puts)
                 and time.monotonic() < self._busy_until or not self._live()):
             return None
-        total = 0
-        for v in nbytes.values():  # (each field's bytes)
-            b = sum(v)
-            if b >= SHM_MIN:
-                return None  # big tensors go through the arena
-            total += b
-        if total > FAST_MAX:
+        if not _small(nbytes):
             return None
         if not self.coalesce_puts:
             ans = await self._put_rows_call(partition, cols, n, nbytes, tags, version,
@@ -449,37 +456,13 @@ class PlaneAdmission:
         shard = shards[0] if shards else -1
         if shard < 0 or any(s != shard for s in shards) or shard not in self._live():
             return None
-        total = 0
-        for v in nbytes.values():
-            b = sum(v)
-            if b >= SHM_MIN:
-                return None  # big tensors go through the arena
-            total += b
-        if total > FAST_MAX:
+        if not _small(nbytes):
             return None
-        rpc = self.rpcs[shard]
-        assert rpc is not None  # (live units have a socket channel)
         wire = self._wire(cols)
         rid = request_id()
-        try:
-            ans = PutAnswer.from_wire(await rpc.call("write_rows", list(rows), wire,
-                                                     list(cols), nbytes, tags, dtypes, rid))
-        except asyncio.CancelledError:
-            # the unit finishes the write (shielded) and then takes back what it
-            # committed; the cancellation goes on once that is done, so a retry cannot
-            # race it
-            rpc = self.rpcs[shard]  # (read again: the channel may have been replaced)
-            assert rpc is not None
-            await undone(rpc.call("cancel_write", rid), "write")
-            raise
-        except ConnectFailed:  # nothing sent: the usual path finds out why
-            self._unreachable.add(shard)
-            return None
-        except ConnectionError as e:
-            raise TransportError(
-                f"lost the connection to storage unit {shard} during a write ({e}); the "
-                "fields may or may not have been written") from None
-        if ans.status is PutStatus.BUSY:
+        ans = await self._unit_call(shard, "write_rows", (list(rows), wire, list(cols), nbytes,
+                                                          tags, dtypes, rid), rid, "write")
+        if ans is None or ans.status is PutStatus.BUSY:
             return None
         if ans.status is not PutStatus.OK:
             assert ans.error is not None  # (REFUSED and FAILED carry their error)
@@ -522,26 +505,11 @@ class PlaneAdmission:
                 self._pool_units = pool  # (every unit's node is known: kept)
         self._next_unit = (self._next_unit + 1) % len(pool)
         shard = pool[self._next_unit]
-        rpc = self.rpcs[shard]
-        assert rpc is not None  # (live units have a socket channel)
-        try:
-            ans = PutAnswer.from_wire(await rpc.call("put_rows", n, wire, partition, list(cols),
-                                                     nbytes, tags, version, rid, dtypes,
-                                                     wait))
-        except asyncio.CancelledError:
-            # the unit finishes the put (shielded) and then drops what it committed;
-            # the cancellation goes on once that is done, so a retry cannot race it
-            rpc = self.rpcs[shard]  # (read again: the channel may have been replaced)
-            assert rpc is not None
-            await undone(rpc.call("cancel_put", rid), "put")
-            raise
-        except ConnectFailed:  # nothing sent: the usual path finds out why
-            self._unreachable.add(shard)
+        ans = await self._unit_call(shard, "put_rows", (n, wire, partition, list(cols), nbytes,
+                                                        tags, version, rid, dtypes, wait),
+                                    rid, "put")
+        if ans is None:
             return None
-        except ConnectionError as e:
-            raise TransportError(
-                f"lost the connection to storage unit {shard} during a put ({e}); the rows "
-                "may or may not have been put") from None
         if ans.status is PutStatus.BUSY:  # no room now: wait the usual way (and for a while)
             if not wait:  # (a waiting put's BUSY: its ids were no longer the unit's)
                 self._busy_until = time.monotonic() + _BUSY_PAUSE
@@ -558,6 +526,31 @@ class PlaneAdmission:
         rows, res = ans.rows, ans.result
         self.count_moved(bytes_by_path(wire))
         return rows, [shard] * n, res
+
+    async def _unit_call(self, shard: int, method: str, args: tuple, rid: str, what: str
+                         ) -> PutAnswer | None:
+        """``method(*args)`` of storage unit ``shard`` (``put_rows`` or ``write_rows``,
+        request id ``rid``) over its socket channel, its answer read back; ``None`` when
+        it could not connect (nothing was sent: the usual way finds out why). Cancelled
+        while it waits, the unit finishes the call (shielded) and then takes back what
+        it committed (``cancel_put`` / ``cancel_write``); the cancellation goes on once
+        that is done, so a retry cannot race it."""
+        rpc = self.rpcs[shard]
+        assert rpc is not None  # (live units have a socket channel)
+        try:
+            return PutAnswer.from_wire(await rpc.call(method, *args))
+        except asyncio.CancelledError:
+            rpc = self.rpcs[shard]  # (read again: the channel may have been replaced)
+            assert rpc is not None
+            await undone(rpc.call(f"cancel_{what}", rid), what)
+            raise
+        except ConnectFailed:
+            self._unreachable.add(shard)
+            return None
+        except ConnectionError as e:
+            raise TransportError(
+                f"lost the connection to storage unit {shard} during a {what} ({e}); it "
+                f"may or may not have landed") from None
 
     def _live(self) -> list[int]:
         """The units a small put may go to: those with a socket channel that could be
