@@ -418,7 +418,6 @@ for _name in CONTROL_METHODS:
 del _name
 
 
-
 def _keys_ok(fields: Sequence[str], cols: Mapping[str, Column]) -> bool:
     """Each of ``fields`` of the one-row put ``cols`` holds one scalar a tag can take
     (what :func:`~streamrl.columns.tag_values` accepts); otherwise the put goes the usual

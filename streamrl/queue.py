@@ -575,41 +575,43 @@ class StreamQueue:
         if len(set(ids)) != len(ids):
             raise SchemaError("the target rows repeat; write each row once")
         tags = self._tags(part, cols)
-        units = self._units
-        if units is not None and self._service is not None:
-            # embedded (in-process units and service): admitted, stored and committed
-            # without a coroutine where nothing else has to wait (filters, storage
-            # deletes, tag values read back), as the one-row put's stage does
-            svc = self._service
-            tok = svc.begin_write_now(ids, names, overwrite=overwrite, dtypes=dtypes)
-            try:
-                for s, rs, cs in _split_by_shard(tok.rows, tok.shards, cols):
-                    units[s].put(rs, cs, tok.id)
-            except BaseException:  # (a unit that writes files failed) nothing of it stays
-                await shielded(ctl.abort(tok))
-                raise
-            res, more = svc.commit_now(tok, nbytes, tags)
-            if more:
-                await svc.committed(tok, res)
-            self._learn_tags(part, res.tag_fields)
-            if target is not None:
-                target._learn(cols)
-                return target
-            return RowRemoteBatch._put(self, tok.rows, tok.shards, cols, part)
-        if self._unit_puts and not overwrite and target is not None:
-            # a small write of new fields to rows of one unit: one call to it (Ray)
+        tok = res = None
+        if self._service is not None:  # embedded: in one go (see _write_here)
+            tok, res = await self._write_here(ids, names, cols, nbytes, tags, dtypes, overwrite)
+        elif self._unit_puts and not overwrite and target is not None:
+            # Ray: a small write of new fields to rows of one unit is one call to it
             res = await self._data.write_rows(ids, target.shards, cols, nbytes, tags, dtypes)
-            if res is not None:
-                self._learn_tags(part, res.tag_fields)
-                target._learn(cols)
-                return target
-        tok = await ctl.begin_write(ids, names, overwrite=overwrite, dtypes=dtypes)
-        res = await self._store_commit(tok, cols, names, nbytes, tags, new=False)
+        if res is None:  # (anything else: the usual way)
+            tok = await ctl.begin_write(ids, names, overwrite=overwrite, dtypes=dtypes)
+            res = await self._store_commit(tok, cols, names, nbytes, tags, new=False)
         self._learn_tags(part, res.tag_fields)
         if target is not None:
             target._learn(cols)
             return target
+        assert tok is not None  # (only a batch's rows are written through a unit)
         return RowRemoteBatch._put(self, tok.rows, tok.shards, cols, part)
+
+    async def _write_here(self, ids: list[int], names: tuple, cols: Mapping[str, Column],
+                          nbytes: dict, tags: dict, dtypes: dict, overwrite: bool
+                          ) -> tuple[Any, Any]:
+        """A write to existing rows with the controller service and the storage units in
+        this process (embedded): admitted, stored and committed without a coroutine,
+        awaiting only what has to wait (filters, storage deletes, tag values read back),
+        as the one-row put's stage does; a store that fails takes the write back.
+        Returns ``(token, commit result)``."""
+        svc, units = self._service, self._units
+        assert svc is not None and units is not None  # (see _start)
+        tok = svc.begin_write_now(ids, names, overwrite=overwrite, dtypes=dtypes)
+        try:
+            for s, rs, cs in _split_by_shard(tok.rows, tok.shards, cols):
+                units[s].put(rs, cs, tok.id)
+        except BaseException:  # (a unit that writes files failed) nothing of it stays
+            await shielded(svc.abort(tok))
+            raise
+        res, more = svc.commit_now(tok, nbytes, tags)
+        if more:
+            await svc.committed(tok, res)
+        return tok, res
 
     async def _put_rows(self, part: str, cols: Mapping[str, Column], n: int, nbytes: dict,
                         tags: dict, version: int | None, dtypes: dict, timeout: float | None,
