@@ -350,6 +350,13 @@ class RowRemoteBatch(RemoteBatch):
         return mask.reshape(self.batch_size)
 
     @property
+    def padded(self) -> bool:
+        """Whether any place of this batch holds a row as padding (see :attr:`padding`);
+        cheaper than ``bool(padding.any())``, which makes a tensor. Reads no data."""
+        pad = self._pad
+        return pad is not None and bool(pad.any())
+
+    @property
     def queue(self) -> "StreamQueue":
         """The queue the rows belong to."""
         return self._s.queue

@@ -558,11 +558,10 @@ class StreamQueue:
             raise SchemaError(
                 f"writing {n} rows of {list(names)} to {len(ids)} rows; give one value per "
                 "target row")
-        if target is not None and target._pad is not None and target._pad.any():
+        if target is not None and target.padded:
             # a padded DP batch: its padding places hold rows of other ranks' shares,
-            # which those ranks write; the values given for them are left out (read
-            # from the batch's own mask: its ``padding`` tensor costs a write torch calls)
-            keep = (~torch.from_numpy(target._pad)).nonzero().flatten()
+            # which those ranks write; the values given for them are left out
+            keep = (~target.padding.reshape(-1)).nonzero().flatten()
             at = keep.tolist()
             cols = {f: take_rows(c, at) for f, c in cols.items()}
             nbytes = {f: [b[i] for i in at] for f, b in nbytes.items()}

@@ -458,6 +458,7 @@ async def test_a_padded_batch_marks_its_padding(make_queue):
     assert a.padding.tolist() == [False, False]
     assert b.padding.tolist() == [r in a.rows for r in b.rows] == [False, True]
     assert b[1:].padding.tolist() == [True]
+    assert b.padded and b[1:].padded and not b[:1].padded and not a.padded  # (any padding)
     assert b[[1, 0, 1]].padding.tolist() == [True, False, True]
     assert b[1].padding.shape == torch.Size([]) and bool(b[1].padding)
     assert b[torch.tensor([False, True])].padding.tolist() == [True]
