@@ -209,6 +209,7 @@ class RowRemoteBatch(RemoteBatch):
                  known: Iterable[str] = (), pads: Iterable[int] = (),
                  pad: Sequence[bool] | np.ndarray | None = None):
         self._s: Session = queue.session
+        self._lazy = None
         self._rows = np.asarray(rows, dtype=np.int64)
         self._shards = np.asarray(shards, dtype=np.int32)
         self._versions = None if versions is None else np.asarray(versions, dtype=np.int64)
@@ -355,6 +356,21 @@ class RowRemoteBatch(RemoteBatch):
         cheaper than ``bool(padding.any())``, which makes a tensor. Reads no data."""
         pad = self._pad
         return pad is not None and bool(pad.any())
+
+    @property
+    def one_row(self) -> int | None:
+        """The row id when this view is one row of its own (not a scalar view: see
+        :meth:`write`; not padding, see :attr:`padding`), else ``None``. Reads nothing;
+        the batch of a one-row put answers it without building its state."""
+        lazy = self._lazy
+        if lazy is not None:
+            rows = lazy[0]
+            if type(rows) is int:
+                return rows
+            return int(rows[0]) if len(rows) == 1 else None
+        if len(self._rows) != 1 or self._scalar or (self._pad is not None and self._pad[0]):
+            return None
+        return int(self._rows[0])
 
     @property
     def queue(self) -> "StreamQueue":
@@ -666,18 +682,23 @@ class RowRemoteBatch(RemoteBatch):
             DuplicateField: a field is already written and ``overwrite`` is false.
             RowsDropped: a row was dropped.
         """
-        self._check_alive("write")
-        if self._scalar:
-            raise SchemaError("write through a batch of rows (use a slice, not an int index)")
-        own = self._rows if self._pad is None else self._rows[~self._pad]
-        if len(own) > 1 and len(set(own.tolist())) != len(own):  # (np.unique: 4-9x the time)
-            raise SchemaError("this batch repeats rows (repeat/concat of overlapping views); "
-                              "write through a batch where each row appears once")
+        if self._lazy is None:  # (a put's batch, unbuilt: its rows are its put's, once each)
+            self._check_alive("write")
+            if self._scalar:
+                raise SchemaError("write through a batch of rows (use a slice, not an int index)")
+            own = self._rows if self._pad is None else self._rows[~self._pad]
+            if len(own) > 1 and len(set(own.tolist())) != len(own):  # (np.unique: 4-9x)
+                raise SchemaError("this batch repeats rows (repeat/concat of overlapping "
+                                  "views); write through a batch where each row appears once")
         await self._s.write(self, data, overwrite=overwrite)
         return self
 
     def _learn(self, cols: Mapping[str, Column]) -> None:
         """Remember fields just written through this batch (and cache their values)."""
+        lazy = self._lazy
+        if lazy is not None:  # (a put's batch, unbuilt: built with these too when used)
+            self._lazy = (lazy[0], lazy[1], {**lazy[2], **cols})
+            return
         for f, col in cols.items():
             self._cache.add(f, self._rows, col)
         self._fields = tuple(dict.fromkeys(self._fields + tuple(cols)))
@@ -791,6 +812,7 @@ class RowRemoteBatch(RemoteBatch):
 
     def __setstate__(self, st):
         self._s = st["q"].session
+        self._lazy = None
         self._rows, self._shards, self._versions = st["rows"], st["shards"], st["versions"]
         self._pad = st.get("pad")
         self._fields = st["fields"]

@@ -11,7 +11,7 @@ and commit, one storage put of one block per field, one readiness update -- when
 stage is *flushed*:
 
 * when it is full (:attr:`CombiningService.max_rows` rows or
-  :attr:`~CombiningService.max_bytes` bytes);
+  :attr:`~CombiningService.max_bytes` bytes) and the next one-row put arrives;
 * when any other call reaches the queue: every control-plane call of this service
   (take, ack, drop, clear, seal, stats, begin_write for ``write``, checkpoint, close...)
   and every read of the storage units flushes first, so each ``put`` that returned is
@@ -43,6 +43,16 @@ logged and counted (``stats().filter_errors``), not raised, as for the runs ``se
 puts that made those rows have returned (the GRPO pattern, one-row puts judged by a
 zero-variance filter per group, takes 0.32x the time it took when such puts went the
 usual way: docs/benchmarks.md).
+
+A *write* of new fields to a row still in the stage (an env worker puts a sample's
+prompt, then writes its response and reward to the row the put returned) is kept with
+that row's put and admitted with it (:meth:`CombiningService.stage_write`): the flush
+admits the row whole, and no call sees it without the fields, since every call flushes
+first. The flush admits its rows in runs of rows with the same fields (most often one
+run). Only a write the usual way would accept is kept so: one row, no ``overwrite``, no
+field the row holds, each field's dtype the one it has in the queue and in the stage,
+no field that is a group key; anything else flushes the stage and goes the usual way,
+raising what it raises there.
 
 Nothing else changes: rows are delivered in the order their puts returned, counted in
 ``stats()`` as put, and every call sees them. Rows larger than
@@ -84,7 +94,7 @@ class CombiningService(ControllerService):
         data: the in-process storage units (a data plane with ``units``).
 
     Keyword Args:
-        max_rows: rows staged at most (a full stage is flushed at once).
+        max_rows: rows staged at most (a full stage is flushed by the next put).
         max_bytes: bytes staged at most.
         max_row_bytes: larger one-row puts are not staged.
     """
@@ -104,6 +114,10 @@ class CombiningService(ControllerService):
         self._tagf: tuple[str, ...] = ()  # the stage's fields that are tags (group keys)
         self._rows: list[Mapping[str, Column]] = []  # the staged rows' columns
         self._rsizes: list[Mapping[str, int]] = []  # their bytes per field
+        # fields written to staged rows (see stage_write): row's place in the stage ->
+        # (its written columns, their bytes), and the dtypes of the fields so written
+        self._extra: dict[int, tuple[dict[str, Column], dict[str, int]]] = {}
+        self._xdtypes: dict[str, str] = {}
         # the stage's first row: its bytes per field and in all, and what the caller
         # said a row like it looks like (see stage_like)
         self._sizes: Mapping[str, int] = {}
@@ -133,7 +147,7 @@ class CombiningService(ControllerService):
         for v in sizes.values():
             b += v
         n = self.staged
-        if n and (partition != self._part or version != self._version
+        if n and (partition != self._part or version != self._version or n >= self._limit
                   or dtypes != self._dtypes or self._bytes + b > self.max_bytes):
             self.flush()
             n = 0
@@ -169,7 +183,7 @@ class CombiningService(ControllerService):
         n = self.staged
         b = self._row_bytes
         total = self._bytes + b
-        if not n or total > self.max_bytes:
+        if not n or n >= self._limit or total > self.max_bytes:
             return None
         ctl = self.ctl  # (_room, inlined: every such put runs it, and n >= 1 here)
         cap_bytes = ctl.capacity_bytes
@@ -177,6 +191,47 @@ class CombiningService(ControllerService):
                 cap_bytes is not None and ctl.bytes_held + ctl.reserved_bytes + total > cap_bytes):
             return None
         return self._append(cols, self._sizes, b)
+
+    def stage_write(self, row: int, cols: Mapping[str, Column],
+                    nbytes: Mapping[str, Sequence[int]], dtypes: Mapping[str, str]
+                    ) -> int | None:
+        """Write new fields to a row still in the stage: they are kept with the row's
+        put and admitted with it at the flush, as if the put had held them (an env worker
+        that puts a prompt, then writes its response and reward, makes a row a flush
+        admits whole). ``cols``: the fields, one row each (``nbytes``, ``dtypes``: as
+        the write's). Returns the row's storage unit, or ``None`` when the write must
+        go the usual way (which flushes the stage first): the row is not staged; a field
+        the row holds already (the usual way raises DuplicateField); a dtype unlike the
+        field's, in the queue or in another staged row (SchemaError); a field that is a
+        tag (a group key) anywhere; too many bytes for the stage. Never awaits, raises
+        nothing: a write staged has done all the usual way would have (a later call
+        that sees the row sees the fields)."""
+        i = row - self._first
+        if not 0 <= i < self.staged:
+            return None
+        b = 0
+        for v in nbytes.values():
+            b += v[0]
+        if self._bytes + b > self.max_bytes or b > self.max_row_bytes:
+            return None
+        ctl = self.ctl
+        have, xd, base = ctl.dtypes, self._xdtypes, self._rows[i]
+        extra = self._extra.get(i)
+        tagged = ctl.tag_fields or ctl.part_tags
+        for f, d in dtypes.items():
+            if (f in base or (extra is not None and f in extra[0])
+                    or have.get(f, d) != d or xd.get(f, d) != d
+                    or (tagged and (f in ctl.tag_fields
+                                    or any(f in t for t in ctl.part_tags.values())))):
+                return None
+        sizes = {f: v[0] for f, v in nbytes.items()}
+        if extra is None:
+            self._extra[i] = (dict(cols), sizes)
+        else:
+            self._extra[i] = ({**extra[0], **cols}, {**extra[1], **sizes})
+        xd.update(dtypes)
+        self._bytes += b
+        return self._shard
 
     def _room(self, n: int, b: int) -> bool:
         """Room for one more row of ``b`` bytes with ``n`` staged: the rows held and
@@ -195,11 +250,10 @@ class CombiningService(ControllerService):
         self._rows.append(cols)
         self._rsizes.append(sizes)
         self._bytes += b
-        self.staged = n = n + 1
-        shard = self._shard
-        if n >= self._limit:
-            self.flush()
-        return rid, shard
+        # (a full stage is flushed by the next put, not now: a write to its last row
+        # may still be kept with that row's put)
+        self.staged = n + 1
+        return rid, self._shard
 
     def _open(self, partition: str, dtypes: dict[str, str], version: int | None,
               b: int, head: object = None, cols: Mapping[str, Column] = _NOTHING) -> bool:
@@ -261,6 +315,8 @@ class CombiningService(ControllerService):
         self._bytes = 0
         self._rows = []
         self._rsizes = []
+        self._extra = {}
+        self._xdtypes = {}
         if self._tick is None:
             self._tick = self._loop.call_soon(self._on_tick)
         return True
@@ -307,28 +363,54 @@ class CombiningService(ControllerService):
         self.staged = 0
         ctl = self.ctl
         ids = list(range(self._first, self._first + n))
-        rows, rsizes = self._rows, self._rsizes
+        rows, rsizes, extra = self._rows, self._rsizes, self._extra
         self._rows, self._rsizes = [], []
-        cols = {f: _join([r[f] for r in rows]) for f in self._dtypes}
-        first = self._sizes
-        if rsizes.count(first) == n:  # (rows like the first, the common case)
-            sizes = {f: [b] * n for f, b in first.items()}
-        else:
-            sizes = {f: [r[f] for r in rsizes] for f in self._dtypes}
         unit = self._units[self._shard]
-        # (each checked to hold one scalar a row when staged: see _keys_ok)
-        tags = {f: tag_values(f, cols[f]) for f in self._tagf} if self._tagf else None
         jobs = len(ctl.filter_jobs)  # (filter jobs queued before these rows' commit)
+        # rows with the same fields written to them since their put (see stage_write;
+        # most often all or none) are stored and admitted together, in order
+        xd = self._xdtypes
+        runs: list[tuple[int, int, tuple[str, ...]]] = [(0, n, ())]
+        if extra:
+            self._extra, self._xdtypes = {}, {}
+            runs = []
+            key: tuple[str, ...] | None = tuple(extra[0][0]) if 0 in extra else ()
+            a = 0
+            for i in range(1, n + 1):
+                k = (tuple(extra[i][0]) if i in extra else ()) if i < n else None
+                if k != key:
+                    runs.append((a, i, key or ()))
+                    a, key = i, k
+        a = 0
         try:  # stored under the ids leased to the unit, then admitted and committed
-            unit.put(ids, cols)
-            ctl.admit_stored(self._part, ids, self._shard, sizes, version=self._version,
-                             dtypes=self._dtypes, admitted=True, tags=tags)
+            for a, z, more in runs:
+                part = rows if z - a == n else rows[a:z]
+                cols = {f: _join([r[f] for r in part]) for f in self._dtypes}
+                first = self._sizes
+                psizes = rsizes if z - a == n else rsizes[a:z]
+                if psizes.count(first) == z - a:  # (rows like the first, the common case)
+                    sizes = {f: [b] * (z - a) for f, b in first.items()}
+                else:
+                    sizes = {f: [r[f] for r in psizes] for f in self._dtypes}
+                dtypes = self._dtypes
+                if more:
+                    dtypes = {**dtypes, **{f: xd[f] for f in more}}
+                    for f in more:
+                        cols[f] = _join([extra[i][0][f] for i in range(a, z)])
+                        sizes[f] = [extra[i][1][f] for i in range(a, z)]
+                # (each checked to hold one scalar a row when staged: see _keys_ok)
+                tags = ({f: tag_values(f, cols[f]) for f in self._tagf} if self._tagf
+                        else None)
+                rids = ids if z - a == n else ids[a:z]
+                unit.put(rids, cols)
+                ctl.admit_stored(self._part, rids, self._shard, sizes, version=self._version,
+                                 dtypes=dtypes, admitted=True, tags=tags)
         except BaseException:
-            try:
-                unit.delete(ids)
+            try:  # (the runs before this one are admitted and stay)
+                unit.delete(ids[a:])
             finally:
                 log.error("streamrl: storing %d combined one-row puts (rows %d..%d) on "
-                          "unit %d failed; those rows are lost", n, ids[0], ids[-1],
+                          "unit %d failed; those rows are lost", n - a, ids[a], ids[-1],
                           self._shard)
             raise
         self.flushes += 1

@@ -343,7 +343,9 @@ class StreamQueue:
                 admission, its tensors copied into one block per field; see
                 :mod:`streamrl.combine`. It returns without waiting when there is room,
                 and every later call of the queue sees its row; a filter that fails on
-                such a row is logged, not raised: see :meth:`add_filter`.)
+                such a row is logged, not raised: see :meth:`add_filter`. A one-row
+                write of new fields to such a row before it is admitted is kept with
+                it: the row is admitted with them.)
             partition: where new rows go (default ``"default"``); ignored with ``rows``.
             rows: existing rows to add fields to (a batch from ``put``/``get``/``stream``,
                 or row ids); ``len(rows)`` must equal the rows in ``data``.
@@ -398,6 +400,20 @@ class StreamQueue:
                     return await self._put_rows(part, cols, 1, one[0],
                                                 self._tags(part, cols), version, one[1],
                                                 timeout, False, one[2])
+        elif (type(rows) is RowRemoteBatch and type(data) is dict and self._stage is not None
+              and self._stage.staged and overwrite is False and version is None
+              and _timing_now.get() is None):
+            # new fields to a one-row batch, embedded, with rows staged: its row may be one
+            # of them (a sample put, then written to), the write kept with its put
+            target = rows
+            row = target.one_row
+            if row is not None and target.queue is self:
+                one = one_row_dense(data)
+                if one is not None:
+                    cols = dict(data)
+                    if self._stage.stage_write(row, cols, one[0], one[1]) is not None:
+                        target._learn(cols)
+                        return target
         return await _timed(self._put(data, partition, rows, version=version,
                                       overwrite=overwrite, timeout=timeout, nowait=False))
 
@@ -574,6 +590,16 @@ class StreamQueue:
         if len(set(ids)) != len(ids):
             raise SchemaError("the target rows repeat; write each row once")
         tags = self._tags(part, cols)
+        stage = self._stage
+        if n == 1 and stage is not None and stage.staged and not overwrite and not tags:
+            # a write to a row still staged (an env worker adding to the sample it just
+            # put): kept with the put, admitted with it (see CombiningService.stage_write)
+            shard = stage.stage_write(ids[0], cols, nbytes, dtypes)
+            if shard is not None:
+                if target is not None:
+                    target._learn(cols)
+                    return target
+                return RowRemoteBatch._put(self, ids[0], shard, cols, part)
         tok = res = None
         if self._service is not None:  # embedded: in one go (see _write_here)
             tok, res = await self._write_here(ids, names, cols, nbytes, tags, dtypes, overwrite)

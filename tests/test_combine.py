@@ -14,6 +14,7 @@ import asyncio
 import anyio
 import pytest
 import torch
+from tensordict import TensorDict
 
 from streamrl.errors import InvalidArgument, QueueClosed, QueueFull, SchemaError, StreamTimeout
 
@@ -598,11 +599,11 @@ async def test_the_stage_flushes_when_full_and_at_the_end_of_the_iteration(make_
     await first_use(q)
     svc = q.session.transport.control
     before = svc.flushes
-    for i in range(svc.max_rows):  # without yielding: flushed once full
+    for i in range(svc.max_rows):  # without yielding: full, and kept until the next put
         await q.put(one(i), partition="p")
-    assert svc.flushes == before + 1 and svc.staged == 0
-    await q.put(one(-1), partition="p")
-    assert svc.staged == 1
+    assert svc.flushes == before and svc.staged == svc.max_rows
+    await q.put(one(-1), partition="p")  # flushes the full stage, then is staged
+    assert svc.flushes == before + 1 and svc.staged == 1
     await anyio.sleep(0)  # the end of this iteration
     await anyio.sleep(0)
     assert svc.flushes == before + 2 and svc.staged == 0
@@ -617,11 +618,11 @@ async def test_the_stage_flushes_when_full_and_at_the_end_of_the_iteration(make_
 
 
 async def test_a_flush_that_queues_filter_jobs_leaves_them_to_its_task(make_queue, transport):
-    """A full stage is flushed inside a put, and its rows' commit queues filter jobs
-    (a group filter: groups of 8 whole): the flush starts a task that runs them. The
-    next one-row put is staged like any other, not sent the usual way to run those
-    jobs itself (which made one put in ~64 carry a whole round of filter work); the
-    task judges every group once the producer yields, and nothing is left behind."""
+    """A full stage is flushed inside the next put, and its rows' commit queues filter
+    jobs (a group filter: groups of 8 whole): the flush starts a task that runs them.
+    That put is staged like any other, not sent the usual way to run those jobs itself
+    (which made one put in ~64 carry a whole round of filter work); the task judges
+    every group once the producer yields, and nothing is left behind."""
     if transport != "embedded":
         pytest.skip("write-combining is the embedded transport's")
     judged: list = []
@@ -635,12 +636,13 @@ async def test_a_flush_that_queues_filter_jobs_leaves_them_to_its_task(make_queu
                        name="odd")
     svc = q.session.transport.control
     n = svc.max_rows
-    for i in range(n):  # without yielding: the last put fills the stage and flushes it
+    for i in range(n):  # without yielding: the last put fills the stage
         await q.put(rewarded(i, i // 8, float(i)), partition="p")
-    assert svc.staged == 0 and judged == [] and svc.ctl.filter_jobs
-    await q.put(rewarded(n, n // 8, float(n)), partition="p")
-    assert svc.staged == 1, "the put after the flush was not staged"
-    assert judged == [], "the put after the flush ran the filter jobs itself"
+    assert svc.staged == n and judged == [] and not svc.ctl.filter_jobs
+    await q.put(rewarded(n, n // 8, float(n)), partition="p")  # flushes them
+    assert svc.ctl.filter_jobs
+    assert svc.staged == 1, "the put that flushed the stage was not staged"
+    assert judged == [], "the put that flushed the stage ran the filter jobs itself"
     for i in range(n + 1, n + 8):
         await q.put(rewarded(i, i // 8, float(i)), partition="p")
     await q.seal("p")
@@ -680,7 +682,7 @@ async def test_a_slow_async_filter_holds_up_neither_the_producer_nor_later_group
                        name="slow")
     svc = q.session.transport.control
     n = svc.max_rows
-    for i in range(n):  # 8 groups, flushed by the last put: their task starts
+    for i in range(n):  # 8 groups, flushed at the end of the iteration: their task starts
         await q.put(rewarded(i, i // 8, float(i)), partition="p")
     for _ in range(5):
         await asyncio.sleep(0)
@@ -688,7 +690,7 @@ async def test_a_slow_async_filter_holds_up_neither_the_producer_nor_later_group
     with anyio.fail_after(5):  # (the producer is not held up by the stuck filter)
         for i in range(n, 2 * n):
             await q.put(rewarded(i, i // 8, float(i)), partition="p")
-    assert svc.staged == 0
+    assert svc.staged == n  # (all staged, flushed at the end of this iteration)
     for _ in range(20):
         await asyncio.sleep(0)
     assert sorted(judged) == list(range(n // 8, 2 * n // 8)), judged
@@ -727,6 +729,182 @@ async def test_a_put_into_a_file_backed_store_fails_at_the_put_not_later(tmp_pat
         assert st.rows == 1
         mb = await q.get("t", ["idx"], 1, timeout=5)
         assert (await mb.materialize())["idx"].tolist() == [0]
+
+
+# ---------------------------------------------------------------- writes to staged rows
+
+
+def flushes(q) -> int:
+    return getattr(q.session.transport.control, "flushes", 0)
+
+
+async def test_a_sample_put_in_parts_is_admitted_whole_with_the_puts_around_it(make_queue):
+    """An env worker puts a sample's tokens, then writes its reward to the row the put
+    returned. Embedded, the write to a row still staged is kept with its put: a stage
+    of such samples is flushed once (not once a write), every row admitted with both
+    fields; on every transport the rows read back as written, counted once each."""
+    q = make_queue(capacity=256, consumers=["t"])
+    await first_use(q)
+    n = 40  # (fewer than a stage holds: no flush before the end of the iteration)
+    before = flushes(q)
+    for i in range(n):
+        b = await q.put(one(i), partition="p")
+        assert await b.write({"r": torch.tensor([i / 2])}) is b
+        assert b.fields == ("idx", "x", "r") and b.one_row is not None
+        assert (await b.materialize(["r"]))["r"].tolist() == [i / 2]  # its cache
+    if combines(q):
+        assert staged(q) == n and flushes(q) == before
+        await anyio.sleep(0)
+        await anyio.sleep(0)
+        assert staged(q) == 0 and flushes(q) == before + 1
+    st = await q.stats()
+    assert (st.rows, st.put, st.bytes) == (n, n, n * (8 + 16 + 4))
+    if combines(q):  # a field too big to combine: the usual way (the stage flushed)
+        before = flushes(q)
+        b = await q.put(one(n), partition="p")
+        await b.write({"big": torch.zeros(1, 1 << 15)})
+        assert staged(q) == 0 and flushes(q) == before + 1
+        await b.drop()
+    mb = await q.get("t", ["idx", "x", "r"], n, partition="p", timeout=10)
+    td = await mb.materialize()
+    assert td["idx"].tolist() == list(range(n))
+    assert td["r"].tolist() == [i / 2 for i in range(n)]
+    assert torch.equal(td["x"][:, 0], td["idx"].float())
+    await mb.ack()
+    assert await q.audit() == []
+
+
+async def test_staged_rows_written_differently_read_back_as_written(make_queue):
+    """Rows of one stage with other fields written to them (some none, one two writes,
+    one fields in another order) are admitted in runs of rows alike, in the order of
+    their puts: each request gets exactly the rows that hold its fields, and a field
+    written later to a row that had none lands the usual way."""
+    q = make_queue(capacity=64, consumers=["a", "b", "c"])
+    await first_use(q)
+    b = [await q.put(one(i), partition="p") for i in range(7)]
+    for i in (0, 1, 3, 4):
+        await b[i].write({"r": torch.tensor([float(i)])})
+    await b[4].write({"s": torch.tensor([[4, 40]])})
+    await b[6].write({"s": torch.tensor([[6, 60]])})
+    # (by row id, and as a TensorDict: kept with the put all the same)
+    await q.put({"r": torch.tensor([6.0])}, rows=b[6].rows)
+    await b[5].write(TensorDict({"r": torch.tensor([5.0]), "s": torch.tensor([[5, 50]])},
+                                batch_size=[1]))
+    assert staged(q) == (7 if combines(q) else 0)
+    st = await q.stats()
+    assert (st.rows, st.put, st.bytes) == (7, 7, 7 * 24 + 6 * 4 + 3 * 16)
+    await b[2].write({"r": torch.tensor([2.0])})  # (a row flushed already: the usual way)
+    ma = await q.get("a", ["idx", "r"], 7, partition="p", timeout=10)
+    ta = await ma.materialize()
+    assert ta["idx"].tolist() == list(range(7)) and ta["r"].tolist() == [float(i) for i in range(7)]
+    mb = await q.get("b", ["idx", "r", "s"], 3, partition="p", timeout=10)
+    tb = await mb.materialize()
+    assert tb["idx"].tolist() == [4, 5, 6]
+    assert tb["s"].tolist() == [[4, 40], [5, 50], [6, 60]] and tb["r"].tolist() == [4.0, 5.0, 6.0]
+    with pytest.raises(StreamTimeout):  # no other row has s
+        await q.get("c", ["s"], 4, partition="p", timeout=0.2)
+    for m in (ma, mb):
+        await m.ack()
+    assert await q.audit() == []
+
+
+async def test_a_write_to_a_staged_row_raises_what_any_write_raises(make_queue):
+    """A write to a staged row is kept with its put only when the usual way would
+    accept it: a field the put holds, a field written already, or another dtype than
+    a staged row's write of that field raises at the write, as ever, and leaves the
+    rows as they were."""
+    from streamrl.errors import DuplicateField
+
+    q = make_queue(capacity=64, consumers=["t"])
+    await first_use(q)
+    a = await q.put(one(1), partition="p")
+    b = await q.put(one(2), partition="p")
+    await a.write({"r": torch.tensor([1.0])})
+    with pytest.raises(DuplicateField):
+        await b.write({"x": torch.ones(1, 4)})  # (put with b)
+    b = await q.put(one(3), partition="p")
+    await b.write({"r": torch.tensor([3.0])})
+    with pytest.raises(DuplicateField):
+        await b.write({"r": torch.tensor([4.0])})
+    await q.stats()  # (a new stage: r is float32 in the rows of this one only)
+    a = await q.put(one(5), partition="p")
+    await a.write({"y": torch.tensor([5.0])})
+    c = await q.put(one(4), partition="p")
+    with pytest.raises(SchemaError):  # y is float32 (a's write, staged)
+        await c.write({"y": torch.tensor([4.0], dtype=torch.float64)})
+    with pytest.raises(SchemaError):  # r is float32 (admitted)
+        await c.write({"r": torch.tensor([4.0], dtype=torch.float64)})
+    with pytest.raises(SchemaError):  # the length
+        await c.write({"r": torch.tensor([4.0, 5.0])})
+    await c.write({"r": torch.tensor([4.0])})
+    mb = await q.get("t", ["idx", "r"], 3, partition="p", timeout=10)
+    td = await mb.materialize()
+    assert td["idx"].tolist() == [1, 3, 4] and td["r"].tolist() == [1.0, 3.0, 4.0]
+    await mb.ack()
+    mb = await q.get("t", ["idx", "y"], 1, partition="p", timeout=10)
+    assert (await mb.materialize())["y"].tolist() == [5.0]
+    await mb.ack()
+    st = await q.stats()
+    assert (st.rows, st.put) == (1, 5) and await q.audit() == []
+
+
+@pytest.mark.parametrize("declared", ["group_key", "stream"])
+async def test_a_group_key_written_to_staged_rows_still_groups_them(make_queue, declared):
+    """A field that is a group key (declared with ``group_key``, or by a grouped stream
+    already waiting, which the writer has not heard of) is not kept with a staged put
+    (its values are read when rows are admitted): such a write goes the usual way and
+    the grouped stream gets whole groups."""
+    q = make_queue(capacity=64, consumers=["t"],
+                   **({"group_key": "uid"} if declared == "group_key" else {}))
+    await first_use(q)
+    got: list = []
+
+    async def consume():
+        async for mb in q.stream("t", ["uid", "idx"], 4, partition="p", group_by="uid",
+                                 group_size=4, timeout=30):
+            td = await mb.materialize()
+            got.append((set(td["uid"].tolist()), td["idx"].tolist()))
+
+    task = asyncio.ensure_future(consume())
+    await asyncio.sleep(0.05)
+    for i in range(8):
+        b = await q.put(one(i), partition="p")
+        await b.write({"uid": torch.tensor([i % 2])})
+    await q.seal("p")
+    await task
+    assert sorted(got) == [({0}, [0, 2, 4, 6]), ({1}, [1, 3, 5, 7])]
+    assert await q.audit() == []
+
+
+async def test_a_reward_written_to_staged_rows_is_judged_by_the_group_filter(make_queue):
+    """The GRPO pattern in parts: each sample's tokens and group key put, its reward
+    written after. The zero-variance filter judges each group with the rewards written
+    (staged with their puts, embedded): the group whose rewards are all equal is
+    dropped, the others are delivered whole."""
+    from streamrl.filters import zero_variance
+
+    q = make_queue(capacity=64, consumers=["t"])
+    await q.add_filter(zero_variance("r", group_by="uid", group_size=4))
+    got: list = []
+
+    async def consume():
+        async for mb in q.stream("t", ["uid", "x", "r"], 4, partition="p", group_by="uid",
+                                 group_size=4, timeout=30):
+            td = await mb.materialize()
+            got.append((set(td["uid"].tolist()), sorted(td["r"].tolist())))
+
+    task = asyncio.ensure_future(consume())
+    await asyncio.sleep(0.05)
+    for i in range(12):
+        b = await q.put({"uid": torch.tensor([i % 3]), "x": torch.full((1, 4), float(i))},
+                        partition="p")
+        await b.write({"r": torch.tensor([1.0 if i % 3 == 1 else float(i)])})
+    await q.seal("p")
+    await task
+    assert sorted(got, key=lambda g: min(g[0])) == [
+        ({u}, [float(i) for i in range(12) if i % 3 == u]) for u in (0, 2)]
+    st = await _settled(q, lambda st: st.rows == 0)
+    assert (st.rows, st.put, st.filtered) == (0, 12, 4) and await q.audit() == []
 
 
 async def test_a_write_whose_store_fails_leaves_nothing_and_can_be_retried(tmp_path,

@@ -474,6 +474,26 @@ async def test_a_padded_batch_marks_its_padding(make_queue):
     assert (await q.stats()).rows == 2
 
 
+async def test_one_row_names_the_row_of_a_one_row_view(make_queue):
+    """``one_row``: the row id of a view of one row (the batch of a one-row put, before
+    and after it is used; a slice or index list of one row; a delivered batch of one),
+    ``None`` for more rows, a scalar view (an int index, which cannot be written
+    through) and a place of a DP share that is padding."""
+    q = make_queue(capacity=16, consumers=["t"])
+    one = await q.put({"x": torch.tensor([7])}, partition="p")
+    assert one.one_row is not None
+    rid = one.one_row
+    assert one.rows == [rid] and one.one_row == rid  # (its state built: the same)
+    two = await q.put({"x": torch.arange(2)}, partition="p")
+    assert two.one_row is None and two[1:].one_row == two.rows[1]
+    assert two[[0]].one_row == two.rows[0] and two[0].one_row is None
+    mb = await q.get("t", ["x"], 1, partition="p", timeout=5)
+    assert mb.one_row == mb.rows[0] == rid
+    await mb.ack()
+    _, a, b = await _padded_shares(make_queue, 3, 2)
+    assert b[1:].one_row is None and a[:1].one_row == a.rows[0]  # (padding: not its own)
+
+
 @pytest.mark.parametrize("rows", [3, 1])
 async def test_a_write_through_a_padded_batch_writes_its_own_rows_only(make_queue, rows):
     """Every DP rank writes a result for each place of its batch (as a trainer writes
