@@ -81,6 +81,10 @@ async def main() -> None:
     ap.add_argument("--partial", action="store_true",
                     help="each sample put in parts: its tokens put, then the rest written "
                     "to the row (an env worker adding to an episode)")
+    ap.add_argument("--paced", action="store_true",
+                    help="the producer awaits between samples (an env step) and the "
+                    "consumer after each batch (a train step), in both trees and in the "
+                    "asyncio.Queue case")
     a = ap.parse_args()
     import streamrl as new
 
@@ -95,8 +99,9 @@ async def main() -> None:
         for k, m in pair:
             runs[k].append(await embedded_streamrl(a.rows, mod=m, no_gc=a.no_gc,
                                                    group=a.group, filtered=a.filtered,
-                                                   partial=a.partial) * 1e6)
-            runs["queue"].append(await embedded_asyncio_queue(a.rows, no_gc=a.no_gc) * 1e6)
+                                                   partial=a.partial, paced=a.paced) * 1e6)
+            runs["queue"].append(await embedded_asyncio_queue(a.rows, no_gc=a.no_gc,
+                                                              paced=a.paced) * 1e6)
         for k, m in pair:
             ctl = importlib.import_module(m.__name__ + ".controller")
             runs["ctl_" + k].append(controller_batched(64_000, controller=ctl.Controller,
@@ -108,7 +113,7 @@ async def main() -> None:
            "cost_ratio": {"old": med["old"] / med["queue"], "new": med["new"] / med["queue"]},
            "controller_rows_per_cpu_s": {"old": med["ctl_old"], "new": med["ctl_new"]},
            "reps": a.reps, "rows": a.rows, "group": a.group,
-           "filtered": a.filtered, "partial": a.partial}
+           "filtered": a.filtered, "partial": a.partial, "paced": a.paced}
     q = {k: statistics.quantiles(v, n=4) for k, v in runs.items() if len(v) > 1}
     res["quartiles"] = q
     for k in ("old", "new"):

@@ -66,6 +66,9 @@ def pace(us: float) -> dict:
             "scale_to_issue": ISSUE_PACE_US / us}
 
 
+#: seconds a consumer's train step takes in the paced case (awaited: another device
+#: computes), after each batch of BATCH rows
+TRAIN_STEP = 0.0005
 #: rows of a group in the grouped case (the n rollouts of one GRPO prompt)
 GROUP = 8
 #: pairs of the embedded case against the asyncio.Queue one (at least; more with --reps)
@@ -99,7 +102,8 @@ def _scraper(url: str, stop: "threading.Event", every: float) -> int:
 
 async def embedded_streamrl(n: int, metrics: bool = False, scrape_every: float = 1.0, *,
                             mod=streamrl, no_gc: bool = False, group: int = 0,
-                            filtered: bool = False, partial: bool = False) -> float:
+                            filtered: bool = False, partial: bool = False,
+                            paced: bool = False) -> float:
     """Seconds per row: one producer putting one-row samples, a consumer streaming
     batches of 64 and materializing them. With ``metrics``: the queue serves
     Prometheus metrics and a thread scrapes them every ``scrape_every`` seconds.
@@ -110,7 +114,10 @@ async def embedded_streamrl(n: int, metrics: bool = False, scrape_every: float =
     ``filtered`` (with ``group``): a zero-variance filter judges each group (the rewards
     all differ, so none is dropped) and the consumer asks for the reward it reads;
     ``partial``: each sample is put in parts, as an env worker adds to an episode: its
-    ``tokens`` put, then its ``reward`` written to the row the put returned."""
+    ``tokens`` put, then its ``reward`` written to the row the put returned; ``paced``:
+    the producer awaits between its samples (an env step: ``asyncio.sleep(0)``) and the
+    consumer after each batch (a train step: ``asyncio.sleep(TRAIN_STEP)``), so the
+    consumer is not always waiting when a row is put."""
     import threading
 
     samples = [sample(i, group) for i in range(n)]
@@ -132,6 +139,8 @@ async def embedded_streamrl(n: int, metrics: bool = False, scrape_every: float =
                                      **grouped):
                 td = await mb.materialize()
                 got += td.batch_size[0]
+                if paced:
+                    await asyncio.sleep(TRAIN_STEP)
 
         task = asyncio.ensure_future(consume())
         await asyncio.sleep(0)  # the consumer waits first
@@ -142,7 +151,15 @@ async def embedded_streamrl(n: int, metrics: bool = False, scrape_every: float =
         if partial:
             for s in samples:
                 rows = await q.put({"tokens": s["tokens"]}, partition="p")
+                if paced:
+                    await asyncio.sleep(0)
                 await rows.write({k: v for k, v in s.items() if k != "tokens"})
+                if paced:
+                    await asyncio.sleep(0)
+        elif paced:
+            for s in samples:
+                await q.put(s, partition="p")
+                await asyncio.sleep(0)
         else:
             for s in samples:
                 await q.put(s, partition="p")
@@ -157,9 +174,11 @@ async def embedded_streamrl(n: int, metrics: bool = False, scrape_every: float =
     return dt / n
 
 
-async def embedded_asyncio_queue(n: int, *, no_gc: bool = False) -> float:
+async def embedded_asyncio_queue(n: int, *, no_gc: bool = False, paced: bool = False
+                                 ) -> float:
     """The same samples through a bare asyncio.Queue, a torch.cat per 64 rows
-    (``no_gc``: the cyclic GC off while the run is timed)."""
+    (``no_gc``: the cyclic GC off while the run is timed; ``paced``: as for
+    :func:`embedded_streamrl`)."""
     samples = [sample(i) for i in range(n)]
     q: asyncio.Queue = asyncio.Queue(maxsize=4096)
     got = 0
@@ -176,6 +195,8 @@ async def embedded_asyncio_queue(n: int, *, no_gc: bool = False) -> float:
                 torch.cat([b["tokens"] for b in buf]), torch.cat([b["reward"] for b in buf])
                 got += len(buf)
                 buf = []
+                if paced:
+                    await asyncio.sleep(TRAIN_STEP)
         if buf:
             got += len(buf)
 
@@ -187,6 +208,8 @@ async def embedded_asyncio_queue(n: int, *, no_gc: bool = False) -> float:
     t0 = time.perf_counter()
     for s in samples:
         await q.put(s)
+        if paced:
+            await asyncio.sleep(0)
     await q.put(None)
     await task
     dt = time.perf_counter() - t0

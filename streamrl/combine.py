@@ -18,9 +18,16 @@ stage is *flushed*:
   seen by every later call, exactly as if it had been admitted on its own;
 * when a put arrives that the stage cannot take (another partition, other fields or
   dtypes, another version, no room): it is flushed, then that put goes the usual way;
-* at the end of the event-loop iteration in which the stage was opened
-  (``loop.call_soon``), so a consumer already waiting sees the rows within one
-  iteration of the put, however the producer goes on.
+* at the end of the event-loop iteration in which it came to hold rows enough for a
+  consumer waiting (``loop.call_soon``): its deliverable rows and the stage's reach the
+  batch it waits for, or one row for a grouped request, since one row may complete a
+  group (:meth:`Controller.rows_to_wake`), so that consumer sees the rows within one
+  iteration of the put that completed its batch, however the producer goes on;
+* otherwise :attr:`~CombiningService.linger` seconds after the stage was opened (5 ms):
+  nobody waits for these rows yet, and any call that could see them flushes first, so
+  the one-row puts of a producer that awaits something between them (an env step, a
+  generation) are still combined, where a flush each iteration admitted them one by
+  one at several times the cost.
 
 What a staged put promises is what an admitted one does: its rows count against
 ``capacity`` and ``capacity_bytes`` at once (a put that finds the queue full with staged
@@ -83,6 +90,7 @@ log = logging.getLogger("streamrl")
 __all__ = ["CombiningService"]
 
 _NOTHING: Mapping[str, Any] = {}  # (read only)
+_FAR = 1 << 62  # (rows no stage holds)
 
 
 class CombiningService(ControllerService):
@@ -97,14 +105,18 @@ class CombiningService(ControllerService):
         max_rows: rows staged at most (a full stage is flushed by the next put).
         max_bytes: bytes staged at most.
         max_row_bytes: larger one-row puts are not staged.
+        linger: seconds a stage may wait for more rows while no consumer waiting can
+            use them yet (``0``: flushed at the end of the event-loop iteration always).
     """
 
     def __init__(self, controller: Controller, data: DataPlane, *, max_rows: int = 64,
-                 max_bytes: int = 1 << 20, max_row_bytes: int = 64 << 10):
+                 max_bytes: int = 1 << 20, max_row_bytes: int = 64 << 10,
+                 linger: float = 0.005):
         super().__init__(controller, data)
         self.max_rows = max_rows
         self.max_bytes = max_bytes
         self.max_row_bytes = max_row_bytes
+        self.linger = linger
         self._units = data.units  # type: ignore[attr-defined]
         self.staged = 0  # rows in the stage
         self._bytes = 0
@@ -128,6 +140,8 @@ class CombiningService(ControllerService):
         self._shard = 0
         self._turn = 0  # the next stage's storage unit, round robin
         self._tick: asyncio.Handle | None = None  # the end-of-iteration flush
+        self._later: asyncio.TimerHandle | None = None  # the flush after linger
+        self._need = _FAR  # rows the stage holds once a consumer waiting may use them
         self._tasks: set[asyncio.Task] = set()  # async leftovers of flushes
         self.flushes = 0  # stages flushed (for tests and benchmarks)
 
@@ -252,7 +266,9 @@ class CombiningService(ControllerService):
         self._bytes += b
         # (a full stage is flushed by the next put, not now: a write to its last row
         # may still be kept with that row's put)
-        self.staged = n + 1
+        self.staged = n = n + 1
+        if n >= self._need and self._tick is None:  # (enough for a consumer waiting)
+            self._tick = self._loop.call_soon(self._on_tick)  # type: ignore[union-attr]
         return rid, self._shard
 
     def _open(self, partition: str, dtypes: dict[str, str], version: int | None,
@@ -317,8 +333,16 @@ class CombiningService(ControllerService):
         self._rsizes = []
         self._extra = {}
         self._xdtypes = {}
-        if self._tick is None:
-            self._tick = self._loop.call_soon(self._on_tick)
+        # the rows this stage may gather before a consumer waiting could use them: it
+        # is flushed at the end of the iteration in which it holds them (_append),
+        # else after linger at most
+        self._need = need = (1 if self.linger <= 0 else ctl.rows_to_wake(
+            self._sub_waiters, partition) if self._sub_waiters else _FAR)
+        if need <= 1:
+            if self._tick is None:  # (a consumer waits: it sees the rows this iteration)
+                self._tick = self._loop.call_soon(self._on_tick)
+        elif self._later is None:  # (more rows may come first: see linger)
+            self._later = self._loop.call_later(self.linger, self._on_later)
         return True
 
     async def stage_when_room(self, partition: str, cols: Mapping[str, Column],
@@ -354,6 +378,11 @@ class CombiningService(ControllerService):
         if self.staged:
             self.flush()
 
+    def _on_later(self) -> None:
+        self._later = None
+        if self.staged:
+            self.flush()
+
     def flush(self) -> None:
         """Admit, store and commit the staged rows as one put, and wake whoever they
         help. Synchronous (storage deletes or filter work it causes run in a task)."""
@@ -361,6 +390,9 @@ class CombiningService(ControllerService):
         if not n:
             return
         self.staged = 0
+        if self._later is not None:  # (the next stage lingers from its own opening)
+            self._later.cancel()
+            self._later = None
         ctl = self.ctl
         ids = list(range(self._first, self._first + n))
         rows, rsizes, extra = self._rows, self._rsizes, self._extra
@@ -422,7 +454,13 @@ class CombiningService(ControllerService):
             self._quiet_jobs.update(j.id for j in ctl.filter_jobs[jobs:])
             # (a task a flush, even with one still running: that one may be awaiting a
             # slow async filter, and this one runs the new jobs meanwhile)
-            task = self._loop.create_task(self._after())  # type: ignore[union-attr]
+            loop = self._loop
+            if loop is None or loop.is_closed():
+                # the queue's event loop ended with rows staged (a stage lingers: a
+                # program closed its loop soon after a put, then called the queue from
+                # another): the call that flushed runs the jobs left in the outbox
+                return
+            task = loop.create_task(self._after())
             self._tasks.add(task)
             task.add_done_callback(self._tasks.discard)
 

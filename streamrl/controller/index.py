@@ -145,6 +145,28 @@ class Index(ControllerBase):
         if sub is not None:
             sub.wake_at = n if sub.group_by is None else 1
 
+    def rows_to_wake(self, keys: Iterable[tuple], partition: str) -> int:
+        """The fewest new rows of ``partition`` that could wake a waiter of one of the
+        subscriptions ``keys``: its deliverable rows reaching the batch it waits for
+        (:meth:`wake_at`). 1 for a grouped subscription (one row may complete a group)
+        or one not known here; ``1 << 62`` when none takes rows of ``partition``. It
+        may say fewer than it takes, never more: rows that would not be deliverable to a
+        subscription (other fields, held back by a filter) count as if they were."""
+        best = 1 << 62
+        subs = self.subs
+        for key in keys:
+            sub = subs.get(key)
+            if sub is None or sub.group_by is not None:
+                return 1
+            if sub.partition is not None and sub.partition != partition:
+                continue
+            need = sub.wake_at - len(sub.avail)
+            if need <= 1:
+                return 1
+            if need < best:
+                best = need
+        return best
+
     def _add(self, sub: _Sub, row: Row) -> None:
         if sub.group_by is None:
             avail = sub.avail
