@@ -324,6 +324,21 @@ def keyed(i: int, uid) -> dict:
     return {"uid": torch.tensor([uid]), "x": torch.full((1, 4), float(i))}
 
 
+def grouped(q, fields: list, seen) -> tuple[asyncio.Future, list]:
+    """A consumer streaming whole groups of 4 rows by ``uid`` from partition ``p`` (it
+    starts waiting at the next await): its task, and what it got, a ``({uid},
+    seen(batch))`` per batch."""
+    got: list = []
+
+    async def consume():
+        async for mb in q.stream("t", fields, 4, partition="p", group_by="uid",
+                                 group_size=4, timeout=30):
+            td = await mb.materialize()
+            got.append((set(td["uid"].tolist()), seen(td)))
+
+    return asyncio.ensure_future(consume()), got
+
+
 @pytest.mark.parametrize("declared", ["group_key", "stream"])
 async def test_one_row_puts_with_a_group_key_are_staged_and_keep_their_groups(make_queue,
                                                                                declared):
@@ -334,15 +349,7 @@ async def test_one_row_puts_with_a_group_key_are_staged_and_keep_their_groups(ma
     q = make_queue(capacity=64, consumers=["t"],
                    **({"group_key": "uid"} if declared == "group_key" else {}))
     await first_use(q)
-    got: list = []
-
-    async def consume():
-        async for mb in q.stream("t", ["uid", "x"], 4, partition="p", group_by="uid",
-                                 group_size=4, timeout=30):
-            td = await mb.materialize()
-            got.append((set(td["uid"].tolist()), sorted(td["x"][:, 0].tolist())))
-
-    task = asyncio.ensure_future(consume())
+    task, got = grouped(q, ["uid", "x"], lambda td: sorted(td["x"][:, 0].tolist()))
     await asyncio.sleep(0.05)  # (the stream waits: "uid" is a group key from here on)
     for i in range(12):
         await q.put(keyed(i, i % 3), partition="p")
@@ -961,15 +968,7 @@ async def test_a_group_key_written_to_staged_rows_still_groups_them(make_queue, 
     q = make_queue(capacity=64, consumers=["t"],
                    **({"group_key": "uid"} if declared == "group_key" else {}))
     await first_use(q)
-    got: list = []
-
-    async def consume():
-        async for mb in q.stream("t", ["uid", "idx"], 4, partition="p", group_by="uid",
-                                 group_size=4, timeout=30):
-            td = await mb.materialize()
-            got.append((set(td["uid"].tolist()), td["idx"].tolist()))
-
-    task = asyncio.ensure_future(consume())
+    task, got = grouped(q, ["uid", "idx"], lambda td: td["idx"].tolist())
     await asyncio.sleep(0.05)
     for i in range(8):
         b = await q.put(one(i), partition="p")
