@@ -400,18 +400,26 @@ class StreamQueue:
                     return await self._put_rows(part, cols, 1, one[0],
                                                 self._tags(part, cols), version, one[1],
                                                 timeout, False, one[2])
-        elif (type(rows) is RowRemoteBatch and type(data) is dict and self._stage is not None
-              and self._stage.staged and overwrite is False and version is None
-              and _timing_now.get() is None):
-            # new fields to a one-row batch, embedded, with rows staged: its row may be one
-            # of them (a sample put, then written to), the write kept with its put
+        elif (type(rows) is RowRemoteBatch and type(data) is dict and self._service is not None
+              and overwrite is False and version is None and _timing_now.get() is None):
+            # new fields to a one-row batch, embedded, with plain arguments: no checks that
+            # such a write cannot fail. Its row may be staged still (a sample put, then
+            # written to): the write is kept with its put; else it is done in one go
             target = rows
             row = target.one_row
             if row is not None and target.queue is self:
                 one = one_row_dense(data)
                 if one is not None:
                     cols = dict(data)
-                    if self._stage.stage_write(row, cols, one[0], one[1]) is not None:
+                    stage = self._stage
+                    if stage is not None and stage.staged and stage.stage_write(
+                            row, cols, one[0], one[1]) is not None:
+                        target._learn(cols)
+                        return target
+                    if not self._tags_any:  # (no group key known: no tag values to send)
+                        res = (await self._write_here([row], tuple(cols), cols, one[0], {},
+                                                      one[1], False))[1]
+                        self._learn_tags(target.partition, res.tag_fields)
                         target._learn(cols)
                         return target
         return await _timed(self._put(data, partition, rows, version=version,

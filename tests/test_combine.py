@@ -885,6 +885,38 @@ async def test_a_sample_put_in_parts_is_admitted_whole_with_the_puts_around_it(m
     assert await q.audit() == []
 
 
+async def test_a_write_through_the_batch_of_an_admitted_row_is_a_write(make_queue):
+    """The batch of a one-row put whose row is admitted already (the producer awaited
+    longer than a stage lingers): a write through it (embedded: in one go, without the
+    usual checks it cannot fail) adds the field to the batch, reads back, and refuses
+    what any write refuses: the field again, another dtype, a row dropped."""
+    from streamrl.errors import DuplicateField, RowsDropped
+
+    q = make_queue(capacity=16, consumers=["t"])
+    await first_use(q)
+    a = await q.put(one(1), partition="p")
+    b = await q.put(one(2), partition="p")
+    c = await q.put(one(3), partition="p")
+    await q.stats()  # (admitted)
+    assert await a.write({"r": torch.tensor([1.5])}) is a
+    assert a.fields == ("idx", "x", "r") and staged(q) == 0
+    with pytest.raises(DuplicateField):
+        await a.write({"r": torch.tensor([2.5])})
+    with pytest.raises(SchemaError):
+        await b.write({"r": torch.tensor([2.5], dtype=torch.float64)})
+    await c.drop()
+    with pytest.raises(RowsDropped):
+        await q.put({"r": torch.tensor([3.5])}, rows=c)
+    await b.write({"r": torch.tensor([2.5])})
+    st = await q.stats()
+    assert (st.rows, st.bytes) == (2, 2 * (24 + 4))
+    mb = await q.get("t", ["idx", "r"], 2, partition="p", timeout=10)
+    td = await mb.materialize()
+    assert td["idx"].tolist() == [1, 2] and td["r"].tolist() == [1.5, 2.5]
+    await mb.ack()
+    assert await q.audit() == []
+
+
 async def test_staged_rows_written_differently_read_back_as_written(make_queue):
     """Rows of one stage with other fields written to them (some none, one two writes,
     one fields in another order) are admitted in runs of rows alike, in the order of
