@@ -162,7 +162,8 @@ class CombiningService(ControllerService):
             b += v
         n = self.staged
         if n and (partition != self._part or version != self._version or n >= self._limit
-                  or dtypes != self._dtypes or self._bytes + b > self.max_bytes):
+                  or dtypes != self._dtypes or self._bytes + b > self.max_bytes
+                  or asyncio.get_running_loop() is not self._loop):
             self.flush()
             n = 0
         if not self._room(n, b):
@@ -197,7 +198,9 @@ class CombiningService(ControllerService):
         n = self.staged
         b = self._row_bytes
         total = self._bytes + b
-        if not n or n >= self._limit or total > self.max_bytes:
+        if (not n or n >= self._limit or total > self.max_bytes
+                or asyncio.get_running_loop() is not self._loop):
+            # (another loop: the stage's ended with rows staged; see stage_put)
             return None
         ctl = self.ctl  # (_room, inlined: every such put runs it, and n >= 1 here)
         cap_bytes = ctl.capacity_bytes
@@ -416,8 +419,8 @@ class CombiningService(ControllerService):
         a = 0
         try:  # stored under the ids leased to the unit, then admitted and committed
             for a, z, more in runs:
-                part = rows if z - a == n else rows[a:z]
-                cols = {f: _join([r[f] for r in part]) for f in self._dtypes}
+                run = rows if z - a == n else rows[a:z]
+                cols = {f: _join([r[f] for r in run]) for f in self._dtypes}
                 first = self._sizes
                 psizes = rsizes if z - a == n else rsizes[a:z]
                 if psizes.count(first) == z - a:  # (rows like the first, the common case)

@@ -820,24 +820,28 @@ def flushes(q) -> int:
 def test_rows_staged_when_their_event_loop_ended_reach_a_call_from_another():
     """A program puts a row and its event loop ends at once (``asyncio.run`` returns):
     the row is still staged (nobody waited for it, so the stage lingered). A call of
-    the queue from a later event loop flushes it (with a filter to run: its jobs are
-    run by that call, not by a task of the closed loop) and reads it back; nothing is
-    left behind."""
+    the queue from a later event loop (a one-row put, then others) flushes it (with a
+    filter to run: its jobs are run by that call, not by a task of the closed loop) and
+    reads it back; nothing is left behind."""
     import streamrl
 
     q = streamrl.StreamQueue(capacity=16, consumers=["t"])
 
     async def first():
         await q.add_filter(lambda td: td["idx"] >= 0, fields=["idx"], name="nonneg")
+        # (a consumer waits for 2 rows: the stage lingers with 1; the loop's end cancels it)
+        asyncio.ensure_future(q.get("t", ["idx", "x"], 2, partition="p", timeout=30))
+        await asyncio.sleep(0.01)
         await q.put(one(1), partition="p")
         assert staged(q) == 1
 
     async def second():
-        try:
+        try:  # (a put first: it does not join the stage of the loop that ended)
+            await q.put(one(2), partition="p")
             st = await q.stats()
-            assert (st.rows, st.put) == (1, 1)
-            mb = await q.get("t", ["idx", "x"], 1, partition="p", timeout=5)
-            assert (await mb.materialize())["idx"].tolist() == [1]
+            assert (st.rows, st.put) == (2, 2)
+            mb = await q.get("t", ["idx", "x"], 2, partition="p", timeout=5)
+            assert (await mb.materialize())["idx"].tolist() == [1, 2]
             await mb.ack()
             assert await q.audit() == []
         finally:
