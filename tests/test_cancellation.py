@@ -156,20 +156,21 @@ async def test_a_put_cancelled_while_its_async_filter_runs_leaves_nothing(make_q
     assert await _settled(q) == []
 
 
-async def test_a_write_cancelled_while_its_filter_runs_can_be_retried(make_queue, tmp_path):
+@pytest.mark.parametrize("n", [4, 1])  # (1: embedded, the one-row write's short way)
+async def test_a_write_cancelled_while_its_filter_runs_can_be_retried(make_queue, tmp_path, n):
     q = make_queue(capacity=256)
     slow_keep, started = _slow_filter(tmp_path)
 
-    rows = await q.put({"idx": torch.arange(4)}, partition="p")
+    rows = await q.put({"idx": torch.arange(n)}, partition="p")
     await q.add_filter(slow_keep, fields=["reward"], name="slow")
-    task = asyncio.ensure_future(q.put({"reward": torch.ones(4)}, rows=rows))
+    task = asyncio.ensure_future(q.put({"reward": torch.ones(n)}, rows=rows))
     await started()  # the put's filter runs now
     task.cancel()
     with pytest.raises(asyncio.CancelledError):
         await task
-    await q.put({"reward": torch.ones(4) * 2}, rows=rows)  # no DuplicateField
-    mb = await q.get("t", ["idx", "reward"], 4, partition="p", timeout=30)
-    assert (await mb.materialize())["reward"].tolist() == [2.0] * 4
+    await q.put({"reward": torch.ones(n) * 2}, rows=rows)  # no DuplicateField
+    mb = await q.get("t", ["idx", "reward"], n, partition="p", timeout=30)
+    assert (await mb.materialize())["reward"].tolist() == [2.0] * n
     await mb.ack()
     assert await _settled(q) == []
 
