@@ -667,8 +667,8 @@ class ControllerService:
         field (a group key) is not one scalar a row, found when it is read back from
         storage (a writer that did not know the field is a tag sends no value): it
         raises :class:`~streamrl.errors.SchemaError` and leaves nothing."""
-        res = self.ctl.commit(token, nbytes, tags)
-        if res.dead or res.missing_tags or not self._done_now():
+        res, more = self.commit_now(token, nbytes, tags)
+        if more:
             await self.committed(token, res)
         return res
 
