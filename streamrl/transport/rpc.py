@@ -82,6 +82,10 @@ POOL = 4 << 20  # a frame's big buffers share one allocation from this many byte
 #: copy costs less than a write system call per buffer)
 _JOIN = 16 * 1024
 
+#: types of results that are never awaitable (a method's answer of one of them is sent
+#: without asking ``inspect.isawaitable``, an ABC check)
+_PLAIN = frozenset({tuple, list, dict, str, bytes, int, float, bool, type(None)})
+
 #: ``(host, port, token)`` of a server
 Endpoint = tuple[str, int, bytes]
 
@@ -217,7 +221,14 @@ class _Protocol(asyncio.BufferedProtocol):
                 big, self._big = self._big, None
                 self._feed(big)
         else:
-            self._end += nbytes
+            self._end = end = self._end + nbytes
+            # (the usual case: the stage holds whole frames of small pieces, handed over
+            # one by one without the parser's loop)
+            while (self._want is _FRAME_START and end - self._start >= _HDR.size
+                   and self._whole()):
+                if self._start == end:
+                    self._start = self._end = 0
+                    return
         self._drain()
 
     def _feed(self, piece: Any) -> None:
@@ -359,7 +370,7 @@ class RpcServer:
         except Exception as e:  # the caller gets it (a call that cannot be unpickled too)
             self._reply(conn, req_id, method, (False, e))
             return None
-        if inspect.isawaitable(res):
+        if type(res) not in _PLAIN and inspect.isawaitable(res):
             return method, res
         self._reply(conn, req_id, method, (True, res))
         return None
@@ -487,6 +498,8 @@ class _Connection(_Protocol):
             self.on_broken()
 
     def _send_call(self, method: str, args: tuple, kwargs: dict) -> tuple[int, asyncio.Future]:
+        """Send a call: its request id and the future its reply resolves (the caller
+        pops the id from :attr:`waiting` once done with it; :meth:`RpcClient.call`)."""
         if self.broken is not None:
             raise ConnectionError(f"connection lost ({type(self.broken).__name__})")
         req_id = next(self.ids)
@@ -498,16 +511,6 @@ class _Connection(_Protocol):
             self.waiting.pop(req_id, None)
             raise ConnectFailed(str(e)) from None
         return req_id, fut
-
-    async def call(self, method: str, args: tuple, kwargs: dict) -> Any:
-        req_id, fut = self._send_call(method, args, kwargs)
-        try:
-            ok, value = await fut
-        finally:
-            self.waiting.pop(req_id, None)
-        if ok:
-            return value
-        raise value
 
     def notify(self, method: str, args: tuple, kwargs: dict) -> None:
         """Send a call that gets no reply (made after the calls sent before it; if it
@@ -594,8 +597,15 @@ class RpcClient:
         conn = _ready(self._conns.get(asyncio.get_running_loop()))
         if conn is None:  # (none yet, or it broke: opened, or opened again)
             conn = await self.connection()
-        try:
-            return await conn.call(method, args, kwargs)
+        try:  # (_Connection.call, inlined: a coroutine frame less a call)
+            req_id, fut = conn._send_call(method, args, kwargs)
+            try:
+                ok, value = await fut
+            finally:
+                conn.waiting.pop(req_id, None)
+            if ok:
+                return value
+            raise value
         except RuntimeError as e:  # uvloop: an operation on a transport whose handle closed
             if "handler is closed" not in str(e):
                 raise
