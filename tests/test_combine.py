@@ -760,6 +760,8 @@ async def test_a_slow_async_filter_holds_up_neither_the_producer_nor_later_group
     await q.add_filter(slow_on_group_0, fields=["uid", "r"], group_by="uid", group_size=8,
                        name="slow")
     svc = q.session.transport.control
+    svc.linger = 0  # (each stage flushed at the end of its iteration: no consumer waits
+    # here, and whether a 5 ms linger ran out within these iterations is up to the load)
     n = svc.max_rows
     for i in range(n):  # 8 groups, flushed at the end of the iteration: their task starts
         await q.put(rewarded(i, i // 8, float(i)), partition="p")
