@@ -23,7 +23,8 @@ stage is *flushed*:
   batch it waits for, or one row for a grouped request, since one row may complete a
   group (:meth:`Controller.rows_to_wake`), so that consumer sees the rows within one
   iteration of the put that completed its batch, however the producer goes on;
-* otherwise :attr:`~CombiningService.linger` seconds after the stage was opened (5 ms):
+* otherwise :attr:`~CombiningService.linger` seconds after the stage was opened (5 ms,
+  :data:`LINGER`; the embedded transport's ``put_linger`` option):
   nobody waits for these rows yet, and any call that could see them flushes first, so
   the one-row puts of a producer that awaits something between them (an env step, a
   generation) are still combined, where a flush each iteration admitted them one by
@@ -93,6 +94,11 @@ _NOTHING: Mapping[str, Any] = {}  # (read only)
 _FAR = 1 << 62  # (rows no stage holds)
 
 
+#: seconds a stage waits for more one-row puts by default while no consumer waiting can
+#: use its rows yet (the embedded transport's ``put_linger`` option sets it per queue)
+LINGER = 0.005
+
+
 class CombiningService(ControllerService):
     """The controller service with a write-combining stage for one-row puts (see the
     module docstring). Every control-plane call flushes the stage before it runs.
@@ -111,7 +117,7 @@ class CombiningService(ControllerService):
 
     def __init__(self, controller: Controller, data: DataPlane, *, max_rows: int = 64,
                  max_bytes: int = 1 << 20, max_row_bytes: int = 64 << 10,
-                 linger: float = 0.005):
+                 linger: float = LINGER):
         super().__init__(controller, data)
         self.max_rows = max_rows
         self.max_bytes = max_bytes

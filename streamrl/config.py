@@ -134,7 +134,9 @@ class QueueConfig:
         metrics: serve Prometheus metrics over HTTP: ``True`` (a free port on 127.0.0.1),
             a port number (on 127.0.0.1), ``"host:port"`` (``"0.0.0.0:9100"`` for other
             machines to scrape), or ``None`` (off). See :mod:`streamrl.metrics`.
-        options: transport-specific options. For ``"ray"``
+        options: transport-specific options. For ``"embedded"``
+            (:data:`streamrl.transport.embedded.EMBEDDED_OPTIONS`): ``combine_puts``,
+            ``put_linger``. For ``"ray"``
             (:data:`streamrl.transport.ray.RAY_OPTIONS`): ``namespace``,
             ``unit_options``, ``controller_options``, ``detached``, ``direct_calls``,
             ``arena_reserve``, ``arena_ahead``; for ``"rdt"`` also ``rdt_fields`` and

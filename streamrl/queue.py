@@ -94,7 +94,10 @@ class StreamQueue:
         checkpoint_dir: where periodic checkpoints go, as ``ckpt-NNNNNNNN``
             directories; :meth:`restore` of this directory takes the newest.
         checkpoint_keep: how many periodic checkpoints to keep (the newest).
-        **options: transport options (see :mod:`streamrl.transport`).
+        **options: transport options (see :mod:`streamrl.transport`): for
+            ``"embedded"`` ``combine_puts`` and ``put_linger`` (how one-row puts are
+            combined: :func:`streamrl.transport.embedded.create`), for ``"ray"`` those
+            of :data:`streamrl.transport.ray.RAY_OPTIONS`.
 
     Every option is a field of :class:`streamrl.config.QueueConfig`; build a queue from a
     dict or a YAML/OmegaConf config with :meth:`from_config`.

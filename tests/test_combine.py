@@ -16,6 +16,8 @@ import pytest
 import torch
 from tensordict import TensorDict
 
+import streamrl
+
 from streamrl.errors import InvalidArgument, QueueClosed, QueueFull, SchemaError, StreamTimeout
 
 pytestmark = pytest.mark.timeout(60)
@@ -694,6 +696,43 @@ async def test_with_nobody_waiting_the_stage_lingers_for_more_puts(make_queue, t
     assert svc.staged == 0 and svc.flushes == before + 4
     assert await q.audit() == []
 
+
+
+async def test_the_embedded_transport_options_set_how_puts_are_combined():
+    """``put_linger`` is how long a stage waits for more puts with nobody waiting for its
+    rows (``0``: flushed at the end of the iteration that staged them), ``combine_puts=
+    False`` admits each put on its own; bad values and unknown names raise
+    InvalidArgument naming what to pass."""
+    async def after_a_put(q) -> int:
+        await first_use(q)
+        await q.put(one(0), partition="p")
+        await anyio.sleep(0)
+        await anyio.sleep(0)  # (the flush of the iteration's end has run)
+        return staged(q)
+
+    async with streamrl.StreamQueue(capacity=64, put_linger=0) as q:
+        assert q.session.transport.control.linger == 0
+        assert await after_a_put(q) == 0 and (await q.stats()).rows == 1
+    async with streamrl.StreamQueue(capacity=64, put_linger=60) as q:
+        assert await after_a_put(q) == 1  # (lingers: nobody waits for the row)
+        assert (await q.stats()).rows == 1 and staged(q) == 0  # (any call flushes first)
+    q = streamrl.StreamQueue.from_config({"capacity": 64, "options": {"put_linger": 0.25}})
+    async with q:
+        assert q.session.transport.control.linger == 0.25
+        assert q.config.options == {"put_linger": 0.25}
+    async with streamrl.StreamQueue(capacity=64, combine_puts=False) as q:
+        assert not combines(q)
+        await q.put(one(7), partition="p")
+        mb = await q.get("t", ["idx"], 1, partition="p", timeout=5)
+        assert (await mb.materialize())["idx"].tolist() == [7]
+    for bad, match in [({"put_linger": -1}, "put_linger must be"),
+                       ({"put_linger": float("inf")}, "put_linger must be"),
+                       ({"put_linger": "5ms"}, "put_linger must be"),
+                       ({"put_linger": True}, "put_linger must be"),
+                       ({"combine_puts": 1}, "combine_puts must be True or False"),
+                       ({"linger": 0.01}, r"\['linger'\].*combine_puts, put_linger")]:
+        with pytest.raises(InvalidArgument, match=match):
+            streamrl.StreamQueue(capacity=8, **bad)
 
 
 async def test_a_flush_that_queues_filter_jobs_leaves_them_to_its_task(make_queue, transport):

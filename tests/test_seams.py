@@ -230,21 +230,26 @@ def test_controller_answers_what_the_service_used_to_read_from_its_privates():
     assert c.task_bit("t") != 0 and c.rows_in_writes() == (set(), set())
 
 
-def test_the_config_docstring_lists_the_ray_transport_options():
-    """QueueConfig's docstring names exactly the options the Ray and RDT transports take
-    (RAY_OPTIONS is the one list the Ray factory checks against)."""
+def test_the_config_docstring_lists_the_transport_options():
+    """QueueConfig's docstring names exactly the options the embedded, Ray and RDT
+    transports take (EMBEDDED_OPTIONS and RAY_OPTIONS are the lists their factories
+    check against)."""
     import re
 
     pytest.importorskip("ray")
+    from streamrl.transport.embedded import EMBEDDED_OPTIONS
     from streamrl.transport.ray import RAY_OPTIONS
     from streamrl.transport.rdt.transport import OPTIONS as RDT_OPTIONS
 
     doc = QueueConfig.__doc__ or ""
     text = doc[doc.index("options: transport-specific"):doc.index("Raises:")]
     named = re.findall(r"``(\w+)``", text)
-    assert set(named) - {"ray", "rdt"} == set(RAY_OPTIONS) | set(RDT_OPTIONS)
+    assert set(named) - {"embedded", "ray", "rdt"} == (
+        set(EMBEDDED_OPTIONS) | set(RAY_OPTIONS) | set(RDT_OPTIONS))
     with pytest.raises(InvalidArgument, match=", ".join(RAY_OPTIONS)):
         streamrl.StreamQueue(transport="ray", nope=1)
+    with pytest.raises(InvalidArgument, match=", ".join(EMBEDDED_OPTIONS)):
+        streamrl.StreamQueue(nope=1)
 
 
 

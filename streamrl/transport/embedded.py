@@ -6,6 +6,7 @@ and reads return views of them. All calls run in the caller's event loop.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING
 
@@ -13,7 +14,7 @@ from ..errors import InvalidArgument
 
 from ..config import QueueConfig
 from ..controller import Controller
-from ..combine import CombiningService
+from ..combine import LINGER, CombiningService
 from ..service import ControllerService
 from ..storage import StorageBackend, StorageUnit, create_unit
 from .base import Column, DataCaps, DataPlane, Transport
@@ -21,17 +22,44 @@ from .base import Column, DataCaps, DataPlane, Transport
 if TYPE_CHECKING:
     import asyncio
 
-__all__ = ["EmbeddedTransport", "LocalDataPlane", "create"]
+__all__ = ["EmbeddedTransport", "LocalDataPlane", "create", "EMBEDDED_OPTIONS"]
+
+
+#: the embedded transport's options (``QueueConfig.options``; see :func:`create`)
+EMBEDDED_OPTIONS = ("combine_puts", "put_linger")
 
 
 def create(config: QueueConfig) -> "EmbeddedTransport":
-    """The registered factory of ``transport="embedded"``."""
-    if config.options:
+    """The registered factory of ``transport="embedded"``. Its options
+    (:data:`EMBEDDED_OPTIONS`), which apply where one-row puts are combined (the
+    in-memory storage units, the default; see :mod:`streamrl.combine`):
+
+    * ``combine_puts`` (default ``True``): combine one-row puts into one admission;
+      ``False`` admits each put on its own (a put then returns once its row is admitted:
+      several times the CPU of a combined one-row put);
+    * ``put_linger`` (seconds, default 0.005): how long a stage of combined puts waits
+      for more while no consumer waiting could use its rows yet (a consumer whose batch
+      the staged rows complete never waits for it); ``0`` flushes each stage at the end
+      of the event-loop iteration that opened it. Longer combines more of the puts of a
+      producer that awaits between them; rows wait in the stage that long at most."""
+    opts = dict(config.options)
+    unknown = sorted(set(opts) - set(EMBEDDED_OPTIONS))
+    if unknown:
         raise InvalidArgument(
-            f"unknown options for the embedded transport: {sorted(config.options)}; it takes "
-            "none (transport options are for transports such as 'ray')")
+            f"unknown options for the embedded transport: {unknown}; it takes "
+            f"{', '.join(EMBEDDED_OPTIONS)} (other transport options are for transports "
+            "such as 'ray')")
+    combine = opts.get("combine_puts", True)
+    if not isinstance(combine, bool):
+        raise InvalidArgument(f"combine_puts must be True or False, got {combine!r}")
+    linger = opts.get("put_linger", LINGER)
+    if (isinstance(linger, bool) or not isinstance(linger, (int, float))
+            or not 0 <= linger < math.inf):
+        raise InvalidArgument(
+            f"put_linger must be a number of seconds >= 0 (0: no lingering), got {linger!r}")
     units = [create_unit(config.storage, i) for i in range(config.num_shards)]
-    return EmbeddedTransport(Controller.from_config(config), units)
+    return EmbeddedTransport(Controller.from_config(config), units, combine=combine,
+                             linger=float(linger))
 
 
 class LocalDataPlane(DataPlane):
@@ -107,20 +135,26 @@ class LocalDataPlane(DataPlane):
 
 
 class EmbeddedTransport(Transport):
-    """Everything in this process (the default)."""
+    """Everything in this process (the default).
+
+    Keyword Args:
+        combine: combine one-row puts (in-memory units only; see :func:`create`).
+        linger: a stage's linger, seconds (see :func:`create`).
+    """
 
     name = "embedded"
 
-    def __init__(self, controller: Controller, units: Sequence[StorageBackend] | None = None):
+    def __init__(self, controller: Controller, units: Sequence[StorageBackend] | None = None,
+                 *, combine: bool = True, linger: float = LINGER):
         if units is None:
             units = [StorageUnit(i) for i in range(controller.num_shards)]
         self._data = LocalDataPlane(units)
         self._service: ControllerService
-        if all(type(u) is StorageUnit for u in self._data.units):
+        if combine and all(type(u) is StorageUnit for u in self._data.units):
             # one-row puts are combined (streamrl/combine.py) only into the in-memory
             # units: a put there cannot fail at the flush (an I/O error of a backend
             # that writes files could, after the put it belongs to had returned)
-            stage = CombiningService(controller, self._data)
+            stage = CombiningService(controller, self._data, linger=linger)
             self._data.before_read = stage.flush  # every put that returned is read
             self._service = stage
         else:
