@@ -221,14 +221,7 @@ class _Protocol(asyncio.BufferedProtocol):
                 big, self._big = self._big, None
                 self._feed(big)
         else:
-            self._end = end = self._end + nbytes
-            # (the usual case: the stage holds whole frames of small pieces, handed over
-            # one by one without the parser's loop)
-            while (self._want is _FRAME_START and end - self._start >= _HDR.size
-                   and self._whole()):
-                if self._start == end:
-                    self._start = self._end = 0
-                    return
+            self._end += nbytes
         self._drain()
 
     def _feed(self, piece: Any) -> None:
