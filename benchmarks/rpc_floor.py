@@ -27,6 +27,10 @@ awaits each put does):
   client awaits). The least a call between two event-loop processes (a producer and a
   storage unit, a unit and the controller) can cost each side here, whatever the
   library does;
+* ``loop_inproc`` and ``rpc_put_inproc``: ``loop_unix`` and ``rpc_put`` with both ends
+  in this one process, on one event loop: nothing sleeps and wakes, so the difference
+  to the two-process cases is what waking processes costs (reported as the client's
+  CPU: both ends; the server's is 0);
 * ``call_paced`` and ``notify_paced``: a small report (``{"inline": 65664}``, as a
   process's report of bytes moved) every 1 ms, as a call awaited for its reply, and
   as a notification (``RpcClient.notify``: no reply). Each arrives alone, as such
@@ -293,6 +297,54 @@ def loop_case(calls: int) -> dict:
             "server_cpu_us": (s1 - s0) / calls * 1e6}
 
 
+async def _inproc(calls: int, rpc: bool) -> tuple[float, float]:
+    """Both ends in this process on one loop: the channel's ``put_rows`` round trip
+    (``rpc``) or the bare echo of as many bytes; (CPU, wall) seconds of ``calls``."""
+    from streamrl.transport.rpc import RpcClient, RpcServer, _frame
+
+    args = _put_args()
+    if rpc:
+        server = RpcServer(_Echo(), "127.0.0.1")
+        client = RpcClient(await server.start())
+
+        async def one():
+            await client.call("put_rows", *args)
+    else:
+        loop = asyncio.get_running_loop()
+        name = f"\0streamrl-loop-inproc-{os.getpid()}-{time.monotonic_ns()}"
+        lsock = socket.socket(socket.AF_UNIX)
+        lsock.bind(name)
+        lsock.setblocking(False)
+        server = await loop.create_unix_server(_EchoProtocol, sock=lsock)
+        sock = socket.socket(socket.AF_UNIX)
+        sock.connect(name)
+        sock.setblocking(False)
+        transport, proto = await loop.create_unix_connection(_WaitProtocol, sock=sock)
+        size = sum(len(p) for p in _frame(0, ("put_rows", args, {})))
+        msg = b"x" * size
+
+        async def one():
+            proto.fut, proto.want, proto.got = loop.create_future(), size, 0
+            transport.write(msg)
+            await proto.fut
+
+    for _ in range(500):
+        await one()
+    t0, w0 = time.process_time(), time.perf_counter()
+    for _ in range(calls):
+        await one()
+    cpu, wall = time.process_time() - t0, time.perf_counter() - w0
+    server.close()
+    return cpu, wall
+
+
+def inproc_case(calls: int, rpc: bool) -> dict:
+    """The ``loop_inproc`` / ``rpc_put_inproc`` cases (see the module's docstring)."""
+    cpu, wall = _run(_inproc(calls, rpc))
+    return {"wall_us": wall / calls * 1e6, "client_cpu_us": cpu / calls * 1e6,
+            "server_cpu_us": 0.0}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--calls", type=int, default=20_000)
@@ -308,6 +360,8 @@ def main() -> None:
     if unix:
         cases["raw_unix"] = lambda: raw_case(args.calls, True)
         cases["loop_unix"] = lambda: loop_case(args.calls)
+        cases["loop_inproc"] = lambda: inproc_case(args.calls, False)
+    cases["rpc_put_inproc"] = lambda: inproc_case(args.calls, True)
     paced = max(1000, args.calls // 4)
     cases["call_paced"] = lambda: rpc_case(paced, paced="call")
     cases["notify_paced"] = lambda: rpc_case(paced, paced="notify")
@@ -360,6 +414,12 @@ def main() -> None:
         print(f"a one-row put's two round trips, CPU of all sides: {floor:.0f} us at the "
               f"event loop's floor, {chan:.0f} us by this channel (issue 16's 10,000 "
               f"rows/s on {cores} cores: {cores / 1e4 * 1e6:.0f} us a row for everything)")
+    if have("loop_unix", "loop_inproc", "rpc_put", "rpc_put_inproc"):
+        result["wakeup_share_of_floor"] = 1 - cpu("loop_inproc") / cpu("loop_unix")
+        print(f"in one process (nothing sleeps and wakes), both ends: the bare echo "
+              f"{cpu('loop_inproc'):.1f} us, the channel's put {cpu('rpc_put_inproc'):.1f} "
+              f"us a round trip; between two processes "
+              f"{result['wakeup_share_of_floor']:.0%} of the floor is the waking")
     if have("notify_paced", "call_paced"):
         result["notify_over_call_server_cpu"] = (result["notify_paced"]["server_cpu_us"]
                                                  / result["call_paced"]["server_cpu_us"])
