@@ -253,7 +253,9 @@ class _WaitProtocol(asyncio.Protocol):
             self.fut.set_result(None)
 
 
-async def _loop_client(name: str, calls: int, size: int) -> tuple[float, float]:
+async def _echo_client(name: str, size: int):
+    """A bare echo's client end, connected to the Unix socket ``name``: ``(one,
+    close)``, where ``await one()`` sends ``size`` bytes and waits for them back."""
     loop = asyncio.get_running_loop()
     sock = socket.socket(socket.AF_UNIX)
     sock.connect(name)
@@ -266,14 +268,25 @@ async def _loop_client(name: str, calls: int, size: int) -> tuple[float, float]:
         transport.write(msg)
         await proto.fut
 
+    return one, transport.close
+
+
+async def _timed(one, calls: int) -> tuple[float, float]:
+    """(CPU, wall) seconds of ``calls`` awaits of ``one()``, after 500 to warm up."""
     for _ in range(500):
         await one()
     t0, w0 = time.process_time(), time.perf_counter()
     for _ in range(calls):
         await one()
-    cpu, wall = time.process_time() - t0, time.perf_counter() - w0
-    transport.close()
-    return cpu, wall
+    return time.process_time() - t0, time.perf_counter() - w0
+
+
+async def _loop_client(name: str, calls: int, size: int) -> tuple[float, float]:
+    one, close = await _echo_client(name, size)
+    try:
+        return await _timed(one, calls)
+    finally:
+        close()
 
 
 def loop_case(calls: int) -> dict:
@@ -309,33 +322,25 @@ async def _inproc(calls: int, rpc: bool) -> tuple[float, float]:
 
         async def one():
             await client.call("put_rows", *args)
+
+        close = server.close
     else:
         loop = asyncio.get_running_loop()
         name = f"\0streamrl-loop-inproc-{os.getpid()}-{time.monotonic_ns()}"
         lsock = socket.socket(socket.AF_UNIX)
         lsock.bind(name)
         lsock.setblocking(False)
-        server = await loop.create_unix_server(_EchoProtocol, sock=lsock)
-        sock = socket.socket(socket.AF_UNIX)
-        sock.connect(name)
-        sock.setblocking(False)
-        transport, proto = await loop.create_unix_connection(_WaitProtocol, sock=sock)
-        size = sum(len(p) for p in _frame(0, ("put_rows", args, {})))
-        msg = b"x" * size
+        listener = await loop.create_unix_server(_EchoProtocol, sock=lsock)
+        one, close_client = await _echo_client(
+            name, sum(len(p) for p in _frame(0, ("put_rows", args, {}))))
 
-        async def one():
-            proto.fut, proto.want, proto.got = loop.create_future(), size, 0
-            transport.write(msg)
-            await proto.fut
-
-    for _ in range(500):
-        await one()
-    t0, w0 = time.process_time(), time.perf_counter()
-    for _ in range(calls):
-        await one()
-    cpu, wall = time.process_time() - t0, time.perf_counter() - w0
-    server.close()
-    return cpu, wall
+        def close():
+            close_client()
+            listener.close()
+    try:
+        return await _timed(one, calls)
+    finally:
+        close()
 
 
 def inproc_case(calls: int, rpc: bool) -> dict:
